@@ -1,0 +1,58 @@
+"""The analyzer's thresholds, their defaults, and the format limits they refer to. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from qforensics.errors import UsageError
+
+# Largest finite value of each format (overflow limits).
+FORMAT_LIMITS: dict[str, float] = {
+    "fp8-e4m3": 448.0,
+    "fp8-e5m2": 57344.0,
+    "fp16": 65504.0,
+}
+# Smallest positive (subnormal) value of each FP8 format: below half of it, a value rounds to 0.
+FP8_MIN_SUBNORMAL: dict[str, float] = {
+    "fp8-e4m3": 2.0 ** -9,
+    "fp8-e5m2": 2.0 ** -16,
+}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every knob of `analyze_trace`; pass any of them as keyword arguments."""
+
+    ratio: float = 20.0  # channel absmax / median channel absmax of its module
+    absolute: float = 100.0  # channel absmax that stands out on its own
+    top: int = 10  # outlier channels, modules per scheme, precursors listed
+    persistent_min_modules: int = 3  # a dim standing out in at least this many modules
+    unsafe_fraction: float = 0.5  # a scheme is unsafe for a module zeroing this share of channels
+    trend_steps: int = 32  # earlier steps read for an outlier channel's trend (evenly sampled)
+    logits_growth_steps: int = 3  # consecutive rising steps of max |logit| that count as growth
+    logits_growth_factor: float = 2.0  # ... and by at least this factor overall
+    logits_extreme: float = 1000.0  # max |logit| that looks broken on its own
+    repeat_tokens: int = 8  # the same argmax (or a cycle of <= 4) repeated this many times
+    entropy_low: float = 0.01  # nats: entropy collapse (with a drop from the run's median)
+    entropy_uniform: float = 0.95  # share of log(vocab): near-uniform logits
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or v != v or v < 0:
+                raise UsageError(f"threshold {f.name} must be a non-negative number, got {v!r}")
+        if self.top < 1:
+            raise UsageError("top must be at least 1")
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> "Thresholds":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise UsageError(f"unknown threshold(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(names))}")
+        return cls(**{k: v for k, v in kw.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

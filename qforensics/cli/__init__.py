@@ -1,0 +1,78 @@
+"""The `qforensics` command line: a click group whose subcommands live one per module here.
+
+This package is the only place that prints or chooses exit codes. Exit codes: 0 healthy or done,
+1 a failure or suspect finding, 2 bad usage or unreadable input. `QForensicsError` (user errors)
+is printed as one line without a traceback; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from qforensics import __version__
+from qforensics.errors import QForensicsError
+
+# name -> module under qforensics.cli that defines a click command called `command`.
+# Imported lazily so `qforensics analyze` never pays for (or needs) torch.
+COMMANDS: dict[str, str] = {
+    "record": "record",
+    "analyze": "analyze",
+    "diff": "diff",
+    "report": "report",
+    "replay": "replay",
+    "demo": "demo",
+    "whatif": "whatif",
+    "scan": "scan",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if self._load(name) is not None)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return self._load(name)
+
+    def _load(self, name: str) -> click.Command | None:
+        modname = COMMANDS.get(name)
+        if modname is None:
+            return None
+        try:
+            module = importlib.import_module(f"qforensics.cli.{modname}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"qforensics.cli.{modname}":
+                return None  # command not built yet
+            raise
+        return getattr(module, "command", None)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except QForensicsError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qforensics")
+def main() -> None:
+    """Forensics for failures of quantized LLMs.
+
+    \b
+    Capture a failing run, find the first NaN and the module that produced it,
+    replay the suspect kernel tile, and write an incident report.
+
+    \b
+    Example:
+        qforensics record -o trace.h5 -- python serve_once.py --prompt "hi"
+        qforensics analyze trace.h5
+        qforensics report trace.h5 -o incident.html
+    """
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

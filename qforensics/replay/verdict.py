@@ -1,0 +1,129 @@
+"""Verdicts: what a replay measured, in one line each, plus the versioned JSON result.
+
+CONFIRMED       the sanitizer reported an error (first record attached)
+NOT REPRODUCED  0 errors and the kernel did run
+INCONCLUSIVE    nothing was measured, with the reason (no GPU, no sanitizer, target died before
+                the first instrumented call, print limit hit, no ERROR SUMMARY line, ...)
+EMULATED        the CPU emulation's findings (never a claim about the GPU)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from qforensics.replay.records import (
+    AccessRecord,
+    ApiError,
+    OtherError,
+    SanitizerReport,
+)
+
+RESULT_SCHEMA = "qforensics-replay-result"
+RESULT_SCHEMA_VERSION = "1.0"
+
+
+class Verdict(str, Enum):
+    CONFIRMED = "CONFIRMED"
+    NOT_REPRODUCED = "NOT REPRODUCED"
+    INCONCLUSIVE = "INCONCLUSIVE"
+    EMULATED = "EMULATED"
+
+
+@dataclass
+class ReplayResult:
+    """One path's outcome (GPU run or emulation)."""
+
+    verdict: Verdict
+    path: str  # "gpu" | "launcher" | "emulation" | "emulation-full-launch"
+    summary: str
+    reason: str | None = None
+    first: AccessRecord | ApiError | OtherError | None = None
+    errors: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failing(self) -> bool:
+        return self.verdict is Verdict.CONFIRMED or (self.verdict is Verdict.EMULATED and self.errors > 0)
+
+    def line(self) -> str:
+        return f"{self.verdict.value} | {self.summary}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "path": self.path, "summary": self.summary, "reason": self.reason,
+                "errors": self.errors, "first": self.first.to_dict() if self.first is not None else None,
+                "details": self.details}
+
+
+def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: int, path: str = "gpu",
+                    timed_out: bool = False) -> ReplayResult:
+    """Turn a parsed sanitizer run into a verdict. Never reports a clean result it did not see."""
+    n = report.error_summary
+    hidden = report.not_displayed or (max(0, n - report.printed_errors) if n is not None else 0)
+    limit_hit = hidden > 0 and print_limit > 0 and report.printed_errors >= print_limit
+    if timed_out:
+        return ReplayResult(Verdict.INCONCLUSIVE, path, "the sanitizer run timed out (see raw output)", reason="timeout")
+    if report.terminated_before_instrumentation:
+        return ReplayResult(Verdict.INCONCLUSIVE, path,
+                            "target died before the first instrumented CUDA call (no usable GPU/driver, or it crashed early)",
+                            reason="target died before first instrumented call")
+    if report.records:
+        first = report.records[0]
+        extra = f"; {hidden} more not printed (print limit)" if limit_hit else ""
+        return ReplayResult(Verdict.CONFIRMED, path, first.describe() + extra, first=first,
+                            errors=n if n is not None else len(report.records))
+    if report.other_errors:
+        first_o = report.other_errors[0]
+        return ReplayResult(Verdict.CONFIRMED, path, first_o.message, first=first_o,
+                            errors=n if n is not None else len(report.other_errors))
+    if limit_hit or (n and report.printed_errors == 0):
+        return ReplayResult(Verdict.INCONCLUSIVE, path,
+                            f"{n} errors counted but the access records were not printed; rerun with --print-limit 0",
+                            reason="print limit hit", errors=n or 0)
+    if report.api_errors:
+        e = report.api_errors[0]
+        return ReplayResult(Verdict.CONFIRMED, path,
+                            f"{e.name} (error {e.number}) on {e.call or 'a CUDA API call'}, but no access record "
+                            "was printed (kernel filtered out, or the fault is outside the instrumented kernels)",
+                            first=e, errors=n if n is not None else len(report.api_errors))
+    if n is None:
+        return ReplayResult(Verdict.INCONCLUSIVE, path, "no ERROR SUMMARY line: the sanitizer or the target crashed (see raw output)",
+                            reason="no error summary")
+    if n == 0 and kernel_ran:
+        return ReplayResult(Verdict.NOT_REPRODUCED, path, "0 errors; the kernel ran to completion on this tile")
+    if n == 0:
+        return ReplayResult(Verdict.INCONCLUSIVE, path, "0 errors, but there is no sign the kernel ran (see raw output)",
+                            reason="kernel did not run")
+    return ReplayResult(Verdict.INCONCLUSIVE, path, f"{n} errors reported but none could be parsed (see raw output)",
+                        reason="unparsed output", errors=n)
+
+
+def inconclusive(path: str, reason: str, summary: str) -> ReplayResult:
+    return ReplayResult(Verdict.INCONCLUSIVE, path, summary, reason=reason)
+
+
+def result_document(results: list[ReplayResult], *, bundle_path: str | None, meta: dict[str, Any]) -> dict[str, Any]:
+    """The versioned JSON document written by `--json` (schema in docs/replay.md)."""
+    from qforensics import __version__
+
+    return {
+        "schema": RESULT_SCHEMA,
+        "schema_version": RESULT_SCHEMA_VERSION,
+        "created_by": f"qforensics {__version__}",
+        "bundle": bundle_path,
+        "call_index": meta.get("call_index"),
+        "module": meta.get("module"),
+        "shapes": {k: meta.get(k) for k in ("M", "M_full", "N", "K", "group_size", "n_groups")},
+        "tile": {k: meta.get(k) for k in ("tile_m", "tile_n", "row_start", "row_stop", "first_nonfinite")},
+        "results": [r.to_dict() for r in results],
+    }
+
+
+def write_result_json(doc: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    return p

@@ -1,0 +1,137 @@
+"""The trace schema: every group, dataset, column and dtype of a qforensics trace.
+
+This module and docs/trace-format.md are the only places the layout is defined; the writer and
+the reader both take it from here. No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FORMAT_NAME = "qforensics-trace"
+FORMAT_VERSION = (1, 0)  # (major, minor): a reader refuses a newer major
+FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
+
+# Record roles
+IO_INPUT = 0
+IO_OUTPUT = 1
+
+# Record flags (bit field)
+FLAG_MUTATED = 1  # the tensor was modified in place between the call and its reduction
+FLAG_DEGRADED = 2  # stats could not be computed for this tensor (capture degraded)
+FLAG_META = 4  # meta / fake tensor: shape only, no values
+FLAG_NONFLOAT = 8  # integer or bool tensor, stats are of its values cast to float
+
+DTYPE_CODES: dict[str, int] = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "float64": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+    "int": 6,
+    "bool": 7,
+    "other": 8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+
+# /steps: one row per step. (name, numpy dtype, trailing shape)
+STEP_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("t_start", "f8", ()),  # unix time the step began
+    ("duration", "f8", ()),  # seconds, wall clock, including the reduction
+    ("complete", "i1", ()),  # 1: the forward returned; 0: it raised (or capture closed mid-step)
+    ("record_offset", "i8", ()),  # first row of this step in /records
+    ("record_count", "i8", ()),
+    ("first_call", "i8", ()),  # call_index of the first call in this step (-1: none)
+    ("n_calls", "i8", ()),
+    ("first_nonfinite_call", "i8", ()),  # first call whose output had NaN/Inf (-1: none)
+    ("first_nonfinite_record", "i8", ()),  # first record row (input or output) with NaN/Inf (-1)
+    ("n_nonfinite_records", "i8", ()),
+    ("token_offset", "i8", ()),  # into /tokens/input_ids
+    ("token_count", "i8", ()),
+    ("has_logits", "i1", ()),
+    ("logits_min", "f4", ()),
+    ("logits_max", "f4", ()),
+    ("logits_mean", "f4", ()),
+    ("logits_std", "f4", ()),
+    ("logits_entropy", "f4", ()),
+    ("logits_nan", "i8", ()),
+    ("logits_inf", "i8", ()),
+    ("logits_argmax", "i8", ()),
+    ("logits_top5_ids", "i8", (5,)),
+    ("logits_top5_values", "f4", (5,)),
+]
+
+# /records: one row per recorded tensor of a call (its inputs and outputs), in call order.
+RECORD_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("call_index", "i8", ()),
+    ("step", "i4", ()),
+    ("module_id", "i4", ()),
+    ("io", "i1", ()),  # IO_INPUT / IO_OUTPUT
+    ("slot", "i1", ()),  # position among the call's recorded inputs (or outputs)
+    ("dtype", "i1", ()),  # DTYPE_CODES
+    ("flags", "i1", ()),
+    ("numel", "i8", ()),
+    ("rows", "i8", ()),  # numel / channels: tokens (batch * sequence) for activations
+    ("channels", "i4", ()),  # size of the last dimension
+    ("min", "f4", ()),  # over finite values; NaN when there is none
+    ("max", "f4", ()),
+    ("mean", "f4", ()),
+    ("std", "f4", ()),
+    ("absmax", "f4", ()),
+    ("nan_count", "i8", ()),
+    ("inf_count", "i8", ()),
+    ("chan_offset", "i8", ()),  # into /channels/min and /channels/max (-1: not stored)
+    ("tok_offset", "i8", ()),  # into /tokens/absmax (-1: not stored)
+    ("tok_count", "i8", ()),
+]
+
+# /snapshots/index: one row per kept tensor; bytes live in /snapshots/data.
+SNAPSHOT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("call_index", "i8", ()),
+    ("step", "i4", ()),
+    ("module_id", "i4", ()),
+    ("reason", "S32", ()),
+    ("name", "S32", ()),
+    ("dtype", "S16", ()),
+    ("shape", "S96", ()),  # JSON list of ints
+    ("offset", "i8", ()),
+    ("nbytes", "i8", ()),
+    ("truncated", "i1", ()),
+]
+
+SNAPSHOT_REASONS = ("first_nonfinite_output", "first_outlier")
+# dtypes a snapshot may hold (numpy names, little endian)
+SNAPSHOT_DTYPES = ("float32", "float16", "float64", "int32", "int64", "uint8", "int8", "bool")
+
+# flat arrays: path -> numpy dtype (channels: float32 or float16, chosen at capture)
+FLAT_ARRAYS: dict[str, str] = {
+    "channels/min": "f4",
+    "channels/max": "f4",
+    "tokens/absmax": "f4",
+    "tokens/input_ids": "i8",
+    "snapshots/data": "u1",
+}
+
+# /modules: written once when capture attaches
+MODULE_COLUMNS: list[tuple[str, str]] = [
+    ("name", "str"),
+    ("type", "str"),
+    ("kind", "str"),  # linear | quantized_linear | block | root
+    ("info", "str"),  # JSON: params, quant, health
+]
+
+META_KEYS = ("environment", "capture_options", "status", "outcome")
+
+
+def step_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in STEP_COLUMNS])
+
+
+def record_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in RECORD_COLUMNS])
+
+
+def snapshot_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in SNAPSHOT_COLUMNS])

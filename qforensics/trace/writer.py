@@ -1,0 +1,243 @@
+"""Append-only, crash-safe HDF5 trace writer.
+
+The capture side hands over one `StepBatch` per step (plain numpy arrays, offsets relative to the
+batch); a background thread appends batches to column datasets and flushes at least every
+`flush_interval` seconds. The file runs in HDF5 single-writer/multiple-reader (SWMR) mode, so a
+process killed with SIGKILL leaves a file that opens (with `swmr=True`, which the reader does for
+you) and holds every batch flushed before the kill. Nothing here imports torch.
+
+Write order within a flush: flat arrays, records, snapshots, then the step rows, then flush; a
+step row on disk therefore always has its records on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import numpy as np
+
+from qforensics import __version__
+from qforensics.trace import schema
+
+log = logging.getLogger(__name__)
+
+_COMPRESSION = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+
+
+@dataclass
+class StepBatch:
+    """Everything one step produced. Offsets inside are relative to this batch's own arrays."""
+
+    steps: np.ndarray  # structured, schema.step_dtype(), usually one row
+    records: np.ndarray  # structured, schema.record_dtype()
+    chan_min: np.ndarray  # flat
+    chan_max: np.ndarray
+    tok_absmax: np.ndarray  # flat float32
+    input_ids: np.ndarray  # flat int64
+    snapshots: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.snapshot_dtype()))
+    snapshot_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+
+def _json_attr(obj: Any) -> str:
+    return json.dumps(obj, default=str, allow_nan=True, sort_keys=True)
+
+
+class TraceWriter:
+    """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        modules: list[dict[str, str]],
+        environment: dict[str, Any],
+        capture_options: dict[str, Any],
+        channel_dtype: str = "float32",
+        flush_interval: float = 1.0,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.flush_interval = float(flush_interval)
+        self.channel_dtype = np.dtype(channel_dtype)
+        if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
+            raise ValueError("channel_dtype must be float32 or float16")
+        self._queue: queue.Queue[StepBatch | None] = queue.Queue()
+        self._failed: str | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.steps_written = 0
+        self.bytes_hint = 0
+        self._create(modules, environment, capture_options)
+        self._thread = threading.Thread(target=self._run, name="qforensics-writer", daemon=True)
+        self._thread.start()
+
+    # -- file layout -------------------------------------------------------------------------
+    def _create(self, modules: list[dict[str, str]], environment: dict, options: dict) -> None:
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        f = h5py.File(self.path, "w", libver="latest")
+        f.attrs["format"] = schema.FORMAT_NAME
+        f.attrs["format_version"] = schema.FORMAT_VERSION_STR
+        f.attrs["writer"] = f"qforensics {__version__}"
+        f.attrs["created_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        meta = f.create_group("meta")
+        meta.attrs["environment"] = _json_attr(environment)
+        meta.attrs["capture_options"] = _json_attr(options)
+        # Reserve the attributes written at close: attribute creation is not allowed in SWMR mode.
+        g = f.create_group("modules")
+        str_t = h5py.string_dtype("utf-8")
+        for col, _ in schema.MODULE_COLUMNS:
+            data = [str(m.get(col, "")) for m in modules]
+            g.create_dataset(col, data=np.array(data, dtype=object), dtype=str_t)
+        self._cols: dict[str, h5py.Dataset] = {}
+        for table, columns in (("steps", schema.STEP_COLUMNS), ("records", schema.RECORD_COLUMNS)):
+            grp = f.create_group(table)
+            for name, dt, shape in columns:
+                self._cols[f"{table}/{name}"] = grp.create_dataset(
+                    name, shape=(0, *shape), maxshape=(None, *shape), dtype=dt,
+                    chunks=(4096, *shape), **_COMPRESSION,
+                )
+        snap = f.create_group("snapshots")
+        for name, dt, shape in schema.SNAPSHOT_COLUMNS:
+            self._cols[f"snapshots/index/{name}"] = snap.require_group("index").create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
+            )
+        for path, dt in schema.FLAT_ARRAYS.items():
+            if path.startswith("channels/"):
+                dt = self.channel_dtype.str
+            chunk = 1 << 20 if path == "snapshots/data" else 1 << 16
+            self._cols[path] = f.create_dataset(
+                path, shape=(0,), maxshape=(None,), dtype=dt, chunks=(chunk,), **_COMPRESSION
+            )
+        f["channels"].attrs["dtype"] = self.channel_dtype.name
+        f.flush()
+        f.swmr_mode = True
+        self._file = f
+
+    # -- producer side -----------------------------------------------------------------------
+    def submit(self, batch: StepBatch) -> None:
+        if self._closed or self._failed:
+            return
+        self._queue.put(batch)
+
+    @property
+    def failed(self) -> str | None:
+        return self._failed
+
+    # -- writer thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        pending: list[StepBatch] = []
+        last_flush = time.monotonic()
+        stop = False
+        while not stop:
+            gap = max(0.01, self.flush_interval / 4)
+            try:
+                item = self._queue.get(timeout=gap)
+                if item is None:
+                    stop = True
+                else:
+                    pending.append(item)
+                while True:  # drain whatever else is queued
+                    item = self._queue.get_nowait()
+                    if item is None:
+                        stop = True
+                    else:
+                        pending.append(item)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if pending and (stop or now - last_flush >= gap):
+                self._write(pending)
+                pending = []
+                last_flush = now
+
+    def _write(self, batches: list[StepBatch]) -> None:
+        if self._failed:
+            return
+        try:
+            with self._lock:
+                for b in batches:
+                    self._append_batch(b)
+                self._file.flush()
+                self.steps_written += sum(len(b.steps) for b in batches)
+        except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
+            self._failed = f"{type(exc).__name__}: {exc}"
+            log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
+
+    def _append(self, path: str, values: np.ndarray) -> int:
+        ds = self._cols[path]
+        n = ds.shape[0]
+        if len(values):
+            ds.resize((n + len(values), *ds.shape[1:]))
+            ds[n:] = values
+        return n
+
+    def _append_table(self, table: str, columns: list, rows: np.ndarray) -> int:
+        base = self._cols[f"{table}/{columns[0][0]}"].shape[0]
+        for name, _, _ in columns:
+            self._append(f"{table}/{name}", rows[name])
+        return base
+
+    def _append_batch(self, b: StepBatch) -> None:
+        cmin = np.asarray(b.chan_min, dtype=self.channel_dtype)
+        cmax = np.asarray(b.chan_max, dtype=self.channel_dtype)
+        chan_base = self._append("channels/min", cmin)
+        self._append("channels/max", cmax)
+        tok_base = self._append("tokens/absmax", np.asarray(b.tok_absmax, np.float32))
+        ids_base = self._append("tokens/input_ids", np.asarray(b.input_ids, np.int64))
+        rec = b.records.copy()
+        rec["chan_offset"] = np.where(rec["chan_offset"] >= 0, rec["chan_offset"] + chan_base, -1)
+        rec["tok_offset"] = np.where(rec["tok_offset"] >= 0, rec["tok_offset"] + tok_base, -1)
+        rec_base = self._append_table("records", schema.RECORD_COLUMNS, rec)
+        if len(b.snapshots):
+            data_base = self._append("snapshots/data", np.asarray(b.snapshot_bytes, np.uint8))
+            snaps = b.snapshots.copy()
+            snaps["offset"] += data_base
+            self._append_table("snapshots/index", schema.SNAPSHOT_COLUMNS, snaps)
+        steps = b.steps.copy()
+        steps["record_offset"] += rec_base
+        steps["token_offset"] += ids_base
+        steps["first_nonfinite_record"] = np.where(
+            steps["first_nonfinite_record"] >= 0, steps["first_nonfinite_record"] + rec_base, -1
+        )
+        self._append_table("steps", schema.STEP_COLUMNS, steps)
+        self.bytes_hint += cmin.nbytes * 2 + rec.nbytes
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self, status: dict[str, Any] | None = None) -> None:
+        """Drain the queue, flush, close, then seal the file with its status (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+        try:
+            with self._lock:
+                self._file.close()
+        except Exception as exc:
+            log.error("qforensics: closing the trace failed: %s", exc)
+            return
+        st = dict(status or {})
+        st.setdefault("state", "complete")
+        st["steps_written"] = self.steps_written
+        if self._failed:
+            st["writer_error"] = self._failed
+        try:
+            set_meta(self.path, "status", st)
+        except Exception as exc:
+            log.error("qforensics: could not write the trace status: %s", exc)
+
+
+def set_meta(path: str | os.PathLike[str], key: str, value: Any) -> None:
+    """Write one JSON metadata attribute (e.g. a scenario's outcome) into a closed trace."""
+    if key not in schema.META_KEYS:
+        raise ValueError(f"unknown meta key {key!r}; known: {', '.join(schema.META_KEYS)}")
+    with h5py.File(os.fspath(path), "a") as f:
+        f["meta"].attrs[key] = _json_attr(value)
