@@ -41,15 +41,11 @@ from qforensics.analyze.findings import (
 from qforensics.analyze.thresholds import Thresholds
 
 __all__ = [
-    "analyze_trace",
-    "analyze_traces",
-    "diff_traces",
-    "Thresholds",
     "FAILED",
     "PASSED",
-    "SUSPECT",
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
+    "SUSPECT",
     "DiffFindings",
     "Divergence",
     "Findings",
@@ -62,8 +58,12 @@ __all__ = [
     "SchemeDamage",
     "SnapshotRef",
     "Spread",
+    "Thresholds",
     "TraceEndInfo",
     "TrendPoint",
     "UnsafeModules",
     "Verdict",
+    "analyze_trace",
+    "analyze_traces",
+    "diff_traces",
 ]

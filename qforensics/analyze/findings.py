@@ -14,31 +14,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Union
+from typing import Any
 
 __all__ = [
-    "SCHEMA_NAME",
-    "SCHEMA_VERSION",
     "DIFF_SCHEMA_NAME",
     "FAILED",
     "PASSED",
+    "SCHEMA_NAME",
+    "SCHEMA_VERSION",
     "SUSPECT",
-    "Verdict",
-    "Gap",
-    "Spread",
+    "DiffFindings",
+    "Divergence",
+    "Findings",
     "FirstNonfinite",
-    "TrendPoint",
+    "Gap",
+    "MultiRankFindings",
     "OutlierChannel",
     "PersistentOutlier",
-    "SchemeDamage",
-    "UnsafeModules",
     "Precursor",
+    "SchemeDamage",
     "SnapshotRef",
+    "Spread",
     "TraceEndInfo",
-    "Findings",
-    "MultiRankFindings",
-    "Divergence",
-    "DiffFindings",
+    "TrendPoint",
+    "UnsafeModules",
+    "Verdict",
     "to_jsonable",
 ]
 
@@ -122,7 +122,7 @@ class Spread:
     logits_nonfinite_steps: int  # steps whose logits held NaN/Inf
 
 
-Producer = Union[str, Gap]
+Producer = str | Gap
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,8 @@ class FirstNonfinite:
     input_absmax: float | None
     spread: Spread
     record_row: int = -1
+    t_start: float = float("nan")  # wall-clock start of the step (compares ranks)
+    mutated: bool = False  # the record's tensor was modified in place before it was reduced
 
     @property
     def is_gap(self) -> bool:
@@ -166,6 +168,7 @@ class FirstNonfinite:
 class TrendPoint:
     step: int
     absmax: float
+    ratio: float = float("nan")  # to the module's median channel absmax at that step
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""Capture side: forward hooks that reduce tensors on their device and stream stats to a trace."""
+"""Capture side: forward hooks that reduce tensors on their device and stream stats to a trace.
 
-from qforensics.hooks.capture import Capture, capture
-
-__all__ = ["Capture", "capture"]
+Use `qforensics.capture(model, path)`; the implementation lives in `qforensics.hooks.capture`.
+"""

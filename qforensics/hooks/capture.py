@@ -197,6 +197,7 @@ class Capture:
         self._snap_bytes = 0
         self._snapped: set[str] = set()  # reasons already snapshotted
         self._snap_rows: list[np.ndarray] = []
+        self._incidents: list[np.ndarray] = []
         self._snap_data: list[np.ndarray] = []
         self._names: list[str] = []
         self._kinds: list[str] = []
@@ -366,7 +367,7 @@ class Capture:
         self._in_step = True
         self._step_t0 = time.time()
         self._step_first_call = self._next_call
-        self._step_ids = ids.detach() if ids is not None else None
+        self._step_ids = ids.detach() if ids is not None and not ids.is_meta else None
         # inference tensors keep no version counter: in-place detection is off there
         self._track_versions = not torch.is_inference_mode_enabled()
         self._logits = None
@@ -593,12 +594,15 @@ class Capture:
                  else np.zeros(0, schema.snapshot_dtype()))
         data = np.concatenate(self._snap_data) if self._snap_data else np.zeros(0, np.uint8)
         self._snap_rows, self._snap_data = [], []
+        incidents = (np.concatenate(self._incidents) if self._incidents
+                     else np.zeros(0, schema.incident_dtype()))
+        self._incidents = []
         batch = StepBatch(
             steps=st, records=rec,
             chan_min=np.concatenate(cmins) if cmins else np.zeros(0),
             chan_max=np.concatenate(cmaxs) if cmaxs else np.zeros(0),
             tok_absmax=np.concatenate(toks) if toks else np.zeros(0, np.float32),
-            input_ids=ids, snapshots=snaps, snapshot_bytes=data,
+            input_ids=ids, snapshots=snaps, snapshot_bytes=data, incidents=incidents,
         )
         if self.options["channel_dtype"] == "float16":
             batch.chan_min = _to_f16(batch.chan_min)
@@ -722,6 +726,26 @@ class Capture:
         self._snap_data.append(np.frombuffer(np.ascontiguousarray(arr).tobytes(), np.uint8))
         self._snap_bytes += arr.nbytes
 
+    # -- incidents (runtime guard) ---------------------------------------------------------
+    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
+                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
+        """Note a runtime-guard trip; it is written with the current (or next) step."""
+        try:
+            row = np.zeros(1, schema.incident_dtype())
+            row["step"] = max(self.step, 0)
+            row["call_index"] = call_index
+            try:
+                row["module_id"] = self._names.index(module)
+            except ValueError:
+                row["module_id"] = -1
+            row["module"] = module.encode("utf-8", "replace")[:128]
+            row["action"] = action.encode()[:24]
+            row["nan_count"], row["inf_count"] = nan_count, inf_count
+            row["detail"] = detail.encode("utf-8", "replace")[:160]
+            self._incidents.append(row)
+        except Exception as exc:
+            log.warning("qforensics: could not record an incident (%s)", exc)
+
     # -- failure handling and teardown -------------------------------------------------------
     def _degrade(self, exc: BaseException) -> None:
         if self._degraded is None:
@@ -755,6 +779,14 @@ class Capture:
                         self._end_step(complete=status is None or status.get("state") == "complete")
                     except Exception as exc:
                         self._degrade(exc)
+                if self._incidents and self._writer is not None:  # trips after the last step
+                    self._writer.submit(StepBatch(
+                        steps=np.zeros(0, schema.step_dtype()),
+                        records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
+                        chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+                        input_ids=np.zeros(0, np.int64),
+                        incidents=np.concatenate(self._incidents)))
+                    self._incidents = []
             finally:
                 self._remove_hooks()
                 with _ACTIVE_LOCK:
@@ -936,6 +968,12 @@ class _UniqueStats:
 
     def tok(self) -> np.ndarray:
         return np.concatenate(self._tok) if self._tok else np.zeros(0, np.float32)
+
+
+def active_capture(model: nn.Module) -> Capture | None:
+    """The capture attached to `model`, if any (the guard reports its trips there)."""
+    with _ACTIVE_LOCK:
+        return _ACTIVE.get(id(model))
 
 
 def _to_f16(a: np.ndarray) -> np.ndarray:

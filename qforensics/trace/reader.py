@@ -139,6 +139,10 @@ class Trace:
         self._lengths["snapshots/index"] = self._check_table(
             "snapshots/index", schema.SNAPSHOT_COLUMNS
         )
+        # /incidents arrived in format 1.0 from the start; tolerate its absence (minor versions)
+        self._has_incidents = isinstance(self._f.get("incidents"), h5py.Group)
+        if self._has_incidents:
+            self._lengths["incidents"] = self._check_table("incidents", schema.INCIDENT_COLUMNS)
         for path, dt in schema.FLAT_ARRAYS.items():
             ds = self._dataset(path)
             if ds.ndim != 1:
@@ -404,6 +408,18 @@ class Trace:
             raw = data[off:off + nbytes]
             out[r["name"]] = np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
         return out
+
+    @cached_property
+    def incidents(self) -> pd.DataFrame:
+        """Runtime-guard trips (qforensics.guard): step, call_index, module, action, counts."""
+        cols = [c for c, _, _ in schema.INCIDENT_COLUMNS]
+        if not self._has_incidents:
+            return pd.DataFrame({c: [] for c in cols})
+        data = self._read_table("incidents", schema.INCIDENT_COLUMNS)
+        df = pd.DataFrame(data)
+        for col in ("module", "action", "detail"):
+            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
+        return df
 
     def iter_steps(self) -> Iterator[int]:
         yield from (int(s) for s in self._step_arrays["step"])

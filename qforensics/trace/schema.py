@@ -101,6 +101,19 @@ SNAPSHOT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("truncated", "i1", ()),
 ]
 
+# /incidents: one row per runtime-guard trip (qforensics.guard), written with its step.
+INCIDENT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("call_index", "i8", ()),  # the call that tripped (-1: the logits / step level)
+    ("module_id", "i4", ()),  # -1 when the module is not hooked by capture
+    ("module", "S128", ()),
+    ("action", "S24", ()),  # fallback | breaker_open | breaker_fallback | sanitize_logits
+    ("nan_count", "i8", ()),
+    ("inf_count", "i8", ()),
+    ("detail", "S160", ()),
+]
+INCIDENT_ACTIONS = ("fallback", "breaker_open", "breaker_fallback", "sanitize_logits")
+
 SNAPSHOT_REASONS = ("first_nonfinite_output", "first_outlier")
 # dtypes a snapshot may hold (numpy names, little endian)
 SNAPSHOT_DTYPES = ("float32", "float16", "float64", "int32", "int64", "uint8", "int8", "bool")
@@ -131,6 +144,10 @@ def step_dtype() -> np.dtype:
 
 def record_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in RECORD_COLUMNS])
+
+
+def incident_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in INCIDENT_COLUMNS])
 
 
 def snapshot_dtype() -> np.dtype:

@@ -44,6 +44,7 @@ class StepBatch:
     input_ids: np.ndarray  # flat int64
     snapshots: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.snapshot_dtype()))
     snapshot_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    incidents: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.incident_dtype()))
 
 
 def _json_attr(obj: Any) -> str:
@@ -107,6 +108,11 @@ class TraceWriter:
         snap = f.create_group("snapshots")
         for name, dt, shape in schema.SNAPSHOT_COLUMNS:
             self._cols[f"snapshots/index/{name}"] = snap.require_group("index").create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
+            )
+        inc = f.create_group("incidents")
+        for name, dt, shape in schema.INCIDENT_COLUMNS:
+            self._cols[f"incidents/{name}"] = inc.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
             )
         for path, dt in schema.FLAT_ARRAYS.items():
@@ -201,6 +207,8 @@ class TraceWriter:
             snaps = b.snapshots.copy()
             snaps["offset"] += data_base
             self._append_table("snapshots/index", schema.SNAPSHOT_COLUMNS, snaps)
+        if len(b.incidents):
+            self._append_table("incidents", schema.INCIDENT_COLUMNS, b.incidents)
         steps = b.steps.copy()
         steps["record_offset"] += rec_base
         steps["token_offset"] += ids_base
@@ -241,3 +249,16 @@ def set_meta(path: str | os.PathLike[str], key: str, value: Any) -> None:
         raise ValueError(f"unknown meta key {key!r}; known: {', '.join(schema.META_KEYS)}")
     with h5py.File(os.fspath(path), "a") as f:
         f["meta"].attrs[key] = _json_attr(value)
+
+
+def compact_trace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy a closed trace into a fresh file without the free space that appends leave behind
+    (and without SWMR flags), e.g. before committing or mailing it."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError("compact_trace needs a different destination path")
+    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
+        for k, v in fin.attrs.items():
+            fout.attrs[k] = v
+        for name in fin:
+            fin.copy(fin[name], fout, name=name)

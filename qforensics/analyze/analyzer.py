@@ -1,0 +1,273 @@
+"""`analyze_trace(path) -> Findings`: the whole analysis of one trace, and `analyze_traces` for
+one trace per rank.
+
+Reads, in order: the /steps summaries (first bad step, logits), the records of ONE step (the
+failing one, or the step whose linear inputs peaked when nothing failed), the per-channel ranges
+and per-token absmax of that step (one span each), and a few narrow record columns for the
+spread and the outlier trends. Never imports torch; never prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qforensics.analyze.damage import predict_damage, rank_unsafe
+from qforensics.analyze.findings import (
+    FAILED,
+    PASSED,
+    SUSPECT,
+    Findings,
+    FirstNonfinite,
+    MultiRankFindings,
+    SnapshotRef,
+    TraceEndInfo,
+    Verdict,
+)
+from qforensics.analyze.nonfinite import (
+    find_first_bad_step,
+    find_first_nonfinite,
+    kind_word,
+)
+from qforensics.analyze.outliers import (
+    GEMM_KINDS,
+    RecordIndex,
+    find_outlier_channels,
+    find_persistent_outliers,
+    load_step_channels,
+    top_ratio_rows,
+)
+from qforensics.analyze.precursors import find_precursors
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.errors import UsageError
+from qforensics.trace import schema
+from qforensics.trace.reader import Trace, open_trace
+
+__all__ = ["analyze_open_trace", "analyze_trace", "analyze_traces", "verdict_for"]
+
+_ENV_KEYS = ("qforensics", "torch", "transformers", "python", "model_class", "devices", "dtypes",
+             "compiled", "rank", "world_size", "host", "scenario", "prompt")
+
+
+def analyze_trace(path: str | os.PathLike[str], **thresholds: Any) -> Findings:
+    """Analyze one trace. Keyword arguments are `Thresholds` fields (ratio=20.0, absolute=100.0,
+    top=10, ...). Raises TraceFormatError (a QForensicsError) when the file is unusable; a NaN in
+    the trace is a finding, not an error."""
+    th = Thresholds.from_kwargs(**thresholds)
+    t0 = time.perf_counter()
+    with open_trace(path) as trace:
+        f = analyze_open_trace(trace, th)
+    f.seconds = round(time.perf_counter() - t0, 4)
+    return f
+
+
+def analyze_traces(paths: Iterable[str | os.PathLike[str]], **thresholds: Any
+                   ) -> MultiRankFindings:
+    """Analyze one trace per rank; the verdict names the earliest failure across ranks
+    (lowest step, then earliest wall-clock start of that step, then call index)."""
+    paths = list(paths)
+    if not paths:
+        raise UsageError("no trace given")
+    found = [analyze_trace(p, **thresholds) for p in paths]
+    found.sort(key=lambda f: (f.rank, f.trace))
+    failed = [i for i, f in enumerate(found) if f.first_nonfinite is not None]
+    earliest = None
+    if failed:
+        def key(i: int) -> tuple:
+            fn = found[i].first_nonfinite
+            assert fn is not None
+            t = fn.t_start if math.isfinite(fn.t_start) else math.inf
+            return (fn.step, t, fn.call_index)
+        earliest = min(failed, key=key)
+        f = found[earliest]
+        line = (f"{FAILED} | earliest failure on rank {f.rank} of {len(found)} ({f.trace}): "
+                + f.verdict.line.split(" | ", 1)[-1])
+        others = [found[i].rank for i in failed if i != earliest]
+        if others:
+            line += f"; also failed: rank {', '.join(str(r) for r in others)}"
+        verdict = Verdict(FAILED, line)
+    else:
+        sus = [f for f in found if f.status == SUSPECT]
+        if sus:
+            verdict = Verdict(SUSPECT, f"{SUSPECT} | rank {sus[0].rank} ({sus[0].trace}): "
+                              + sus[0].verdict.line.split(" | ", 1)[-1]
+                              + (f"; {len(sus) - 1} more suspect ranks" if len(sus) > 1 else ""))
+        else:
+            n = sum(f.n_steps for f in found)
+            verdict = Verdict(PASSED, f"{PASSED} | no non-finite values on {len(found)} ranks "
+                              f"({n} steps in all)")
+    return MultiRankFindings(found, earliest, verdict)
+
+
+# -- one trace -------------------------------------------------------------------------------------
+def _environment(meta: dict[str, Any]) -> dict[str, Any]:
+    env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
+    out = {k: env[k] for k in _ENV_KEYS if k in env}
+    cuda = env.get("cuda")
+    if isinstance(cuda, dict):
+        out["cuda"] = {k: cuda[k] for k in ("available", "version", "device_name", "capability")
+                       if k in cuda}
+    if isinstance(env.get("fp8_cast"), dict):
+        out["fp8_cast"] = {k: env["fp8_cast"][k] for k in ("e4m3fn", "e5m2")
+                           if k in env["fp8_cast"]}
+    oc = meta.get("outcome")
+    if isinstance(oc, dict):
+        out["outcome"] = {k: oc[k] for k in ("scenario", "weights", "activations",
+                                              "first_nonfinite_step", "top1_agreement", "text")
+                          if k in oc}
+    return out
+
+
+def _int(x: Any, default: int) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def _peak_step(trace: Trace, steps: pd.DataFrame) -> int | None:
+    """With no failure: the step whose linear-module inputs (with channel ranges) peak."""
+    if steps.empty:
+        return None
+    cols = trace.record_columns(["step", "module_id", "io", "absmax", "chan_offset"])
+    if not len(cols["step"]):
+        return None
+    kinds = trace.modules["kind"].to_numpy()
+    mid = cols["module_id"]
+    ok = (mid >= 0) & (mid < len(kinds))
+    gemm = np.zeros(len(mid), bool)
+    gemm[ok] = np.isin(kinds[mid[ok]], GEMM_KINDS)
+    sel = gemm & (cols["io"] == schema.IO_INPUT) & (cols["chan_offset"] >= 0) & np.isfinite(
+        cols["absmax"])
+    if not sel.any():
+        sel = gemm & (cols["io"] == schema.IO_INPUT) & np.isfinite(cols["absmax"])
+    if not sel.any():
+        return int(steps["step"].iloc[-1])
+    i = np.nonzero(sel)[0]
+    return int(cols["step"][i[np.argmax(cols["absmax"][i])]])
+
+
+def _focus_rows(recs: pd.DataFrame, first: FirstNonfinite) -> list[int]:
+    """Records whose channels explain the failure: the producer's inputs, or for a gap the
+    input that already holds the value and the last finite hooked output before it."""
+    if first.producer_module is not None:
+        sel = recs[(recs["call_index"] == first.call_index) & (recs["io"] == schema.IO_INPUT)]
+        return sel["row"].tolist()
+    gap = first.producer
+    rows = recs[(recs["call_index"] == first.call_index) & (recs["io"] == schema.IO_INPUT)
+                & (recs["slot"] == first.slot)]["row"].tolist()
+    if gap.last_finite_call is not None:  # type: ignore[union-attr]
+        rows += recs[(recs["call_index"] == gap.last_finite_call)  # type: ignore[union-attr]
+                     & (recs["io"] == schema.IO_OUTPUT)]["row"].tolist()[:1]
+    return rows
+
+
+def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
+    """The analysis on an already open trace (the report and replay reuse it)."""
+    th = th or Thresholds()
+    steps = trace.steps
+    end = trace.end
+    meta = trace.meta
+    env = _environment(meta)
+    raw_env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
+    notes: list[str] = []
+    if not end.complete or not end.reason.startswith("complete"):
+        notes.append(end.reason)
+
+    fail_row = find_first_bad_step(steps)
+    first = None
+    focus: list[int] = []
+    recs = None
+    if fail_row is not None:
+        fstep = int(steps["step"].iloc[fail_row])
+        recs = trace.records(fstep)
+        first = find_first_nonfinite(trace, steps, fail_row, recs)
+        focus = _focus_rows(recs, first)
+        focus_step: int | None = fstep
+    else:
+        focus_step = _peak_step(trace, steps)
+        if focus_step is not None:
+            recs = trace.records(focus_step)
+
+    outliers, persistent, damage, unsafe = [], [], [], []
+    vocab = None
+    if recs is not None and focus_step is not None:
+        sc = load_step_channels(trace, focus_step, recs, focus)
+        index = RecordIndex(trace)
+        if first is not None:
+            rows = [sc.by_row[r] for r in focus if r in sc.by_row]
+            if not rows:
+                notes.append(f"no per-channel ranges stored for the inputs of call "
+                             f"{first.call_index} at step {focus_step}: outlier channels unknown")
+        else:
+            rows = top_ratio_rows(sc, int(th.top))
+        outliers = find_outlier_channels(trace, rows, th, index)
+        finite = [r for r in sc.rows
+                  if int(r.rec["nan_count"]) + int(r.rec["inf_count"]) == 0]
+        if len(finite) < len(sc.rows):
+            notes.append(f"{len(sc.rows) - len(finite)} module inputs at step {focus_step} hold "
+                         "NaN/Inf: left out of the persistent outliers and the damage prediction")
+        sc.rows = finite
+        persistent = find_persistent_outliers(sc, th)
+        gemm = sc.gemm_rows()
+        if gemm:
+            damage = predict_damage(gemm, th)
+            unsafe = rank_unsafe(damage, th)
+        else:
+            notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
+                         "no damage prediction")
+        kinds = trace.modules["kind"].to_numpy()
+        root = recs[(kinds[recs["module_id"].to_numpy()] == "root")
+                    & (recs["io"] == schema.IO_OUTPUT)] if len(recs) else recs
+        if len(root):
+            vocab = int(root["channels"].iloc[0])
+    precursors = find_precursors(steps, meta, th, fail_row=fail_row, vocab=vocab) \
+        if len(steps) else []
+
+    snaps: list[SnapshotRef] = []
+    sdf = trace.snapshots
+    if len(sdf):
+        for (ci, reason), g in sdf.groupby(["call_index", "reason"], sort=True):
+            snaps.append(SnapshotRef(int(ci), int(g["step"].iloc[0]), str(g["module"].iloc[0]),
+                                     str(reason), [str(n) for n in g["name"]]))
+
+    verdict = verdict_for(first, precursors, len(steps), end)
+    return Findings(
+        trace=trace.path, rank=_int(raw_env.get("rank"), 0),
+        world_size=_int(raw_env.get("world_size"), 1), n_steps=len(steps),
+        n_modules=trace.n_modules, end=TraceEndInfo(end.complete, end.last_step, end.reason),
+        environment=env, verdict=verdict, first_nonfinite=first, outliers=outliers,
+        outlier_step=focus_step, persistent=persistent, damage=damage, unsafe=unsafe,
+        damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
+        thresholds=th.to_dict(), notes=notes,
+    )
+
+
+def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
+                end: Any) -> Verdict:
+    tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
+    if first is not None:
+        word = kind_word(first.kind)
+        head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
+        if first.producer_module is not None:
+            return Verdict(FAILED, head + f"{first.module} produced {word} from finite input"
+                           + tail)
+        gap = first.producer
+        where = (f"after call {gap.last_finite_call} ({gap.last_finite_module})"  # type: ignore
+                 if gap.last_finite_call is not None else "before it")  # type: ignore
+        return Verdict(FAILED, head + f"{word} already in the input of {first.module}; "
+                       f"produced by an unhooked op {where}" + tail)
+    silent = [p for p in precursors if p.silent]
+    if silent:
+        more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
+        return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)
+    if n_steps == 0:
+        return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
+                       + tail)
+    return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)

@@ -1,0 +1,219 @@
+"""`qforensics analyze TRACE...`: print the findings of one or more traces (printing and exit
+codes only; the analysis lives in qforensics.analyze). No torch import."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from qforensics.analyze import analyze_trace, analyze_traces
+from qforensics.analyze.findings import Findings, MultiRankFindings
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.errors import UsageError
+
+WIDTH = 100
+_D = Thresholds()
+
+
+def _wrap(text: str, indent: str = "  ", sub: str | None = None) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=indent,
+                         subsequent_indent=sub if sub is not None else indent + "    ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if abs(x) >= 1e6 or (x != 0 and abs(x) < 1e-3):
+        return f"{x:.3g}"
+    return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.4g}"
+
+
+def threshold_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The analyzer thresholds as click options (shared by analyze and report)."""
+    opts = [
+        click.option("--top", type=click.IntRange(1, 10000), default=_D.top, show_default=True,
+                     help="Outlier channels, modules per scheme and items listed."),
+        click.option("--ratio", type=click.FloatRange(0), default=_D.ratio, show_default=True,
+                     help="A channel stands out at this multiple of its module's median "
+                          "channel absmax."),
+        click.option("--absolute", type=click.FloatRange(0), default=_D.absolute,
+                     show_default=True, help="A channel stands out at this absmax on its own."),
+        click.option("--unsafe-fraction", type=click.FloatRange(0, 1),
+                     default=_D.unsafe_fraction, show_default=True,
+                     help="A scheme is unsafe for a module when it zeroes this share of its "
+                          "input channels (or anything overflows)."),
+        click.option("--persistent-min", "persistent_min_modules", type=click.IntRange(1),
+                     default=_D.persistent_min_modules, show_default=True,
+                     help="A hidden dim standing out in this many modules is persistent."),
+        click.option("--repeat-tokens", type=click.IntRange(2), default=_D.repeat_tokens,
+                     show_default=True,
+                     help="The same argmax (or a cycle of up to 4) this many times is a loop."),
+        click.option("--logits-extreme", type=click.FloatRange(0), default=_D.logits_extreme,
+                     show_default=True, help="A max |logit| that looks broken on its own."),
+        click.option("--logits-growth-factor", type=click.FloatRange(1),
+                     default=_D.logits_growth_factor, show_default=True,
+                     help="Growth of max |logit| over consecutive rising steps that counts."),
+        click.option("--agreement-min", type=click.FloatRange(0, 1), default=_D.agreement_min,
+                     show_default=True,
+                     help="Top-1 agreement with the reference (outcome metadata) below this "
+                          "is suspect."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def expand_paths(paths: tuple[str, ...]) -> list[str]:
+    """Shell globs arrive expanded; quoted ones ('trace-*.h5') are expanded here."""
+    out: list[str] = []
+    for p in paths:
+        if not os.path.exists(p) and any(c in p for c in "*?["):
+            hits = sorted(glob.glob(p))
+            if not hits:
+                raise UsageError(f"no trace matches {p!r}")
+            out.extend(hits)
+        else:
+            out.append(p)
+    return out
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def render(f: Findings) -> list[str]:
+    """Plain-text report of one trace, at most 100 columns (long module names aside)."""
+    L: list[str] = [f.verdict.line]
+    env = f.environment
+    bits = [f"{k} {env[k]}" for k in ("model_class", "torch") if env.get(k)]
+    if env.get("dtypes"):
+        bits.append("dtypes " + ",".join(map(str, env["dtypes"])))
+    if env.get("devices"):
+        bits.append("devices " + ",".join(map(str, env["devices"])))
+    L.append(_wrap(f"trace {f.trace}: rank {f.rank} of {f.world_size}, {f.n_steps} steps, "
+                   f"{f.n_modules} modules; {f.end.reason}", "", "    "))
+    if bits:
+        L.append(_wrap("environment: " + "; ".join(bits), "", "    "))
+    oc = env.get("outcome")
+    if isinstance(oc, dict) and oc.get("scenario"):
+        L.append(_wrap(f"scenario: {oc.get('scenario')} (weights {oc.get('weights')}, "
+                       f"activations {oc.get('activations')})", "", "    "))
+
+    fn = f.first_nonfinite
+    if fn is not None:
+        L += ["", "First non-finite value"]
+        L.append(_wrap(f"step {fn.step}, call {fn.call_index}: {fn.module} ({fn.module_kind}), "
+                       f"{fn.tensor} {fn.slot}: {fn.nan_count:,} NaN, {fn.inf_count:,} Inf of "
+                       f"{fn.numel:,} values"))
+        if fn.producer_module is not None:
+            rng = (f"[{_num(fn.input_min)}, {_num(fn.input_max)}], absmax "
+                   f"{_num(fn.input_absmax)}" if fn.input_absmax is not None else "not recorded")
+            L.append(_wrap(f"producer: {fn.module} - its input is finite (range {rng}), its "
+                           "output is not"))
+        else:
+            L.append(_wrap(f"producer: an unhooked op - {fn.producer.description}"))  # type: ignore
+        sp = fn.spread
+        L.append(_wrap(f"spread: {sp.n_modules} of {sp.n_modules_total} modules and "
+                       f"{sp.n_steps} of {sp.n_steps_after} steps from step {fn.step} on hold "
+                       f"NaN/Inf ({sp.n_records:,} records in step {fn.step}); logits "
+                       f"non-finite in {sp.logits_nonfinite_steps} steps"))
+
+    if f.outliers:
+        where = (f"input of {f.first_nonfinite.module}" if fn is not None and
+                 fn.producer_module is not None else "module inputs with the largest ratios")
+        L += ["", f"Outlier channels ({where}, step {f.outlier_step})"]
+        L.append(f"  {'channel':>7}  {'absmax':>10}  {'x median':>9}  {'token':>5}  "
+                 f"{'first':>5}  limits / trend")
+        prev = None
+        for o in f.outliers:
+            tr = " ".join(f"{p.step}:{_num(p.absmax)}" for p in o.trend[-6:])
+            tok = "-" if o.token is None else str(o.token)
+            first = "-" if o.first_step is None else str(o.first_step)
+            if (fn is None or fn.producer_module is None) and o.module != prev:
+                L.append(f"  {o.module}")
+            prev = o.module
+            L.append(f"  {o.channel:>7}  {_num(o.absmax):>10}  {_num(o.ratio_to_median):>9}  "
+                     f"{tok:>5}  {first:>5}  {','.join(o.limits)}"
+                     + (f"; steps {tr}" if len(o.trend) > 1 else ""))
+        L.append("  (token: the record's peak token, argmax of its per-token absmax; first: "
+                 "first step it stood out)")
+    if f.persistent:
+        L += ["", f"Persistent outlier dims (step {f.outlier_step})"]
+        for p in f.persistent:
+            L.append(_wrap(f"dim {p.dim}: stands out in {p.modules} of {p.modules_checked} "
+                           f"module inputs (max absmax {_num(p.max_absmax)}, "
+                           f"{_num(p.max_ratio)}x median), e.g. {', '.join(p.examples)}"))
+    if f.unsafe:
+        n_mod = f.unsafe[0].n_modules
+        L += ["", f"Predicted damage to linear inputs (step {f.damage_step}, {n_mod} modules)"]
+        shown = 3
+        for u in f.unsafe:
+            L.append(_wrap(u.line))
+            for d in u.modules[:shown]:
+                L.append(_wrap(f"{d.module}: {d.line}", "      ", "        "))
+    if f.precursors:
+        title = "Precursors" if fn is not None else "Silent failure signs"
+        L += ["", title]
+        for p in f.precursors:
+            L.append(_wrap(f"{p.kind}: {p.line}"))
+    if f.snapshots:
+        L += ["", "Snapshots (for `qforensics replay`)"]
+        for s in f.snapshots:
+            L.append(_wrap(f"call {s.call_index} (step {s.step}, {s.reason}): {s.module}: "
+                           f"{', '.join(s.names)}"))
+    if f.notes:
+        L += ["", "Notes"]
+        for n in f.notes:
+            L.append(_wrap(n))
+    return L
+
+
+def render_multi(m: MultiRankFindings) -> list[str]:
+    L = [m.verdict.line]
+    for f in m.ranks:
+        L.append(_wrap(f"rank {f.rank}: {f.verdict.line}", "  ", "      "))
+    for f in m.ranks:
+        L += ["", f"== rank {f.rank}: {f.trace} " + "=" * max(0, WIDTH - 14 - len(f.trace))]
+        L += render(f)
+    return L
+
+
+EXAMPLE = """\b
+Example:
+    qforensics analyze trace.h5
+    qforensics analyze trace-*.h5 --json > findings.json
+    qforensics analyze trace.h5 --ratio 50 --top 20
+"""
+
+
+@click.command("analyze", epilog=EXAMPLE)
+@click.argument("traces", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the findings as JSON (schema qforensics.analyze, docs/analyze-json.md).")
+@threshold_options
+def command(traces: tuple[str, ...], as_json: bool, **thresholds: Any) -> None:
+    """Find the first NaN/Inf in a trace, the module (or unhooked op) that produced it, the
+    outlier channels responsible and the damage each quantization scheme would do.
+
+    TRACES are trace files written by `qforensics record` / `qforensics.capture`; several (one
+    per rank) are analyzed together and the earliest failure across ranks is named. A trace
+    left behind by a crashed run is analyzed as far as it goes. Torch is not needed.
+
+    Exit status: 0 PASSED, 1 FAILED or SUSPECT, 2 bad usage or unreadable trace.
+    """
+    paths = expand_paths(traces)
+    ctx = click.get_current_context()
+    if len(paths) == 1:
+        f = analyze_trace(paths[0], **thresholds)
+        click.echo(json.dumps(f.to_dict(), indent=2) if as_json else "\n".join(render(f)))
+        ctx.exit(f.exit_code)
+    m = analyze_traces(paths, **thresholds)
+    click.echo(json.dumps(m.to_dict(), indent=2) if as_json else "\n".join(render_multi(m)))
+    ctx.exit(m.exit_code)

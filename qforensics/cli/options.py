@@ -1,0 +1,46 @@
+"""Option decorators shared by several commands (capture options for `record` and `demo`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+F = Callable[..., Any]
+
+
+def capture_options(f: F) -> F:
+    opts = [
+        click.option("--flush-interval", type=float, default=1.0, show_default=True,
+                     help="Seconds between trace flushes (what a SIGKILL can lose)."),
+        click.option("--channel-dtype", type=click.Choice(["float32", "float16"]),
+                     default="float32", show_default=True,
+                     help="Storage type of per-channel min/max."),
+        click.option("--channel-steps", default="all", show_default=True,
+                     help='Steps whose per-channel ranges are stored: "all", "none" or '
+                          'ranges like "0-3,8".'),
+        click.option("--modules", "modules_spec", default="default", show_default=True,
+                     help='"default" (linears, decoder blocks, logits) or "linear".'),
+        click.option("--snapshot-budget-mib", type=float, default=64.0, show_default=True,
+                     help="Bytes of full tensors kept for the calls that matter."),
+        click.option("--outlier-threshold", type=float, default=448.0, show_default=True,
+                     help="Linear input absmax that triggers the outlier snapshot."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def capture_kwargs(flush_interval: float, channel_dtype: str, channel_steps: str,
+                   modules_spec: str, snapshot_budget_mib: float, outlier_threshold: float,
+                   ) -> dict[str, Any]:
+    if flush_interval <= 0:
+        raise click.BadParameter("must be positive", param_hint="--flush-interval")
+    return {
+        "flush_interval": flush_interval,
+        "channel_dtype": channel_dtype,
+        "channel_steps": channel_steps,
+        "modules": modules_spec,
+        "snapshot_budget": int(snapshot_budget_mib * (1 << 20)),
+        "outlier_threshold": outlier_threshold,
+    }

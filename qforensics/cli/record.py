@@ -1,0 +1,112 @@
+"""`qforensics record -o trace.h5 -- python script.py ...`: capture an unmodified program."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from qforensics.cli.options import capture_kwargs, capture_options
+from qforensics.errors import QForensicsError
+
+BOOTSTRAP = Path(__file__).resolve().parent.parent / "hooks" / "_bootstrap"
+
+
+def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None) -> dict[str, str]:
+    env = {
+        "QFORENSICS_TRACE": os.path.abspath(out),
+        "QFORENSICS_OPTIONS": json.dumps(opts),
+        "QFORENSICS_ATTACH": attach,
+        "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP)] + (
+            [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+    }
+    if guard:
+        env["QFORENSICS_GUARD"] = guard
+    return env
+
+
+def _summarize(pattern: str) -> list[str]:
+    from qforensics.trace.reader import open_trace
+
+    root, ext = os.path.splitext(pattern.replace("{rank}", "*"))
+    paths = sorted(set(glob.glob(pattern.replace("{rank}", "*"))
+                       + glob.glob(f"{root}-*{ext}")))
+    lines = []
+    for p in paths:
+        try:
+            with open_trace(p) as t:
+                lines.append(f"  {p}: {t.n_steps} steps; {t.end.reason}")
+        except QForensicsError as exc:
+            lines.append(f"  {p}: unreadable ({exc})")
+    return lines
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--output", "out", default="trace.h5", show_default=True,
+              help='Trace path; "{rank}" becomes the rank (one file per rank).')
+@capture_options
+@click.option("--attach", type=click.Choice(["first", "all"]), default="first",
+              show_default=True, help="Capture the first model the program runs, or every one.")
+@click.option("--guard", "guard_policy", default=None,
+              help='Also run the runtime NaN guard with this policy (e.g. "fallback").')
+@click.option("--print-env", is_flag=True,
+              help="Print the environment variables that attach capture (for launchers that "
+                   "cannot be wrapped) and exit.")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
+def command(out: str, attach: str, guard_policy: str | None, print_env: bool,
+            cmd: tuple[str, ...], **capture: Any) -> None:
+    """Run an unmodified program with capture hooks on the first torch model it runs.
+
+    Works for any Python program started by CMD (also through shell scripts and
+    launchers such as torchrun, which pass the environment on). The exit code is the
+    program's own. A crash or kill keeps every step flushed before it.
+
+    \b
+    Example:
+        qforensics record -o trace.h5 -- python serve_once.py --prompt "hi"
+        qforensics record -o 'trace-{rank}.h5' -- torchrun --nproc-per-node 2 run.py
+        eval "$(qforensics record -o trace.h5 --print-env)"   # then start your launcher
+    """
+    opts = capture_kwargs(**capture)
+    env = _env(out, opts, attach, guard_policy)
+    if print_env:
+        for k, v in env.items():
+            click.echo(f"export {k}={shlex.quote(v)}")
+        return
+    if not cmd:
+        raise click.UsageError("give the program to run after --, e.g. "
+                               "qforensics record -o trace.h5 -- python run.py")
+    full_env = {**os.environ, **env}
+    click.echo(f"qforensics: recording {shlex.join(cmd)} -> {out}", err=True)
+    try:
+        proc = subprocess.Popen(list(cmd), env=full_env)
+    except FileNotFoundError:
+        raise click.UsageError(f"command not found: {cmd[0]}") from None
+
+    def forward(signum: int, frame: Any) -> None:
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    lines = _summarize(os.path.abspath(out))
+    if lines:
+        click.echo("qforensics: trace written:", err=True)
+        for line in lines:
+            click.echo(line, err=True)
+        click.echo(f"qforensics: next: qforensics analyze {shlex.quote(out)}", err=True)
+    else:
+        click.echo("qforensics: no trace was written (the program never ran a torch model "
+                   "with Linear layers)", err=True)
+    sys.exit(rc if rc >= 0 else 128 - rc)

@@ -1,0 +1,165 @@
+"""Attach capture to the first torch model an unmodified program runs (`qforensics record`).
+
+Started from the bootstrap `sitecustomize` when QFORENSICS_TRACE is set. It waits for the
+program to import torch (an import hook, so programs that never import torch pay nothing), then
+registers one global forward pre-hook. The first top-level module call whose module contains a
+Linear-like layer is the model: capture attaches to it, begins step 0 with that call's input ids,
+and the global hook goes quiet (QFORENSICS_ATTACH=all keeps watching for further models; each
+one gets its own trace file, suffixed -m1, -m2, ...). The trace is sealed at interpreter exit,
+on SIGTERM, and when an uncaught exception ends the program (its message goes into the trace
+status). A SIGKILL loses only what was not yet flushed.
+
+Environment: QFORENSICS_TRACE (path; "{rank}" is replaced by the rank), QFORENSICS_OPTIONS (JSON
+dict of capture options), QFORENSICS_ATTACH ("first" | "all"), QFORENSICS_GUARD (policy name:
+also run the runtime NaN guard on the model).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"installed": False, "attached": 0, "handle": None, "done": False,
+                          "captures": [], "seen": set()}
+
+
+class _TorchWatcher(importlib.abc.MetaPathFinder):
+    """Calls `_on_torch` right after `import torch` completes."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        orig = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            orig(module)
+            try:
+                _on_torch()
+            except Exception as exc:
+                sys.stderr.write(f"qforensics: capture hook set-up failed: {exc}\n")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    if _state["installed"]:
+        return
+    _state["installed"] = True
+    if "torch" in sys.modules:
+        _on_torch()
+    else:
+        sys.meta_path.insert(0, _TorchWatcher())
+    prev = sys.excepthook
+
+    def excepthook(tp: Any, value: Any, tb: Any) -> None:
+        _close_all({"state": "error", "error": f"{tp.__name__}: {value}"[:2000]})
+        prev(tp, value, tb)
+
+    sys.excepthook = excepthook
+
+
+def _options() -> dict[str, Any]:
+    raw = os.environ.get("QFORENSICS_OPTIONS") or "{}"
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError:
+        sys.stderr.write("qforensics: QFORENSICS_OPTIONS is not JSON; using defaults\n")
+        return {}
+    return opts if isinstance(opts, dict) else {}
+
+
+def _on_torch() -> None:
+    import torch.nn.modules.module as mm
+
+    _state["handle"] = mm.register_module_forward_pre_hook(_global_pre_hook)
+
+
+def _has_linear(module: Any) -> bool:
+    from qforensics.hooks.modules import is_linear_like
+
+    return any(is_linear_like(m) for m in module.modules())
+
+
+def _global_pre_hook(module: Any, args: Any) -> None:
+    if _state["done"]:
+        return
+    if id(module) in _state["seen"]:
+        return
+    _state["seen"].add(id(module))
+    try:
+        if not _has_linear(module):
+            return
+        from qforensics.hooks.capture import Capture, active_capture
+
+        if active_capture(module) is not None:
+            return  # the program captures this model itself
+        path = os.environ["QFORENSICS_TRACE"]
+        n = _state["attached"]
+        if n:
+            root, ext = os.path.splitext(path)
+            path = f"{root}-m{n}{ext or '.h5'}"
+        cap = Capture(module, path, **_options())
+        cap.attach()
+        _state["attached"] = n + 1
+        _state["captures"].append(cap)
+        policy = os.environ.get("QFORENSICS_GUARD")
+        if policy:
+            try:
+                from qforensics.guard.runtime import guard
+
+                g = guard(module, policy=policy)
+                g.__enter__()
+                _state.setdefault("guards", []).append(g)
+            except Exception as exc:
+                sys.stderr.write(f"qforensics: guard not installed: {exc}\n")
+        # This call's own pre-hooks were collected before we attached: begin step 0 by hand,
+        # with the call's keyword arguments (input_ids) read from the dispatching frame.
+        kwargs: dict[str, Any] = {}
+        try:
+            frame = sys._getframe(1)
+            kw = frame.f_locals.get("kwargs")
+            if isinstance(kw, dict):
+                kwargs = kw
+        except Exception:
+            pass
+        cap._on_root_pre(module, tuple(args), kwargs)
+        sys.stderr.write(f"qforensics: capturing {type(module).__name__} into {cap.path}\n")
+        if os.environ.get("QFORENSICS_ATTACH", "first") != "all":
+            _stop_watching()
+    except Exception as exc:
+        _stop_watching()
+        sys.stderr.write(f"qforensics: could not attach capture: {exc}\n")
+
+
+def _stop_watching() -> None:
+    """Remove the global hook (safe inside its own dispatch: torch iterates over a copy)."""
+    _state["done"] = True
+    if _state["handle"] is not None:
+        _state["handle"].remove()
+        _state["handle"] = None
+
+
+def _close_all(status: dict[str, Any]) -> None:
+    for g in _state.get("guards", []):
+        try:
+            g.__exit__(None, None, None)
+        except Exception:
+            pass
+    for cap in _state["captures"]:
+        try:
+            cap.close(status)
+        except Exception:
+            pass

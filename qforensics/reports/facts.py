@@ -1,0 +1,385 @@
+"""Facts the report reads from a trace beyond the analyzer's findings: module quantization and
+parameter health (modules' info JSON), the generated text (meta outcome), the environment, the
+per-channel input range of the responsible module and the module-by-step absmax grid.
+
+Every value here comes from an untrusted file: JSON is parsed defensively, types are checked,
+strings are capped, and nothing is marked safe for HTML (the template escapes). No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qforensics.analyze.findings import Findings
+from qforensics.errors import TraceFormatError
+from qforensics.trace import schema
+from qforensics.trace.reader import Trace
+
+__all__ = ["ModuleQuant", "HealthRow", "Health", "Outcome", "ChannelView", "Grid",
+           "read_quant", "read_health", "read_outcome", "environment_rows", "read_channels",
+           "read_grid", "fmt_num", "text_value"]
+
+MAX_TEXT = 20000
+MAX_FIELD = 400
+ZERO_FRACTION_FLAG = 0.5  # a parameter with more than this share of exact zeros is flagged
+SCALE_PARAMS = ("scales", "weight_scale", "input_scale", "SCB", "scale")
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    """A number for people: thousands separators for big values, a few significant digits."""
+    if v is None:
+        return "-"
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return text_value(v, 40)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Inf" if x > 0 else "-Inf"
+    if float(x).is_integer() and abs(x) < 1e15:
+        return f"{int(x):,}"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:,.1f}"
+    if a >= 0.01:
+        return f"{x:.{digits}g}"
+    return f"{x:.2e}"
+
+
+def text_value(v: Any, limit: int = MAX_FIELD) -> str:
+    """Any metadata value as bounded display text (JSON for containers)."""
+    if isinstance(v, str):
+        s = v
+    else:
+        try:
+            s = json.dumps(v, default=str, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            s = repr(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _module_info(raw: str) -> dict[str, Any] | None:
+    if not raw:
+        return {}
+    if len(raw) > 1 << 20:
+        return None
+    try:
+        d = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+# -- quantization per module -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModuleQuant:
+    format: str  # e.g. "fp8-e4m3-nosat", "int4-per-tensor"
+    target: str  # "activations" | "weights" | ""
+    bits: int | None
+
+
+def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
+    """module name -> its quantization (from the `quant` key of the module's info JSON)."""
+    out: dict[str, ModuleQuant] = {}
+    for name, raw in zip(trace.modules["name"], trace.modules["info"]):
+        info = _module_info(raw)
+        q = info.get("quant") if info else None
+        if not isinstance(q, dict):
+            continue
+        fmt = q.get("format")
+        if not isinstance(fmt, str) or not fmt:
+            continue
+        target = q.get("target") if isinstance(q.get("target"), str) else ""
+        bits = q.get("bits") if isinstance(q.get("bits"), int) else None
+        out[name] = ModuleQuant(fmt[:80], target[:40], bits)
+    return out
+
+
+# -- parameter health ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HealthRow:
+    module: str
+    param: str
+    numel: int
+    nan: int
+    inf: int
+    zero: int
+    subnormal: int
+    problem: str  # why the row is listed
+
+    @property
+    def zero_fraction(self) -> float:
+        return self.zero / self.numel if self.numel else 0.0
+
+
+@dataclass
+class Health:
+    modules: int = 0
+    params_checked: int = 0
+    with_nonfinite: int = 0
+    mostly_zero: int = 0
+    unreadable: int = 0
+    rows: list[HealthRow] = field(default_factory=list)  # flagged rows, worst first
+    rows_total: int = 0  # flagged rows before the cap
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    v = d.get(key, 0)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else 0
+
+
+def read_health(trace: Trace, limit: int = 25) -> Health:
+    """Flagged parameters: NaN/Inf, zero or NaN scales, mostly-zero weights, unreadable info."""
+    h = Health(modules=trace.n_modules)
+    rows: list[tuple[tuple, HealthRow]] = []
+    for name, raw in zip(trace.modules["name"], trace.modules["info"]):
+        info = _module_info(raw)
+        if info is None:
+            h.unreadable += 1
+            rows.append(((0, 0.0), HealthRow(name, "-", 0, 0, 0, 0, 0, "info JSON unreadable")))
+            continue
+        health = info.get("health")
+        if not isinstance(health, dict):
+            continue
+        for pname, d in health.items():
+            pname = str(pname)[:80]
+            if not isinstance(d, dict):
+                continue
+            if "error" in d:
+                rows.append(((1, 0.0), HealthRow(name, pname, 0, 0, 0, 0, 0,
+                                                 "not checked: " + text_value(d["error"], 160))))
+                continue
+            h.params_checked += 1
+            numel, nan, inf = _count(d, "numel"), _count(d, "nan"), _count(d, "inf")
+            zero, sub = _count(d, "zero"), _count(d, "subnormal")
+            frac = zero / numel if numel else 0.0
+            is_scale = pname.split(".")[-1] in SCALE_PARAMS
+            problem = ""
+            if nan or inf:
+                h.with_nonfinite += 1
+                problem = "NaN/Inf " + ("scales" if is_scale else "values")
+                key = (0, -float(nan + inf))
+            elif is_scale and zero:
+                problem = "zero scales (every value in their group dequantizes to 0)"
+                key = (1, -frac)
+            elif frac > ZERO_FRACTION_FLAG:
+                h.mostly_zero += 1
+                problem = f"{frac:.1%} exact zeros"
+                key = (2, -frac)
+            else:
+                continue
+            rows.append((key, HealthRow(name, pname, numel, nan, inf, zero, sub, problem)))
+    rows.sort(key=lambda kv: kv[0])
+    h.rows_total = len(rows)
+    h.rows = [r for _, r in rows[:limit]]
+    return h
+
+
+# -- outcome (generated text) ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outcome:
+    text: str | None
+    reference_text: str | None
+    prompt: str | None
+    top1_agreement: float | None
+    n_generated: int | None
+    weights: str | None  # scheme names a scenario recorded (demo metadata)
+    activations: str | None
+    description: str | None
+
+
+def _str(d: dict[str, Any], key: str, limit: int = MAX_TEXT) -> str | None:
+    v = d.get(key)
+    if not isinstance(v, str):
+        return None
+    return v if len(v) <= limit else v[:limit] + " [...]"
+
+
+def read_outcome(meta: dict[str, Any]) -> Outcome:
+    out = meta.get("outcome")
+    env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
+    if not isinstance(out, dict):
+        out = {}
+    agree = out.get("top1_agreement")
+    if isinstance(agree, bool) or not isinstance(agree, (int, float)) or not math.isfinite(agree):
+        agree = None
+    ids = out.get("generated_ids")
+    return Outcome(
+        text=_str(out, "text"),
+        reference_text=_str(out, "reference_text"),
+        prompt=_str(out, "prompt") or _str(env, "prompt"),
+        top1_agreement=float(agree) if agree is not None else None,
+        n_generated=len(ids) if isinstance(ids, list) else None,
+        weights=_str(out, "weights", 80),
+        activations=_str(out, "activations", 80),
+        description=_str(out, "description", 600),
+    )
+
+
+# -- environment -----------------------------------------------------------------------------------
+ENV_ORDER = ("qforensics", "torch", "transformers", "python", "platform", "host", "devices",
+             "cuda", "dtypes", "fp8_cast", "model_class", "compiled", "rank", "world_size",
+             "scenario", "prompt", "argv", "pid")
+
+
+def _fp8_cast_text(v: Any) -> str:
+    if not isinstance(v, dict):
+        return text_value(v)
+    parts = []
+    for fmt, probe in (("e4m3fn", "e4m3fn_probe_value"), ("e5m2", "e5m2_probe_value")):
+        if fmt in v:
+            s = f"{fmt}: {text_value(v[fmt], 60)}"
+            if probe in v:
+                s += f" (probe {text_value(v[probe], 30)})"
+            parts.append(s)
+    rest = {k: x for k, x in v.items()
+            if k not in ("e4m3fn", "e5m2", "e4m3fn_probe_value", "e5m2_probe_value")}
+    if rest:
+        parts.append(text_value(rest, 200))
+    return "; ".join(parts) or "-"
+
+
+def environment_rows(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, value) rows: versions, device, FP8 cast behaviour, then everything else."""
+    env = meta.get("environment")
+    if not isinstance(env, dict):
+        return []
+    keys = [k for k in ENV_ORDER if k in env] + sorted(str(k) for k in env if k not in ENV_ORDER)
+    rows = []
+    for k in keys[:80]:
+        v = env.get(k)
+        if k == "fp8_cast":
+            rows.append(("FP8 cast behaviour", _fp8_cast_text(v)))
+        elif k == "cuda" and isinstance(v, dict):
+            rows.append(("cuda", ("available" if v.get("available") else "not available")
+                         + (f", version {text_value(v.get('version'), 40)}"
+                            if v.get("version") else "")))
+        elif k == "argv" and isinstance(v, list):
+            rows.append(("command", " ".join(text_value(a, 200) for a in v[:40])))
+        elif isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v):
+            rows.append((str(k)[:80], ", ".join(text_value(x, 80) for x in v[:20])))
+        else:
+            rows.append((str(k)[:80], text_value(v)))
+    return rows
+
+
+# -- per-channel view of the responsible module ----------------------------------------------------
+@dataclass(frozen=True)
+class ChannelView:
+    module: str
+    step: int
+    call_index: int
+    why: str  # "producer" | "outlier" | "largest input"
+    absmax: np.ndarray
+    labelled: list[tuple[int, float]]
+
+
+def _row_for(trace: Trace, step: int, call_index: int | None, module: str) -> int | None:
+    recs = trace.records(step)
+    sel = recs[(recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)]
+    if call_index is not None and call_index >= 0:
+        hit = sel[sel["call_index"] == call_index]
+    else:
+        hit = sel[sel["module"] == module]
+    if hit.empty:
+        hit = sel[sel["module"] == module]
+    if hit.empty:
+        return None
+    return int(hit["row"].iloc[0])
+
+
+def read_channels(trace: Trace, findings: Findings) -> ChannelView | None:
+    """Per-channel absmax of the producer's input (else of the top outlier's module)."""
+    fn = findings.first_nonfinite
+    target: tuple[str, int, int | None, str] | None = None
+    if fn is not None and fn.producer_module is not None:
+        target = (fn.producer_module, fn.step, fn.call_index, "producer")
+    elif findings.outliers:
+        o = max(findings.outliers, key=lambda o: (o.absmax if math.isfinite(o.absmax) else -1))
+        target = (o.module, o.step, o.call_index, "outlier")
+    if target is None:
+        return None
+    module, step, call, why = target
+    try:
+        row = _row_for(trace, step, call, module)
+        if row is None:
+            return None
+        rng = trace.channel_ranges(row)
+    except TraceFormatError:
+        return None
+    if rng is None:
+        return None
+    cmin, cmax = rng
+    absmax = np.maximum(np.abs(cmin.astype(np.float64)), np.abs(cmax.astype(np.float64)))
+    mine = [o for o in findings.outliers if o.module == module and o.step == step
+            and o.io == schema.IO_INPUT]
+    labelled = [(int(o.channel), float(o.absmax)) for o in
+                sorted(mine, key=lambda o: -o.absmax if math.isfinite(o.absmax) else 0)]
+    if not labelled:
+        fin = np.where(np.isfinite(absmax), absmax, -1)
+        top = np.argsort(fin)[::-1][:3]
+        med = float(np.median(fin[fin >= 0])) if (fin >= 0).any() else 0.0
+        ratio = float(findings.thresholds.get("ratio", 20.0) or 20.0)
+        labelled = [(int(i), float(absmax[i])) for i in top if med > 0 and fin[i] >= ratio * med]
+    return ChannelView(module, step, int(call) if call is not None else -1, why, absmax,
+                       labelled)
+
+
+# -- module x step grid ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Grid:
+    values: np.ndarray  # log10 absmax of outputs, (modules in call order) x (steps)
+    bad: np.ndarray
+    labels: list[str]
+    module_ids: np.ndarray  # module id of each row
+    steps: np.ndarray  # step value of each column
+
+
+def read_grid(trace: Trace) -> Grid | None:
+    """Max output absmax per (module, step) over the whole trace, rows in first-call order."""
+    cols = trace.record_columns(["call_index", "step", "module_id", "io", "absmax", "nan_count",
+                                 "inf_count"])
+    if len(cols["step"]) == 0:
+        return None
+    out = cols["io"] == schema.IO_OUTPUT
+    if not out.any():
+        out = np.ones_like(out, dtype=bool)
+    mod = cols["module_id"][out].astype(np.int64)
+    step = cols["step"][out].astype(np.int64)
+    call = cols["call_index"][out]
+    amax = cols["absmax"][out].astype(np.float64)
+    bad = (cols["nan_count"][out] > 0) | (cols["inf_count"][out] > 0)
+    ok = (mod >= 0) & (mod < trace.n_modules)
+    mod, step, call, amax, bad = mod[ok], step[ok], call[ok], amax[ok], bad[ok]
+    if not len(mod):
+        return None
+    # rows: modules ordered by their first call
+    first_call: dict[int, int] = {}
+    order = np.argsort(call, kind="stable")
+    uniq, idx = np.unique(mod[order], return_index=True)
+    first = call[order][idx]
+    for m, c in zip(uniq, first):
+        first_call[int(m)] = int(c)
+    mods_sorted = np.array(sorted(first_call, key=lambda m: first_call[m]), dtype=np.int64)
+    row_of = np.full(trace.n_modules, -1, dtype=np.int64)
+    row_of[mods_sorted] = np.arange(len(mods_sorted))
+    steps_u, col = np.unique(step, return_inverse=True)
+    r = row_of[mod]
+    vals = np.full((len(mods_sorted), len(steps_u)), -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lg = np.where(np.isfinite(amax) & (amax > 0), np.log10(np.where(amax > 0, amax, 1)),
+                      np.nan)
+    np.fmax.at(vals, (r, col), np.where(np.isnan(lg), -np.inf, lg))
+    vals[np.isneginf(vals)] = np.nan
+    badg = np.zeros(vals.shape, dtype=bool)
+    np.logical_or.at(badg, (r, col), bad)
+    labels = [trace.module_name(int(m)) for m in mods_sorted]
+    return Grid(vals, badg, labels, mods_sorted, steps_u)

@@ -1,0 +1,407 @@
+"""The words of the report: the causal chain (one paragraph) and the recommendations.
+
+Text is built as a list of `Segment`s (plain text plus a style: code, number, bad) so the
+template can emphasize module names and numbers while escaping every piece: nothing here is
+HTML, and trace strings stay plain text. No torch import.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections import Counter
+from dataclasses import dataclass, field
+
+from qforensics.analyze.findings import FAILED, PASSED, DiffFindings, Findings, UnsafeModules
+from qforensics.analyze.thresholds import FORMAT_LIMITS
+from qforensics.reports.facts import Health, ModuleQuant, Outcome, fmt_num
+from qforensics.reports.replay_result import ReplaySummary
+
+__all__ = ["Segment", "Recommendation", "causal_chain", "recommendations", "format_limit",
+           "active_scheme"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    kind: str = ""  # "" | "code" | "num" | "bad"
+
+
+@dataclass
+class Recommendation:
+    id: str
+    title: str
+    why: list[Segment]
+    commands: list[str] = field(default_factory=list)
+
+
+def _c(s: str) -> Segment:
+    return Segment(str(s), "code")
+
+
+def _n(v: object) -> Segment:
+    return Segment(v if isinstance(v, str) else fmt_num(v), "num")
+
+
+def _t(s: str) -> Segment:
+    return Segment(s)
+
+
+def format_limit(fmt: str | None) -> tuple[str, float]:
+    """(display name, largest finite value) of the format a scheme name refers to."""
+    f = (fmt or "").lower()
+    if "e5m2" in f:
+        return "FP8 e5m2", FORMAT_LIMITS["fp8-e5m2"]
+    if f.startswith("fp16") or f == "float16":
+        return "FP16", FORMAT_LIMITS["fp16"]
+    return "FP8 e4m3", FORMAT_LIMITS["fp8-e4m3"]
+
+
+def active_scheme(quant: dict[str, ModuleQuant], outcome: Outcome, target: str) -> str | None:
+    """The most common quantization format of one target among the modules (else the
+    scenario's recorded scheme)."""
+    c = Counter(q.format for q in quant.values() if q.target == target)
+    if c:
+        return c.most_common(1)[0][0]
+    return outcome.activations if target == "activations" else outcome.weights
+
+
+def _scheme_key(fmt: str) -> str:
+    """'fp8-e4m3-nosat' -> 'fp8-e4m3' (the analyzer's damage scheme names)."""
+    return fmt.replace("-nosat", "").replace("e4m3fn", "e4m3")
+
+
+def _step_word(step: int) -> str:
+    return "the prefill" if step == 0 else f"decode step {step}"
+
+
+def _join(items: list[list[Segment]], last: str = " and ") -> list[Segment]:
+    out: list[Segment] = []
+    for i, it in enumerate(items):
+        if i:
+            out.append(_t(last if i == len(items) - 1 else ", "))
+        out.extend(it)
+    return out
+
+
+def _repeated_unit(text: str) -> tuple[str, int] | None:
+    """'abab...' -> ('ab', k) when the text is one short unit repeated at least 3 times."""
+    n = len(text)
+    for size in range(1, min(40, n // 3) + 1):
+        if n % size == 0 and text[:size] * (n // size) == text:
+            return text[:size], n // size
+    return None
+
+
+def _quoted(text: str, n: int = 140) -> str:
+    """A short quoted excerpt of generated text; a repeated token reads "tok" x 32."""
+    rep = _repeated_unit(text)
+    if rep is not None:
+        unit, k = rep
+        return f"\u201c{' '.join(unit.split()) or repr(unit)}\u201d \u00d7 {k}"
+    t = " ".join(text.split()) if text.strip() else repr(text)
+    return "\u201c" + (t if len(t) <= n else t[: n - 3] + "...") + "\u201d"
+
+
+def _unsafe_for(findings: Findings, scheme: str) -> UnsafeModules | None:
+    for u in findings.unsafe:
+        if u.scheme == scheme:
+            return u
+    return None
+
+
+def _damage_for(findings: Findings, module: str, scheme: str):
+    for d in findings.damage:
+        if d.module == module and d.scheme == scheme:
+            return d
+    return None
+
+
+def causal_chain(findings: Findings, quant: dict[str, ModuleQuant], health: Health,
+                 outcome: Outcome, env: dict, diff: DiffFindings | None = None
+                 ) -> list[Segment]:
+    """One paragraph: which step, which module, which channels, why they break the scheme,
+    what it did to the output."""
+    s: list[Segment] = []
+    fn = findings.first_nonfinite
+    th_ratio = findings.thresholds.get("ratio", 20.0)
+    if fn is not None:
+        kind = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}.get(fn.kind, fn.kind)
+        bad_n = fn.nan_count + fn.inf_count
+        if fn.is_gap:
+            g = fn.producer
+            s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), the first {kind} is already in "
+                     "the input of call "), _n(str(fn.call_index)), _t(" ("), _c(g.first_bad_module),
+                  _t("): an op the capture does not hook, between "),
+                  _c(g.last_finite_module or "the start of the step"), _t(" and "),
+                  _c(g.first_bad_module), _t(", produced it; "), _c(g.first_bad_module),
+                  _t(" only passed it on. ")]
+        else:
+            s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), call "), _n(str(fn.call_index)),
+                  _t(", "), _c(fn.module), _t(" turned finite input into "),
+                  Segment(kind, "bad"), _t(" ("), _n(bad_n), _t(" of "), _n(fn.numel),
+                  _t(f" output values). ")]
+            mine = sorted((o for o in findings.outliers if o.module == fn.module
+                           and o.step == fn.step and o.io == 0),
+                          key=lambda o: -o.absmax)[:3]
+            if mine:
+                parts = [[_t("channel "), _n(str(o.channel)), _t(" at "), _n(o.absmax),
+                          _t(" ("), _n(f"{fmt_num(o.ratio_to_median)}x"), _t(" the median)")]
+                         for o in mine]
+                s += [_t(f"Its input held {len(mine)} channel{'s' if len(mine) > 1 else ''} far "
+                         "outside the rest: ")] + _join(parts) + [
+                    _t(", against a median channel absmax of "), _n(mine[0].median_absmax),
+                    _t(". ")]
+            elif fn.input_absmax is not None:
+                s += [_t("Its input ranged from "), _n(fn.input_min), _t(" to "),
+                      _n(fn.input_max), _t(". ")]
+            s += _why_scheme(findings, fn.module, mine, quant, env)
+        sp = fn.spread
+        s += [_t(f"The {kind} then reached "), _n(sp.n_modules), _t(" of "),
+              _n(sp.n_modules_total), _t(" modules and the logits of "),
+              _n(sp.logits_nonfinite_steps), _t(" of "), _n(sp.n_steps_after), _t(" steps. ")]
+    else:
+        silent = [p for p in findings.precursors if p.silent]
+        if findings.verdict.status == PASSED:
+            s += [_t(f"No NaN or Inf and no warning sign in {findings.n_steps} steps. ")]
+        else:
+            s += [_t(f"No NaN or Inf in {findings.n_steps} steps, yet the run looks broken: ")]
+            s += [_t(silent[0].line + ". ") if silent else _t(findings.verdict.line + ". ")]
+        s += _silent_causes(findings, quant, health, outcome, th_ratio)
+    s += _output_sentence(outcome, findings)
+    if diff is not None and diff.first_jump is not None:
+        j = diff.first_jump
+        s += [_t("Against the reference trace, the first jump in divergence is at "), _c(j.module),
+              _t(f" (step {j.step}, score "), _n(j.score), _t("). ")]
+    return s
+
+
+def _why_scheme(findings: Findings, module: str, mine: list, quant: dict[str, ModuleQuant],
+                env: dict) -> list[Segment]:
+    """Why the producer's input breaks its scheme, with numbers."""
+    q = quant.get(module)
+    out: list[Segment] = []
+    peak = mine[0].absmax if mine else None
+    fmt = q.format if q else None
+    if fmt and fmt.startswith("fp8") or (not fmt and mine and any(
+            lim.startswith("fp8") for o in mine for lim in o.limits)):
+        name, limit = format_limit(fmt or next(lim for o in mine for lim in o.limits
+                                               if lim.startswith("fp8")))
+        over = [o for o in mine if o.absmax > limit]
+        if q:
+            how = ("without saturation" if "nosat" in q.format else "with saturation")
+            out += [_c(module), _t(f" casts its {q.target or 'input'} to {name} {how} (module "
+                                   "quant info "), _c(q.format), _t("). ")]
+        out += [_t(f"{name}'s largest finite value is "), _n(limit)]
+        if over:
+            out += [_t(": ")] + _join([[_t("channel "), _n(str(o.channel)), _t(" is "),
+                                        _n(f"{o.absmax / limit:.1f}x"), _t(" over it")]
+                                       for o in over])
+        if q is None or "nosat" in q.format:
+            out += [_t(", and a non-saturating cast turns such values into NaN (e4m3fn has no "
+                       "Inf). ")]
+        else:
+            out += [_t(", so such values are clipped to it. ")]
+        cast = env.get("fp8_cast") if isinstance(env.get("fp8_cast"), dict) else {}
+        if isinstance(cast.get("e4m3fn"), str) and q is not None and "nosat" in q.format:
+            out += [_t("(torch's own e4m3fn cast on the recorded machine behaves as "),
+                    _c(cast["e4m3fn"][:40]), _t("; the failing path used a non-saturating "
+                                                 "conversion.) ")]
+    elif fmt and fmt.startswith("int"):
+        d = _damage_for(findings, module, _scheme_key(fmt))
+        out += [_c(module), _t(" quantizes its " + (q.target or "input") + " with "),
+                _c(fmt), _t(". ")]
+        if d is not None:
+            out += [_t("That scale is "), _n(d.scale), _t(": "), _n(d.channels_zeroed),
+                    _t(" of "), _n(d.channels_total), _t(" channels fall below half of it and "
+                                                         "round to 0. ")]
+    d4 = _damage_for(findings, module, "int4-per-tensor")
+    if d4 is not None and peak is not None and d4.channels_zeroed:
+        out += [_t("The same outliers would wreck an INT4 per-tensor scale too: "), _n(d4.scale),
+                _t(", rounding "), _n(d4.channels_zeroed), _t(" of "), _n(d4.channels_total),
+                _t(" channels to 0. ")]
+    return out
+
+
+def _silent_causes(findings: Findings, quant: dict[str, ModuleQuant], health: Health,
+                   outcome: Outcome, th_ratio: float) -> list[Segment]:
+    out: list[Segment] = []
+    zero_rows = [r for r in health.rows if r.problem.endswith("exact zeros")]
+    wfmt = active_scheme(quant, outcome, "weights")
+    if zero_rows:
+        worst = zero_rows[0]
+        out += [_n(health.mostly_zero), _t(" parameter tensors have more than half their values "
+                                            "exactly 0 (worst "), _c(worst.module),
+                _t(" "), _c(worst.param), _t(": "), _n(f"{worst.zero_fraction:.1%}"),
+                _t("), the signature of weights quantized with a scale too coarse for them"),
+                _t(" (") if wfmt else _t(". ")]
+        if wfmt:
+            out += [_c(wfmt), _t("). ")]
+    afmt = active_scheme(quant, outcome, "activations")
+    if afmt:
+        u = _unsafe_for(findings, _scheme_key(afmt))
+        n_act = sum(1 for q in quant.values() if q.target == "activations")
+        out += [_t("Activations run through "), _c(afmt)]
+        out += [_t(f" in {n_act} modules")] if n_act else []
+        if u is not None and u.n_unsafe and u.modules:
+            w = u.modules[0]
+            out += [_t("; the analyzer predicts that scheme zeroes at least half the input "
+                       "channels of "), _n(u.n_unsafe), _t(" of "), _n(u.n_modules),
+                    _t(" modules (worst "), _c(w.module), _t(": scale "), _n(w.scale), _t(", "),
+                    _n(w.channels_zeroed), _t(" of "), _n(w.channels_total),
+                    _t(" channels round to 0). ")]
+        else:
+            out += [_t(". ")]
+    if findings.outliers:
+        o = max(findings.outliers, key=lambda o: o.absmax if math.isfinite(o.absmax) else -1)
+        out += [_t("The largest input outlier is channel "), _n(str(o.channel)), _t(" of "),
+                _c(o.module), _t(f" at step {o.step}: "), _n(o.absmax), _t(" ("),
+                _n(f"{fmt_num(o.ratio_to_median)}x"), _t(" the median channel). ")]
+    if findings.persistent:
+        p = findings.persistent[0]
+        out += [_t("Hidden dimension "), _n(str(p.dim)), _t(" stands out in "), _n(p.modules),
+                _t(" modules (up to "), _n(p.max_absmax), _t("). ")]
+    return out
+
+
+def _output_sentence(outcome: Outcome, findings: Findings) -> list[Segment]:
+    if outcome.text is None:
+        return []
+    out = [_t("The run generated "), _c(_quoted(outcome.text))]
+    if outcome.top1_agreement is not None:
+        out += [_t(" (top-1 agreement with the reference "),
+                _n(f"{outcome.top1_agreement:.0%}"), _t(")")]
+    if outcome.reference_text is not None and outcome.reference_text != outcome.text:
+        out += [_t("; the reference says "),
+                _c(_quoted(outcome.reference_text))]
+    return out + [_t(".")]
+
+
+# -- recommendations -------------------------------------------------------------------------------
+def _q(s: str) -> str:
+    return shlex.quote(s)
+
+
+def _salient_pct(n_channels: int, total: int) -> str:
+    if total <= 0:
+        return "1%"
+    pct = max(1, math.ceil(100.0 * n_channels / total))
+    return f"{pct}%"
+
+
+def _best_group(findings: Findings, bits: str = "int4") -> UnsafeModules | None:
+    cands = [u for u in findings.unsafe if u.scheme.startswith(f"{bits}-g")]
+    if not cands:
+        return None
+
+    def size(u: UnsafeModules) -> int:
+        try:
+            return int(u.scheme.split("-g")[1])
+        except (IndexError, ValueError):
+            return 0
+    return min(cands, key=lambda u: (u.n_unsafe, -size(u)))
+
+
+def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: Health,
+                    outcome: Outcome, env: dict, *, trace_arg: str,
+                    reference_arg: str | None = None, replay: ReplaySummary | None = None
+                    ) -> list[Recommendation]:
+    """Actions tied to the findings, each with the command that verifies it."""
+    recs: list[Recommendation] = []
+    T = _q(trace_arg)
+    fn = findings.first_nonfinite
+    producer = fn.producer_module if fn is not None else None
+    pq = quant.get(producer) if producer else None
+    afmt = active_scheme(quant, outcome, "activations")
+    wfmt = active_scheme(quant, outcome, "weights")
+    focus = producer or (findings.outliers[0].module if findings.outliers else None)
+    mine = [o for o in findings.outliers if o.module == focus and o.io == 0]
+    chans = sorted({o.channel for o in mine})
+    total = mine[0].channels_total if mine else 0
+
+    fp8_over = (pq is not None and pq.format.startswith("fp8")) or any(
+        lim.startswith("fp8") for o in mine for lim in o.limits)
+    if fn is not None and fp8_over:
+        name, limit = format_limit(pq.format if pq else "fp8-e4m3")
+        recs.append(Recommendation(
+            "rec-fp8", f"Make the {name} cast of {producer or 'the producer'} safe",
+            [_t("Use a saturating cast or a dynamic per-tensor scale (amax / "), _n(limit),
+             _t(") for the input of "), _c(producer or "-"),
+             _t(f": its outliers exceed {name}'s largest value, and a static, non-saturating "
+                "cast turns them into NaN. The what-if predicts the damage of the dynamic-scale "
+                "scheme on the recorded ranges.")],
+            [f"qforensics whatif {T} --scheme fp8-e4m3-dynamic"]))
+    if chans and focus:
+        scheme = afmt or wfmt or "int4-g128"
+        pct = _salient_pct(len(chans), total)
+        recs.append(Recommendation(
+            "rec-salient", "Keep the outlier channels in FP16",
+            [_t("Keep input channel" + ("s " if len(chans) > 1 else " ")),
+             _n(", ".join(str(c) for c in chans[:12]) + (" ..." if len(chans) > 12 else "")),
+             _t(" of "), _c(focus), _t(" in FP16 (" + str(len(chans)) + " of "),
+             _n(total), _t(f" channels; a {pct} salient-channel budget covers them) and quantize "
+                           "the rest.")],
+            [f"qforensics whatif {T} --scheme {_q(_scheme_key(scheme))} --keep-salient {pct}"]))
+    per_tensor = [u for u in findings.unsafe if "per-tensor" in u.scheme and u.n_unsafe]
+    weights_zeroed = health.mostly_zero > 0
+    int_active = any(f and f.startswith("int") for f in (afmt, wfmt))
+    no_active = not afmt and not wfmt
+    if weights_zeroed or (int_active and any(f and "per-tensor" in f for f in (afmt, wfmt))) or (
+            no_active and per_tensor):
+        g = _best_group(findings)
+        gname = g.scheme if g is not None else "int4-g128"
+        why = [_t("One scale per tensor is set by the largest value, so everything small rounds "
+                  "to 0. ")]
+        if per_tensor:
+            u = per_tensor[0]
+            why += [_c(u.scheme), _t(" is predicted unsafe for "), _n(u.n_unsafe), _t(" of "),
+                    _n(u.n_modules), _t(" modules")]
+            if g is not None:
+                why += [_t("; "), _c(g.scheme), _t(" for "), _n(g.n_unsafe)]
+            why += [_t(". ")]
+        if weights_zeroed:
+            why += [_n(health.mostly_zero), _t(" parameter tensors are more than half zeros. ")]
+        why += [_t("Use per-group scales (group size "),
+                _n(gname.split("-g")[1] if "-g" in gname else "128"),
+                _t(") and compare the predicted damage.")]
+        recs.append(Recommendation("rec-group", f"Use per-group scales ({gname})", why,
+                                   [f"qforensics whatif {T} --scheme {_q(gname)}",
+                                    f"qforensics whatif {T} --scheme {_q(gname)} --keep-salient 1%"]))
+    argv = env.get("argv")
+    run_cmd = (" ".join(_q(str(a)) for a in argv[:20]) if isinstance(argv, list) and argv
+               and all(isinstance(a, str) for a in argv) else "python serve_once.py")
+    if not run_cmd.startswith("python"):
+        run_cmd = "python " + run_cmd
+    if findings.verdict.status == FAILED:
+        recs.append(Recommendation(
+            "rec-guard", "Add the runtime NaN/Inf guard",
+            [_t("Wrap the model with the qforensics runtime guard so a non-finite output trips a "
+                "fallback to the unquantized path (with a circuit breaker) instead of emitting "
+                "garbage tokens; then capture the fixed run and check it comes back PASSED.")],
+            [f"qforensics record -o after.h5 -- {run_cmd}", "qforensics analyze after.h5"]))
+    if fn is not None and findings.snapshots and replay is None:
+        recs.append(Recommendation(
+            "rec-replay", "Replay the producer's kernel on the kept snapshot",
+            [_t("The trace kept the tensors of call "), _n(str(fn.call_index)),
+             _t("; replay them under compute-sanitizer (or the CPU emulation) to tell a kernel "
+                "bug from a numeric overflow, and attach the result to this report.")],
+            [f"qforensics replay {T} --call {fn.call_index} --json replay.json",
+             f"qforensics report {T} -o incident.html --replay replay.json"]))
+    if reference_arg is None and findings.verdict.status != PASSED:
+        recs.append(Recommendation(
+            "rec-reference", "Compare with a reference run",
+            [_t("Capture the same prompt unquantized (FP16) and diff the two traces: the first "
+                "module whose statistics jump is where the damage starts.")],
+            [f"qforensics record -o ref.h5 -- {run_cmd}",
+             f"qforensics report {T} -o incident.html --reference ref.h5"]))
+    elif reference_arg is not None:
+        recs.append(Recommendation(
+            "rec-diff", "Re-run the diff after the fix",
+            [_t("The reference trace is given; after applying a fix, the diff should show no "
+                "jump.")],
+            [f"qforensics diff {_q(reference_arg)} after.h5"]))
+    recs.append(Recommendation(
+        "rec-analyze", "Verify",
+        [_t("After any change, capture again and analyze: the verdict line should read PASSED.")],
+        [f"qforensics analyze {T}"]))
+    return recs

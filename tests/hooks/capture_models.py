@@ -1,0 +1,37 @@
+"""Small torch models for capture tests (fresh per test)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Tiny(nn.Module):
+    """embedding -> 3 blocks -> head; input_ids in, logits out."""
+
+    def __init__(self, vocab: int = 16, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def ids(n: int = 4) -> torch.Tensor:
+    return torch.arange(n).reshape(1, n) % 16
