@@ -25,7 +25,8 @@ Example:
          "and recommendations with the commands that verify them. The file loads nothing "
          "from the network; open it offline or attach it to a ticket.\n\n"
          "Prints the report path and the verdict line; exits 0 when the report is written "
-         "(whatever the verdict), 2 when an input cannot be read.\n\n" + EXAMPLE,
+         "(whatever the verdict), 2 when an input cannot be read.",
+    epilog=EXAMPLE,
 )
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False, path_type=Path),

@@ -392,6 +392,11 @@ class Guard:
                     del _ACTIVE[id(self.model)]
 
     @property
+    def failed(self) -> str | None:
+        """The internal error that made the guard passive, if any."""
+        return self._failed
+
+    @property
     def hooks_attached(self) -> int:
         return len(self._root_handles) + len(self._mod_handles)
 
@@ -411,12 +416,15 @@ class Guard:
                 x = _input_of(args, kwargs)
                 if x is not None:
                     alt = fb(x, output.dtype)
-                    if self._in_step:
-                        self._counts.append((i, _nonfinite_counts(output)))
+                    if self._in_step:  # NaN, Inf of the quantized output; non-finite inputs
+                        self._counts.append((i, torch.cat([
+                            _nonfinite_counts(output), (~torch.isfinite(x)).sum().reshape(1)])))
                     out = alt if st == OPEN else torch.where(torch.isfinite(output), output, alt)
                     self.stats.fallback_calls += 1
             elif self._check_modules and self._in_step and not self._locating:
-                self._flags.append((i, output.sum(dtype=torch.float32)))
+                x = _input_of(args, kwargs)
+                s_in = x.sum(dtype=torch.float32) if x is not None else output.new_zeros(())
+                self._flags.append((i, torch.stack([s_in.float(), output.sum(dtype=torch.float32)])))
             if self._locating:
                 out = self._locate(i, args, kwargs, output, out)
             return out if out is not output else None
@@ -460,8 +468,9 @@ class Guard:
         self.stats.trips += 1
         self.stats.trips_by_module[name] = self.stats.trips_by_module.get(name, 0) + 1
         if self.stats.trips_by_module[name] == 1:
-            log.warning("qforensics guard: %s produced %d NaN / %d Inf at step %d; %s", name, nan,
-                        inf, self.step, detail)
+            what = f"{nan} NaN / {inf} Inf" if nan + inf else "non-finite output"
+            log.warning("qforensics guard: %s produced %s at step %d; %s", name, what,
+                        self.step, detail)
         self._incident(name, action, nan, inf, detail)
 
     def _breaker(self, i: int) -> None:
@@ -513,7 +522,7 @@ class Guard:
             self._tripped = set()
             self._cache = _cache_of(kwargs)
             self._cache_len = None
-            if self._cache is not None and hasattr(self._cache, "get_seq_length"):
+            if self._cache is not None and callable(getattr(self._cache, "get_seq_length", None)):
                 self._cache_len = int(self._cache.get_seq_length())
         except Exception as exc:
             self._fail(exc)
@@ -537,8 +546,9 @@ class Guard:
             self._args, self._kwargs, self._cache = (), {}, None
             self._flags, self._counts = [], []
 
-    def _read(self, logits: torch.Tensor | None) -> tuple[bool, list[int]]:
-        """One transfer: logits finite?, modules whose flag is non-finite; counts trips."""
+    def _read(self, logits: torch.Tensor | None) -> tuple[bool, list[tuple[int, bool]]]:
+        """One transfer: are the logits finite, which flagged modules (check="modules") had a
+        non-finite output (and was their input finite); counts the suspect modules' trips."""
         tensors: list[torch.Tensor] = []
         if logits is not None:
             tensors.append(logits.detach().sum(dtype=torch.float32))
@@ -551,15 +561,16 @@ class Guard:
         if logits is not None:
             ok = math.isfinite(vals[0])
             pos = 1
-        bad_flags = []
+        bad_flags = []  # (module, its input was finite): non-finite outputs, in call order
         for i, _ in self._flags:
-            if not math.isfinite(vals[pos]):
-                bad_flags.append(i)
-            pos += 1
-        for i, _ in self._counts:
-            nan, inf = int(vals[pos]), int(vals[pos + 1])
+            if not math.isfinite(vals[pos + 1]):
+                bad_flags.append((i, math.isfinite(vals[pos])))
             pos += 2
-            if nan + inf and i not in self._tripped:
+        for i, _ in self._counts:
+            nan, inf, bad_in = int(vals[pos]), int(vals[pos + 1]), int(vals[pos + 2])
+            pos += 3
+            # a non-finite input is propagation, not this module's trip
+            if nan + inf and not bad_in and i not in self._tripped:
                 opened = self._state[i] == OPEN
                 self._trip(i, nan, inf, "breaker_fallback" if opened else "fallback",
                            "breaker open: the fallback output was used" if opened else
@@ -578,7 +589,7 @@ class Guard:
             return None
         if isinstance(cache, (tuple, list)):
             return None  # legacy tuple cache: the forward returns a new one, input untouched
-        if self._cache_len is None or not hasattr(cache, "crop"):
+        if self._cache_len is None or not callable(getattr(cache, "crop", None)):
             return f"the KV cache ({type(cache).__name__}) cannot be rolled back"
         added = int(cache.get_seq_length()) - self._cache_len
         if added > 0:
@@ -628,8 +639,12 @@ class Guard:
                     break  # no new producer found: another rerun cannot help
         else:
             why = "rerun disabled by the policy"
-            if bad_flags:  # check="modules": blame the first flagged call, fallback from now on
-                i = bad_flags[0]
+        if not replaced:
+            # check="modules": the first flagged call with a finite input is the producer;
+            # it runs its fallback from the next call on
+            producers = [i for i, in_ok in bad_flags if in_ok]
+            if producers:
+                i = producers[0]
                 if self._state[i] == HEALTHY and self._fallbacks[i] is not None:
                     self._trip(i, 0, 0, "fallback", "caught at the step end (counts unknown); "
                                "its fallback output is used from the next call on")

@@ -26,9 +26,9 @@ from qforensics.reports.report import (
 )
 
 __all__ = [
-    "ReportResult",
     "ReplayEntry",
     "ReplaySummary",
+    "ReportResult",
     "build_context",
     "content_security_policy",
     "load_replay_result",

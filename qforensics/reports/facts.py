@@ -20,9 +20,22 @@ from qforensics.errors import TraceFormatError
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 
-__all__ = ["ModuleQuant", "HealthRow", "Health", "Outcome", "ChannelView", "Grid",
-           "read_quant", "read_health", "read_outcome", "environment_rows", "read_channels",
-           "read_grid", "fmt_num", "text_value"]
+__all__ = [
+    "ChannelView",
+    "Grid",
+    "Health",
+    "HealthRow",
+    "ModuleQuant",
+    "Outcome",
+    "environment_rows",
+    "fmt_num",
+    "read_channels",
+    "read_grid",
+    "read_health",
+    "read_outcome",
+    "read_quant",
+    "text_value",
+]
 
 MAX_TEXT = 20000
 MAX_FIELD = 400
@@ -133,7 +146,8 @@ class Health:
 
 def _count(d: dict[str, Any], key: str) -> int:
     v = d.get(key, 0)
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else 0
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return int(v) if ok else 0
 
 
 def read_health(trace: Trace, limit: int = 25) -> Health:

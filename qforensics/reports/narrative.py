@@ -12,13 +12,25 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass, field
 
-from qforensics.analyze.findings import FAILED, PASSED, DiffFindings, Findings, UnsafeModules
+from qforensics.analyze.findings import (
+    FAILED,
+    PASSED,
+    DiffFindings,
+    Findings,
+    UnsafeModules,
+)
 from qforensics.analyze.thresholds import FORMAT_LIMITS
 from qforensics.reports.facts import Health, ModuleQuant, Outcome, fmt_num
 from qforensics.reports.replay_result import ReplaySummary
 
-__all__ = ["Segment", "Recommendation", "causal_chain", "recommendations", "format_limit",
-           "active_scheme"]
+__all__ = [
+    "Recommendation",
+    "Segment",
+    "active_scheme",
+    "causal_chain",
+    "format_limit",
+    "recommendations",
+]
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,7 @@ def causal_chain(findings: Findings, quant: dict[str, ModuleQuant], health: Heal
             s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), call "), _n(str(fn.call_index)),
                   _t(", "), _c(fn.module), _t(" turned finite input into "),
                   Segment(kind, "bad"), _t(" ("), _n(bad_n), _t(" of "), _n(fn.numel),
-                  _t(f" output values). ")]
+                  _t(" output values). ")]
             mine = sorted((o for o in findings.outliers if o.module == fn.module
                            and o.step == fn.step and o.io == 0),
                           key=lambda o: -o.absmax)[:3]
@@ -375,10 +387,12 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
     if findings.verdict.status == FAILED:
         recs.append(Recommendation(
             "rec-guard", "Add the runtime NaN/Inf guard",
-            [_t("Wrap the model with the qforensics runtime guard so a non-finite output trips a "
+            [_t("Run the model under the qforensics runtime guard so a non-finite output trips a "
                 "fallback to the unquantized path (with a circuit breaker) instead of emitting "
-                "garbage tokens; then capture the fixed run and check it comes back PASSED.")],
-            [f"qforensics record -o after.h5 -- {run_cmd}", "qforensics analyze after.h5"]))
+                "garbage tokens; the guard's trips are recorded in the trace, and the analysis "
+                "shows whether the output stayed finite.")],
+            [f"qforensics record --guard fallback -o after.h5 -- {run_cmd}",
+             "qforensics analyze after.h5"]))
     if fn is not None and findings.snapshots and replay is None:
         recs.append(Recommendation(
             "rec-replay", "Replay the producer's kernel on the kept snapshot",

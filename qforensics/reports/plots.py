@@ -22,8 +22,17 @@ from matplotlib.figure import Figure as MplFigure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
-__all__ = ["Figure", "Heatmap", "bin_heatmap", "plot_logits", "plot_heatmap", "plot_channels",
-           "plot_divergence", "MAX_HEATMAP_ROWS", "MAX_HEATMAP_COLS"]
+__all__ = [
+    "MAX_HEATMAP_COLS",
+    "MAX_HEATMAP_ROWS",
+    "Figure",
+    "Heatmap",
+    "bin_heatmap",
+    "plot_channels",
+    "plot_divergence",
+    "plot_heatmap",
+    "plot_logits",
+]
 
 # The heatmap is binned (max over each bin) above these sizes.
 MAX_HEATMAP_ROWS = 200
@@ -75,7 +84,7 @@ def _render(fig: MplFigure, fid: str, title: str, alt: str, caption: str) -> Fig
     fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
     w, h = fig.get_size_inches() * DPI
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-    return Figure(fid, title, uri, alt, caption, int(round(w)), int(round(h)))
+    return Figure(fid, title, uri, alt, caption, round(w), round(h))
 
 
 def _style(ax) -> None:
@@ -135,7 +144,7 @@ def plot_logits(steps: np.ndarray, lmin: np.ndarray, lmax: np.ndarray, lmean: np
     ax.xaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
     ax.tick_params(labelsize=8)
     _style(ax)
-    n_bad = int(len(bad))
+    n_bad = len(bad)
     caption = (f"Logits of each step's last position: min, mean and max over the finite values. "
                f"{n_bad} of {len(steps)} steps have NaN/Inf logits (shaded).")
     return _render(fig, "plot-logits", "Logits per step",
@@ -195,7 +204,9 @@ def plot_heatmap(hm: Heatmap, mark: tuple[int, int] | None = None) -> Figure | N
         return None
     n_rows, n_cols = hm.values.shape
     height = min(11.0, max(3.5, 0.045 * n_rows + 1.6))
-    fig, ax = _new(height, left=0.27, right=0.97, bottom=0.9 / height, top=1 - 0.45 / height)
+    bottom, top = 0.9 / height, 1 - 0.45 / height
+    fig, ax = _new(height, left=0.27, right=0.9, bottom=bottom, top=top)
+    cax = fig.add_axes((0.915, bottom, 0.015, top - bottom))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#f0f0f0")
     vals = np.ma.masked_invalid(hm.values)
     fin = vals.compressed()
@@ -213,7 +224,7 @@ def plot_heatmap(hm: Heatmap, mark: tuple[int, int] | None = None) -> Figure | N
         c = int(np.searchsorted(hm.col_starts, mark[1], side="right") - 1)
         ax.plot([c], [r], marker="o", ms=14, mfc="none", mec="black", mew=2)
         ax.plot([c], [r], marker="o", ms=14, mfc="none", mec="white", mew=0.8)
-    cb = fig.colorbar(im, ax=ax, fraction=0.03, pad=0.015)
+    cb = fig.colorbar(im, cax=cax)
     cb.set_label("log10 absmax of output")
     # y ticks: at most ~30 labels (tick labels are expensive to lay out)
     step = max(1, math.ceil(n_rows / 30))

@@ -34,12 +34,12 @@ from qforensics.analyze.findings import (
     Findings,
     Verdict,
 )
-from qforensics.errors import QForensicsError, UsageError
+from qforensics.errors import QForensicsError
 from qforensics.reports import facts, narrative, plots
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
 from qforensics.trace.reader import Trace, open_trace
 
-__all__ = ["ReportResult", "render_report", "write_report", "CSP_SCRIPT", "content_security_policy"]
+__all__ = ["CSP_SCRIPT", "ReportResult", "content_security_policy", "render_report", "write_report"]
 
 TEMPLATE = "report.html.j2"
 

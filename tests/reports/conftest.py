@@ -13,7 +13,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from synth import bad_module_index, write_synthetic_trace  # noqa: E402
+from synth import bad_module_index, write_synthetic_trace
 
 ROOT = HERE.parents[1]
 SAMPLES = ROOT / "sample_traces"

@@ -24,7 +24,7 @@ def _load(driver, path):
 def _console_errors(driver) -> list[str]:
     try:
         logs = driver.get_log("browser")
-    except Exception:  # some drivers do not support it; the collector below still runs
+    except Exception:  # noqa: BLE001  some drivers lack it; the collector below still runs
         logs = []
     errs = [e["message"] for e in logs if e.get("level") == "SEVERE"]
     return errs + list(driver.execute_script("return window.__qfErrors || []"))
