@@ -44,9 +44,10 @@ import collections
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ __all__ = ["Guard", "GuardError", "GuardPolicy", "GuardStats", "GuardTripError",
 
 log = logging.getLogger(__name__)
 
-_ACTIVE: dict[int, "Guard"] = {}  # id(model) -> guard: refuse attaching twice
+_ACTIVE: dict[int, Guard] = {}  # id(model) -> guard: refuse attaching twice
 _ACTIVE_LOCK = threading.Lock()
 
 HEALTHY, SUSPECT, OPEN = 0, 1, 2
@@ -109,7 +110,7 @@ class GuardPolicy:
     copy_weights: bool = False
     sanitize_value: float = 1e4
 
-    def validated(self) -> "GuardPolicy":
+    def validated(self) -> GuardPolicy:
         if self.check not in ("logits", "modules"):
             raise GuardError(f"guard policy check must be 'logits' or 'modules', not {self.check!r}")
         if self.on_unrecoverable not in ("sanitize", "raise"):
@@ -312,7 +313,7 @@ class Guard:
         self._notes: list[str] = []  # why a locate pass could not repair (for the incident)
 
     # -- set-up / teardown ---------------------------------------------------------------------
-    def __enter__(self) -> "Guard":
+    def __enter__(self) -> Guard:
         self.attach()
         return self
 

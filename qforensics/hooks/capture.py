@@ -442,7 +442,7 @@ class Capture:
             per_dev.setdefault(lp.device, []).append(lp)
         n_ids = 0
         if final and self._step_ids is not None and self._step_ids.numel():
-            ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float64)
+            ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float32)  # exact < 2**24
             n_ids = ids_t.numel()
             ids_dev = ids_t.device
             per_dev.setdefault(ids_dev, []).append(ids_t)
@@ -482,12 +482,12 @@ class Capture:
                 v = logits.reshape(-1, logits.shape[-1])[-1]
             else:
                 v = logits.reshape(-1)
-            v = v.to(torch.float64)
+            v = v.to(torch.float32)
             fin = torch.isfinite(v)
             nan = torch.isnan(v).sum()
             inf = (~fin).sum() - nan
             vz = torch.where(fin, v, float("-inf"))
-            big = torch.finfo(torch.float64).max
+            big = torch.finfo(torch.float32).max
             vmin = torch.where(fin, v, big).min()
             vmax = torch.where(fin, v, -big).max()
             cnt = fin.sum().clamp_min(1)
@@ -498,13 +498,13 @@ class Capture:
             k = min(5, v.numel())
             # topk over NaN-free values; a NaN logit ranks first in plain topk
             top = torch.topk(torch.where(torch.isnan(v), float("-inf"), v), k)
-            ids = torch.full((5,), -1.0, dtype=torch.float64, device=v.device)
-            vals = torch.full((5,), float("nan"), dtype=torch.float64, device=v.device)
-            ids[:k] = top.indices.double()
+            ids = torch.full((5,), -1.0, dtype=torch.float32, device=v.device)
+            vals = torch.full((5,), float("nan"), dtype=torch.float32, device=v.device)
+            ids[:k] = top.indices.float()
             vals[:k] = top.values
-            arg = torch.where(nan > 0, torch.tensor(-1.0, dtype=torch.float64, device=v.device),
-                              top.indices[0].double())
-            return torch.cat([torch.stack([vmin, vmax, mean, std, ent, nan.double(), inf.double(),
+            arg = torch.where(nan > 0, torch.tensor(-1.0, device=v.device),
+                              top.indices[0].float())
+            return torch.cat([torch.stack([vmin, vmax, mean, std, ent, nan.float(), inf.float(),
                                            arg]), ids, vals])
 
     # -- host side assembly ------------------------------------------------------------------
@@ -806,25 +806,24 @@ class Capture:
 
 
 def _fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
-    """g same-shaped tensors -> float64 vector [min, max, mean, std, absmax] x g, then per-channel
-    min (g*C) and max (g*C) when kept, then per-token absmax (g*R). NaN/Inf propagate."""
+    """g same-shaped tensors -> one float32 vector: mean (g), var (g), then per-channel min
+    (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then per-token absmax
+    (g*R). NaN/Inf propagate. The host derives min/max/absmax/std from these."""
     with torch.no_grad():
         x = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
         g = x.shape[0]
         x = x.reshape(g, rows, chans)
-        if not x.is_floating_point() or x.dtype not in (torch.float32, torch.float64):
+        if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
         cmin, cmax = torch.aminmax(x, dim=1)
         var, mean = torch.var_mean(x, dim=(1, 2), correction=0)
         tok = torch.linalg.vector_norm(x, ord=float("inf"), dim=2)
-        vmin = cmin.amin(1)
-        vmax = cmax.amax(1)
-        absmax = torch.maximum(vmin.abs(), vmax.abs())
-        parts = [torch.stack([vmin, vmax, mean, var.sqrt(), absmax]).reshape(-1)]
         if keep_ch:
-            parts += [cmin.reshape(-1), cmax.reshape(-1)]
-        parts.append(tok.reshape(-1))
-        return torch.cat(parts).to(torch.float64)
+            parts = [mean, var, cmin.reshape(-1), cmax.reshape(-1), tok.reshape(-1)]
+        else:
+            parts = [mean, var, cmin.amin(1), cmax.amax(1), tok.reshape(-1)]
+        out = torch.cat(parts)
+        return out if out.dtype == torch.float32 else out.to(torch.float32)
 
 
 def _exact_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
@@ -892,21 +891,37 @@ class _UniqueStats:
     def unpack(self, plan: list, host: dict, cursor: dict, exact: bool = False) -> None:
         for idx, rows, chans, keep, dev, size, nsc in plan:
             c = cursor[dev]
-            flat = host[dev][c:c + size]
+            flat = host[dev][c:c + size].astype(np.float64)
             cursor[dev] = c + size
             g = len(idx)
-            sc = flat[:nsc * g].reshape(nsc, g)
-            off = nsc * g
-            self.sc[idx] = sc[:5].T
-            if nsc == 7:
+            if exact:  # [min, max, mean, std, absmax, nan, inf] x g, channels, tokens
+                sc = flat[:7 * g].reshape(7, g)
+                off = 7 * g
+                self.sc[idx] = sc[:5].T
                 self.nan[idx] = sc[5]
                 self.inf[idx] = sc[6]
+                if keep:
+                    cmin = flat[off:off + g * chans].reshape(g, chans)
+                    cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
+                    off += 2 * g * chans
+            else:  # fast layout, see _fast_group
+                mean, var = flat[:g], flat[g:2 * g]
+                off = 2 * g
+                if keep:
+                    cmin = flat[off:off + g * chans].reshape(g, chans)
+                    cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
+                    off += 2 * g * chans
+                    with np.errstate(invalid="ignore"):
+                        vmin, vmax = cmin.min(axis=1), cmax.max(axis=1)
+                else:
+                    vmin, vmax = flat[off:off + g], flat[off + g:off + 2 * g]
+                    off += 2 * g
+                with np.errstate(invalid="ignore"):
+                    self.sc[idx] = np.stack([vmin, vmax, mean, np.sqrt(var),
+                                             np.maximum(np.abs(vmin), np.abs(vmax))], axis=1)
             self.rows[idx] = rows
             self.computed[idx] = True
             if keep:
-                cmin = flat[off:off + g * chans].reshape(g, chans)
-                cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
-                off += 2 * g * chans
                 for k, j in enumerate(idx):
                     if exact and j in self._chan_loc:
                         part, pos = self._chan_loc[j]

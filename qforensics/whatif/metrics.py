@@ -71,6 +71,8 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 256) ->
         lp = torch.log_softmax(logits[s:s + chunk].double(), -1)
         nll -= float(lp.gather(-1, targets[s:s + chunk, None]).sum())
     mean = nll / targets.numel()
+    if math.isnan(mean):
+        return math.nan
     return math.exp(mean) if mean < 700 else math.inf
 
 

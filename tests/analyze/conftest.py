@@ -24,7 +24,6 @@ def runner() -> CliRunner:
 def sample():
     def get(name: str) -> str:
         p = SAMPLES / f"{name}.h5"
-        if not p.is_file():
-            pytest.skip(f"sample trace {p} not present (python sample_traces/regenerate.py)")
+        assert p.is_file(), f"sample trace {p} missing (python sample_traces/regenerate.py)"
         return str(p)
     return get

@@ -204,7 +204,7 @@ class Cache:
     def get_seq_length(self) -> int:
         return sum(r.shape[0] for r in self.rows)
 
-    def crop(self, n: int) -> None:  # noqa: F811 - negative: remove n tokens
+    def crop(self, n: int) -> None:
         assert n < 0
         keep = self.get_seq_length() + n
         out, total = [], 0
@@ -257,10 +257,9 @@ def test_fp16_linear_fallback_recomputes_in_float32() -> None:
 
 def test_incidents_land_in_the_captured_trace(tiny: Tiny, tmp_path) -> None:
     path = tmp_path / "t.h5"
-    with quant(tiny):
-        with qforensics.capture(tiny, path), guard(tiny):
-            tiny(ok_input())
-            tiny(bad_input())
+    with quant(tiny), qforensics.capture(tiny, path), guard(tiny):
+        tiny(ok_input())
+        tiny(bad_input())
     with qforensics.open_trace(path) as t:
         inc = t.incidents
     assert list(inc["action"]) == ["fallback"]

