@@ -304,3 +304,38 @@ def test_modules_option(tmp_path):
         m(ids())
     with qforensics.open_trace(tmp_path / "u.h5") as t:
         assert t.modules.name.tolist() == ["layers.2.down", ""]
+
+
+class WQLinear_GEMM(nn.Module):  # noqa: N801 - AutoAWQ's class name, recognised by name
+    """An AWQ-layout INT4 linear (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N])."""
+
+    def __init__(self, k: int = 16, n: int = 16, group: int = 8):
+        super().__init__()
+        self.w_bit, self.group_size = 4, group
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("qweight", torch.randint(0, 2**31 - 1, (k, n // 8), generator=g,
+                                                      dtype=torch.int32))
+        self.register_buffer("qzeros", torch.full((k // group, n // 8), 0x88888888 - 2**32,
+                                                  dtype=torch.int32))
+        self.register_buffer("scales", torch.full((k // group, n), 0.01, dtype=torch.float16))
+        self.scales[1, 3] = float("nan")
+        self.n = n
+
+    def forward(self, x):
+        return x.new_full((*x.shape[:-1], self.n), float("nan"))
+
+
+def test_awq_module_is_recognised_and_snapshotted_packed(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 16), WQLinear_GEMM())
+    with qforensics.capture(model, tmp_path / "t.h5"):
+        model(torch.randn(2, 16))
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        mods = t.modules.set_index("name")
+        assert mods.loc["1", "kind"] == "quantized_linear"
+        info = t.module_info(int(np.nonzero(t.modules.name.to_numpy() == "1")[0][0]))
+        assert info["quant"] == {"bits": 4, "format": "awq", "group_size": 8}
+        assert info["health"]["scales"]["nan"] == 1
+        kept = t.snapshot_tensors(1)
+        assert kept["qweight"].dtype == np.int32 and kept["qweight"].shape == (16, 2)
+        assert kept["scales"].dtype == np.float16 and kept["scales"].shape == (2, 16)
+        assert kept["weight_cols"].tolist() == [0, 16, 16]

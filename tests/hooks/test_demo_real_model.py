@@ -1,0 +1,26 @@
+"""`qforensics demo` end to end on the real model (one failing scenario, few tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from qforensics.cli import main
+
+pytestmark = pytest.mark.model
+
+
+def test_demo_writes_traces_analyses_and_reports(tmp_path):
+    res = CliRunner().invoke(main, ["demo", "-o", str(tmp_path), "-s", "fp8-e4m3-nosat-act",
+                                    "--max-new-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert ("fp8-e4m3-nosat-act             step 0    0.0%  FAILED | first non-finite at step 0,"
+            " call 94: model.layers.11.mlp.down_proj produced NaN from finite input") in res.output
+    assert "fp16-reference" in res.output and "PASSED" in res.output
+    for name in ("fp16-reference", "fp8-e4m3-nosat-act"):
+        assert (tmp_path / f"{name}.h5").is_file()
+        assert (tmp_path / f"{name}.html").stat().st_size > 50_000
+        doc = json.loads((tmp_path / f"{name}.json").read_text())
+        assert doc["schema"] == "qforensics.analyze"
