@@ -55,13 +55,17 @@ def _summarize(pattern: str) -> list[str]:
 @capture_options
 @click.option("--attach", type=click.Choice(["first", "all"]), default="first",
               show_default=True, help="Capture the first model the program runs, or every one.")
-@click.option("--guard", "guard_policy", default=None,
-              help='Also run the runtime NaN guard with this policy (e.g. "fallback").')
+@click.option("--guard", "guard_on", is_flag=True,
+              help="Also run the runtime NaN/Inf guard (rerun + FP16 fallback + breaker); its "
+                   "trips are written into the trace as incidents.")
+@click.option("--guard-check", type=click.Choice(["logits", "modules"]), default="logits",
+              show_default=True, help="Guard: check only the logits (one sync per step) or "
+                                      "every quantized linear.")
 @click.option("--print-env", is_flag=True,
               help="Print the environment variables that attach capture (for launchers that "
                    "cannot be wrapped) and exit.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def command(out: str, attach: str, guard_policy: str | None, print_env: bool,
+def command(out: str, attach: str, guard_on: bool, guard_check: str, print_env: bool,
             cmd: tuple[str, ...], **capture: Any) -> None:
     """Run an unmodified program with capture hooks on the first torch model it runs.
 
@@ -73,10 +77,11 @@ def command(out: str, attach: str, guard_policy: str | None, print_env: bool,
     Example:
         qforensics record -o trace.h5 -- python serve_once.py --prompt "hi"
         qforensics record -o 'trace-{rank}.h5' -- torchrun --nproc-per-node 2 run.py
+        qforensics record --guard -o guarded.h5 -- python serve_once.py
         eval "$(qforensics record -o trace.h5 --print-env)"   # then start your launcher
     """
     opts = capture_kwargs(**capture)
-    env = _env(out, opts, attach, guard_policy)
+    env = _env(out, opts, attach, json.dumps({"check": guard_check}) if guard_on else None)
     if print_env:
         for k, v in env.items():
             click.echo(f"export {k}={shlex.quote(v)}")

@@ -10,8 +10,8 @@ on SIGTERM, and when an uncaught exception ends the program (its message goes in
 status). A SIGKILL loses only what was not yet flushed.
 
 Environment: QFORENSICS_TRACE (path; "{rank}" is replaced by the rank), QFORENSICS_OPTIONS (JSON
-dict of capture options), QFORENSICS_ATTACH ("first" | "all"), QFORENSICS_GUARD (policy name:
-also run the runtime NaN guard on the model).
+dict of capture options), QFORENSICS_ATTACH ("first" | "all"), QFORENSICS_GUARD (a JSON object of
+guard policy fields, or any other value for the defaults: also run the runtime NaN guard).
 """
 
 from __future__ import annotations
@@ -115,18 +115,9 @@ def _global_pre_hook(module: Any, args: Any) -> None:
         cap.attach()
         _state["attached"] = n + 1
         _state["captures"].append(cap)
-        policy = os.environ.get("QFORENSICS_GUARD")
-        if policy:
-            try:
-                from qforensics.guard.runtime import guard
-
-                g = guard(module, policy=policy)
-                g.__enter__()
-                _state.setdefault("guards", []).append(g)
-            except Exception as exc:
-                sys.stderr.write(f"qforensics: guard not installed: {exc}\n")
         # This call's own pre-hooks were collected before we attached: begin step 0 by hand,
-        # with the call's keyword arguments (input_ids) read from the dispatching frame.
+        # with the call's keyword arguments (input_ids, the KV cache) read from the
+        # dispatching frame.
         kwargs: dict[str, Any] = {}
         try:
             frame = sys._getframe(1)
@@ -136,6 +127,21 @@ def _global_pre_hook(module: Any, args: Any) -> None:
         except Exception:
             pass
         cap._on_root_pre(module, tuple(args), kwargs)
+        policy = os.environ.get("QFORENSICS_GUARD")
+        if policy:
+            try:
+                from qforensics.guard.runtime import guard
+
+                try:
+                    pol = json.loads(policy)
+                except json.JSONDecodeError:
+                    pol = None
+                g = guard(module, policy=pol if isinstance(pol, dict) else None)
+                g.__enter__()
+                _state.setdefault("guards", []).append(g)
+                g._on_root_pre(module, tuple(args), kwargs)
+            except Exception as exc:
+                sys.stderr.write(f"qforensics: guard not installed: {exc}\n")
         sys.stderr.write(f"qforensics: capturing {type(module).__name__} into {cap.path}\n")
         if os.environ.get("QFORENSICS_ATTACH", "first") != "all":
             _stop_watching()

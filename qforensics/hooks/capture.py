@@ -1021,9 +1021,11 @@ def _unregister_exit(cap: Capture) -> None:
 
 
 def _close_all(reason: str) -> None:
+    status = ({"state": "complete", "closed_by": "interpreter exit"} if reason == "exit"
+              else {"state": reason})
     for cap in list(_OPEN):
         try:
-            cap.close({"state": reason})
+            cap.close(status)
         except Exception:
             pass
 

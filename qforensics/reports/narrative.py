@@ -391,7 +391,7 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
                 "fallback to the unquantized path (with a circuit breaker) instead of emitting "
                 "garbage tokens; the guard's trips are recorded in the trace, and the analysis "
                 "shows whether the output stayed finite.")],
-            [f"qforensics record --guard fallback -o after.h5 -- {run_cmd}",
+            [f"qforensics record --guard -o after.h5 -- {run_cmd}",
              "qforensics analyze after.h5"]))
     if fn is not None and findings.snapshots and replay is None:
         recs.append(Recommendation(

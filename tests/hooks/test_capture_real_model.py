@@ -156,3 +156,36 @@ def test_record_print_env(tmp_path):
     assert proc.returncode == 0
     assert "export QFORENSICS_TRACE=" in proc.stdout
     assert "_bootstrap" in proc.stdout
+
+
+FP8_SCRIPT = textwrap.dedent("""
+    import torch
+    from qforensics.demo.model import load_model
+    from qforensics.quant import emulate_quantized_linears
+    m, tok = load_model()
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with emulate_quantized_linears(m, "fp8-e4m3-nosat", exclude=("lm_head",)):
+        with torch.inference_mode():
+            out = m.generate(**enc, max_new_tokens=8, do_sample=False)
+    print("TEXT", repr(tok.decode(out[0, enc["input_ids"].shape[1]:])))
+""")
+
+
+def test_record_with_guard_recovers_the_fp8_run(tmp_path):
+    """record --guard on an unmodified script running non-saturating FP8 activations."""
+    script = tmp_path / "fp8_serve.py"
+    script.write_text(FP8_SCRIPT)
+    out = tmp_path / "guarded.h5"
+    proc = subprocess.run(["qforensics", "record", "--guard", "-o", str(out), "--",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "TEXT 'The capital of France is Paris.<|im_end|>'" in proc.stdout
+    with qforensics.open_trace(out) as t:
+        assert t.end.complete and t.meta["status"]["state"] == "complete"
+        inc = t.incidents
+        assert "model.layers.11.mlp.down_proj" in set(inc.module)
+        assert set(inc.action) == {"fallback"}
+        assert (t.steps.logits_nan == 0).all()  # the guard kept every step's logits finite
