@@ -4,8 +4,8 @@
 
 Runs SmolLM2-135M greedy for --tokens new tokens (EOS suppressed so every run has the same
 length), alternating unhooked and hooked runs (every Linear, every decoder block and the logits
-captured), and prints medians, the hooked/unhooked ratio, trace bytes per step and the peak RSS
-increase over the run for both. Not a test: figures depend on the machine and its load.
+captured), and prints medians, the hooked/unhooked ratio of the generate call, the one-time
+attach / close cost, trace bytes per step and the peak RSS increase over the run for both. Not a test: figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> None:
 
     run()  # warm-up
     plain, hooked, rss_plain, rss_hooked, sizes = [], [], [], [], []
+    attach, close = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
             with PeakRSS() as m:
@@ -81,10 +82,16 @@ def main() -> None:
             path = os.path.join(tmp, f"t{i}.h5")
             with PeakRSS() as m:
                 t = time.perf_counter()
-                with qforensics.capture(model, path, channel_steps=args.channel_steps,
-                                        channel_dtype=args.channel_dtype):
-                    got = run()
+                cap = qforensics.capture(model, path, channel_steps=args.channel_steps,
+                                         channel_dtype=args.channel_dtype)
+                cap.attach()
+                attach.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = run()
                 hooked.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                cap.close()
+                close.append(time.perf_counter() - t)
             rss_hooked.append(m.delta)
             assert torch.equal(ref, got), "capture changed the model's output"
             sizes.append(os.path.getsize(path))
@@ -95,7 +102,11 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}, {args.repeat} runs each")
     print(f"unhooked median {mp:.3f} s  (runs: {', '.join(f'{x:.3f}' for x in plain)})")
     print(f"hooked   median {mh:.3f} s  (runs: {', '.join(f'{x:.3f}' for x in hooked)})")
-    print(f"ratio hooked/unhooked: {mh / mp:.3f}")
+    print(f"ratio hooked/unhooked: {mh / mp:.3f}  (per-run ratios: "
+          f"{', '.join(f'{h / p:.2f}' for h, p in zip(hooked, plain))})")
+    print(f"one-time cost per capture: attach {statistics.median(attach):.3f} s (module "
+          f"descriptions, weight health, FP8 probe, file), close {statistics.median(close):.3f} s"
+          " (drain + seal)")
     print(f"trace: {statistics.median(sizes) / steps / 1024:.1f} KiB per step "
           f"({statistics.median(sizes) / 2**20:.1f} MiB for {steps} steps, "
           f"channel_steps={args.channel_steps}, channel_dtype={args.channel_dtype})")

@@ -319,37 +319,42 @@ class Capture:
             self._next_call = ci + 1
             if not self._in_step:
                 self._begin_step(None)
-            add = self._add
-            slot = 0
+            found: list[tuple[int, int, torch.Tensor]] = []  # (io, slot, tensor)
             limit = 1 if is_block else _MAX_INPUTS
             for a in args:
                 if isinstance(a, torch.Tensor):
-                    add(ci, mid, 0, slot, a)
-                    slot += 1
-                    if slot >= limit:
+                    found.append((0, len(found), a))
+                    if len(found) >= limit:
                         break
-            if slot == 0 and kwargs:
+            if not found and kwargs:
                 for k in _HIDDEN_KWARGS:
                     a = kwargs.get(k)
                     if isinstance(a, torch.Tensor):
-                        add(ci, mid, 0, 0, a)
+                        found.append((0, 0, a))
                         break
             if isinstance(output, torch.Tensor):
-                add(ci, mid, 1, 0, output)
+                found.append((1, 0, output))
             elif output is not None:
                 if isinstance(output, (tuple, list)):
                     slot = 0
                     for o in output:
                         if isinstance(o, torch.Tensor):
-                            add(ci, mid, 1, slot, o)
+                            found.append((1, slot, o))
                             slot += 1
                             if is_block or slot >= _MAX_OUTPUTS:
                                 break
                 else:
                     o = _first_tensor(output)
                     if o is not None:
-                        add(ci, mid, 1, 0, o)
-            if self._pending.nbytes > self.options["pending_budget"]:
+                        found.append((1, 0, o))
+            p = self._pending
+            track = self._track_versions
+            for io, slot, t in found:
+                p.meta.append((ci, mid, io, slot))
+                p.tensors.append(t)
+                p.versions.append(t._version if track else -1)
+                p.nbytes += t.nelement() * t.element_size()
+            if p.nbytes > self.options["pending_budget"]:
                 self._reduce_pending()
         except Exception as exc:
             self._degrade(exc)
@@ -402,15 +407,26 @@ class Capture:
         chan_io = self.options["channel_io"]
         chan_limit = self.options["channel_limit"]
 
-        uniq: dict[int, int] = {}  # q/k/v (and gate/up) share one input tensor: reduce it once
+        # one pass over the tensors: unique tensors (q/k/v and gate/up share one input, a block's
+        # input is the previous block's output) and their (shape, dtype, device) groups
+        uniq: dict[int, int] = {}
         order: list[torch.Tensor] = []
-        which = np.empty(n, dtype=np.int64)
-        for i, t in enumerate(tensors):
-            j = uniq.get(id(t))
+        which_l: list[int] = []
+        groups: dict[Any, list[int]] = {}
+        for t in tensors:
+            k = id(t)
+            j = uniq.get(k)
             if j is None:
-                j = uniq[id(t)] = len(order)
+                j = uniq[k] = len(order)
                 order.append(t)
-            which[i] = j
+                key = (t.shape, t.dtype, t.device)
+                g = groups.get(key)
+                if g is None:
+                    groups[key] = [j]
+                else:
+                    g.append(j)
+            which_l.append(j)
+        which = np.array(which_l, dtype=np.int64)
         n_u = len(order)
         meta_arr = np.array(meta, dtype=np.int64).reshape(n, 4)
         need = np.zeros(n_u, bool)
@@ -418,26 +434,25 @@ class Capture:
             need[:] = True
         elif chan_io == "inputs":
             need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
-        groups: dict[Any, list[int]] = {}
-        for j, t in enumerate(order):
-            key = None if t.is_meta or t.numel() == 0 else (t.shape, t.dtype, t.device)
-            groups.setdefault(key, []).append(j)
 
+        st = _UniqueStats(n_u, need)
         plan = []
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for key, idx in groups.items():
-            if key is None:
+        for (shape, dtype, device), idx_l in groups.items():
+            idx = np.array(idx_l, dtype=np.int64)
+            chans = int(shape[-1]) if len(shape) else 1
+            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+            rows = numel // max(chans, 1)
+            st.describe(idx, chans, numel, dtype, device.type == "meta")
+            if device.type == "meta" or numel == 0:
                 continue
-            t0 = order[idx[0]]
-            chans = int(t0.shape[-1]) if t0.dim() else 1
-            rows = t0.numel() // max(chans, 1)
             keep = want_channels and chans <= chan_limit and bool(need[idx].any())
-            packed = _fast_group([order[j] for j in idx], rows, chans, keep)
+            packed = _fast_group([order[j] for j in idx_l], rows, chans, keep)
             per_dev.setdefault(packed.device, []).append(packed)
-            plan.append((np.array(idx), rows, chans, keep, packed.device, packed.numel(), 5))
+            plan.append((idx, rows, chans, keep, packed.device, packed.numel()))
         logit_dev = ids_dev = None
         if final and self._logits is not None:
-            lp = self._reduce_logits(self._logits)
+            lp = _fast_logits(self._logits)
             logit_dev = lp.device
             per_dev.setdefault(lp.device, []).append(lp)
         n_ids = 0
@@ -450,20 +465,19 @@ class Capture:
         host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
         cursor = {dev: 0 for dev in host}
 
-        st = _UniqueStats(order, need)
         st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
         if logit_dev is not None:
             c = cursor[logit_dev]
-            logits_row = host[logit_dev][c:c + 18]
-            cursor[logit_dev] = c + 18
+            logits_row = _logits_row(host[logit_dev][c:c + 15], self._logits)
+            cursor[logit_dev] = c + 15
         if ids_dev is not None:
             c = cursor[ids_dev]
             ids_host = host[ids_dev][c:c + n_ids].astype(np.int64)
             cursor[ids_dev] = c + n_ids
 
-        bad = np.nonzero(st.computed & ~np.isfinite(st.sc[:, :5]).all(axis=1))[0]
+        bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
         if len(bad):  # failing step: exact finite-only stats for the records that need them
             st.exact_pass(bad, order, want_channels, chan_limit)
 
@@ -473,7 +487,8 @@ class Capture:
         if final:
             self._emit(logits_row, ids_host, complete)
 
-    def _reduce_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _exact_logits(logits: torch.Tensor) -> torch.Tensor:
         """18 numbers: min max mean std entropy nan inf argmax top5 ids (5) top5 values (5)."""
         with torch.no_grad():
             if logits.dim() == 3:
@@ -815,6 +830,13 @@ def _fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) ->
         x = x.reshape(g, rows, chans)
         if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
+        if rows == 1:  # one token (decoding): the channel ranges are the values themselves
+            x2 = x.reshape(g, chans)
+            var, mean = torch.var_mean(x2, dim=1, correction=0)
+            vmin, vmax = torch.aminmax(x2, dim=1)
+            parts = [mean, var, vmin, vmax] + ([x2.reshape(-1)] if keep_ch else [])
+            out = torch.cat(parts)
+            return out if out.dtype == torch.float32 else out.to(torch.float32)
         cmin, cmax = torch.aminmax(x, dim=1)
         var, mean = torch.var_mean(x, dim=(1, 2), correction=0)
         tok = torch.linalg.vector_norm(x, ord=float("inf"), dim=2)
@@ -860,100 +882,99 @@ def _exact_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -
 
 
 class _UniqueStats:
-    """Host-side stats of the unique tensors of one reduction, in numpy arrays."""
+    """Host-side stats of the unique tensors of one reduction, filled group by group."""
 
-    def __init__(self, order: list[torch.Tensor], need: np.ndarray) -> None:
-        u = len(order)
+    def __init__(self, n_u: int, need: np.ndarray) -> None:
         self.need = need
-        self.sc = np.full((u, 5), np.nan)  # min max mean std absmax
-        self.nan = np.zeros(u, np.int64)
-        self.inf = np.zeros(u, np.int64)
-        self.rows = np.zeros(u, np.int64)
-        self.chans = np.array([int(t.shape[-1]) if t.dim() else 1 for t in order], np.int64)
-        self.numel = np.array([t.numel() for t in order], np.int64)
-        self.computed = np.zeros(u, bool)
-        self.dtype_code = np.array([_dtype_code(t.dtype) for t in order], np.int8)
-        self.flags = np.array([(schema.FLAG_META if t.is_meta else 0)
-                               | (0 if t.is_floating_point() else schema.FLAG_NONFLOAT)
-                               for t in order], np.int8)
-        self.chan_off = np.full(u, -1, np.int64)
-        self.tok_off = np.full(u, -1, np.int64)
-        self.tok_cnt = np.zeros(u, np.int64)
+        self.sc = np.full((n_u, 5), np.nan)  # min max mean std absmax
+        self.nan = np.zeros(n_u, np.int64)
+        self.inf = np.zeros(n_u, np.int64)
+        self.rows = np.zeros(n_u, np.int64)
+        self.chans = np.zeros(n_u, np.int64)
+        self.numel = np.zeros(n_u, np.int64)
+        self.computed = np.zeros(n_u, bool)
+        self.dtype_code = np.zeros(n_u, np.int8)
+        self.flags = np.zeros(n_u, np.int8)
+        self.chan_off = np.full(n_u, -1, np.int64)
+        self.tok_off = np.full(n_u, -1, np.int64)
+        self.tok_cnt = np.zeros(n_u, np.int64)
         self._cmin: list[np.ndarray] = []
         self._cmax: list[np.ndarray] = []
         self._tok: list[np.ndarray] = []
         self._chan_len = 0
         self._tok_len = 0
-        # where each unique's channel / token values sit, for the exact pass to overwrite
-        self._chan_loc: dict[int, tuple[int, int]] = {}
-        self._tok_loc: dict[int, tuple[int, int]] = {}
 
-    def unpack(self, plan: list, host: dict, cursor: dict, exact: bool = False) -> None:
-        for idx, rows, chans, keep, dev, size, nsc in plan:
+    def describe(self, idx: np.ndarray, chans: int, numel: int, dtype: torch.dtype,
+                 meta: bool) -> None:
+        self.chans[idx] = chans
+        self.numel[idx] = numel
+        self.dtype_code[idx] = _dtype_code(dtype)
+        self.flags[idx] = (schema.FLAG_META if meta else 0) | (
+            0 if dtype.is_floating_point else schema.FLAG_NONFLOAT)
+
+    def unpack(self, plan: list, host: dict, cursor: dict) -> None:
+        """Fast-pass results (layout of _fast_group) into the arrays."""
+        for idx, rows, chans, keep, dev, size in plan:
             c = cursor[dev]
-            flat = host[dev][c:c + size].astype(np.float64)
+            flat = host[dev][c:c + size]  # float32: channel and token values stay float32
             cursor[dev] = c + size
             g = len(idx)
-            if exact:  # [min, max, mean, std, absmax, nan, inf] x g, channels, tokens
-                sc = flat[:7 * g].reshape(7, g)
-                off = 7 * g
-                self.sc[idx] = sc[:5].T
-                self.nan[idx] = sc[5]
-                self.inf[idx] = sc[6]
-                if keep:
-                    cmin = flat[off:off + g * chans].reshape(g, chans)
-                    cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
-                    off += 2 * g * chans
-            else:  # fast layout, see _fast_group
-                mean, var = flat[:g], flat[g:2 * g]
-                off = 2 * g
-                if keep:
-                    cmin = flat[off:off + g * chans].reshape(g, chans)
-                    cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
-                    off += 2 * g * chans
-                    with np.errstate(invalid="ignore"):
-                        vmin, vmax = cmin.min(axis=1), cmax.max(axis=1)
-                else:
-                    vmin, vmax = flat[off:off + g], flat[off + g:off + 2 * g]
+            mean, var = flat[:g].astype(np.float64), flat[g:2 * g].astype(np.float64)
+            off = 2 * g
+            with np.errstate(invalid="ignore"):
+                if rows == 1:  # see _fast_group: min, max, then the values when kept
+                    vmin = flat[off:off + g].astype(np.float64)
+                    vmax = flat[off + g:off + 2 * g].astype(np.float64)
                     off += 2 * g
-                with np.errstate(invalid="ignore"):
-                    self.sc[idx] = np.stack([vmin, vmax, mean, np.sqrt(var),
-                                             np.maximum(np.abs(vmin), np.abs(vmax))], axis=1)
+                    absmax = np.maximum(np.abs(vmin), np.abs(vmax))
+                    if keep:
+                        vals = flat[off:off + g * chans].reshape(g, chans)
+                        sel = self.need[idx]
+                        if sel.any():
+                            m = int(sel.sum())
+                            self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
+                            kept = vals[sel].reshape(-1)
+                            self._cmin.append(kept)
+                            self._cmax.append(kept.copy())
+                            self._chan_len += m * chans
+                    self.sc[idx] = np.stack([vmin, vmax, mean, np.sqrt(var), absmax], axis=1)
+                    self.rows[idx] = 1
+                    self.computed[idx] = True
+                    self.tok_off[idx] = self._tok_len + np.arange(g)
+                    self.tok_cnt[idx] = 1
+                    self._tok.append(absmax.astype(np.float32))
+                    self._tok_len += g
+                    continue
+                if keep:
+                    cmin = flat[off:off + g * chans].reshape(g, chans)
+                    cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
+                    off += 2 * g * chans
+                    vmin = cmin.min(axis=1).astype(np.float64)
+                    vmax = cmax.max(axis=1).astype(np.float64)
+                    sel = self.need[idx]
+                    if sel.any():
+                        m = int(sel.sum())
+                        self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
+                        self._cmin.append(cmin[sel].reshape(-1))
+                        self._cmax.append(cmax[sel].reshape(-1))
+                        self._chan_len += m * chans
+                else:
+                    vmin = flat[off:off + g].astype(np.float64)
+                    vmax = flat[off + g:off + 2 * g].astype(np.float64)
+                    off += 2 * g
+                self.sc[idx] = np.stack([vmin, vmax, mean, np.sqrt(var),
+                                         np.maximum(np.abs(vmin), np.abs(vmax))], axis=1)
             self.rows[idx] = rows
             self.computed[idx] = True
-            if keep:
-                for k, j in enumerate(idx):
-                    if exact and j in self._chan_loc:
-                        part, pos = self._chan_loc[j]
-                        self._cmin[part][pos:pos + chans] = cmin[k]
-                        self._cmax[part][pos:pos + chans] = cmax[k]
-                sel = self.need[idx] & (self.chan_off[idx] < 0)
-                if sel.any():
-                    m = int(sel.sum())
-                    self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
-                    part = len(self._cmin)
-                    for k, j in enumerate(idx[sel]):
-                        self._chan_loc[int(j)] = (part, k * chans)
-                    self._cmin.append(cmin[sel].reshape(-1).copy())
-                    self._cmax.append(cmax[sel].reshape(-1).copy())
-                    self._chan_len += m * chans
-            tok = flat[off:off + g * rows].reshape(g, rows)
-            if exact:
-                for k, j in enumerate(idx):
-                    if int(j) in self._tok_loc:
-                        part, pos = self._tok_loc[int(j)]
-                        self._tok[part][pos:pos + rows] = tok[k]
-            else:
-                self.tok_off[idx] = self._tok_len + np.arange(g) * rows
-                self.tok_cnt[idx] = rows
-                part = len(self._tok)
-                for k, j in enumerate(idx):
-                    self._tok_loc[int(j)] = (part, k * rows)
-                self._tok.append(tok.reshape(-1).astype(np.float32))
-                self._tok_len += g * rows
+            self.tok_off[idx] = self._tok_len + np.arange(g) * rows
+            self.tok_cnt[idx] = rows
+            self._tok.append(flat[off:off + g * rows])
+            self._tok_len += g * rows
 
     def exact_pass(self, bad: np.ndarray, order: list[torch.Tensor], want_channels: bool,
                    chan_limit: int) -> None:
+        """Finite-only stats and exact NaN/Inf counts for the tensors the fast pass flagged;
+        overwrites their scalars, channel ranges and token maxima (one more transfer)."""
         groups: dict[Any, list[int]] = {}
         for j in bad:
             t = order[int(j)]
@@ -967,9 +988,36 @@ class _UniqueStats:
             keep = want_channels and chans <= chan_limit
             packed = _exact_group([order[j] for j in idx], rows, chans, keep)
             per_dev.setdefault(packed.device, []).append(packed)
-            plan.append((np.array(idx), rows, chans, keep, packed.device, packed.numel(), 7))
+            plan.append((np.array(idx), rows, chans, keep, packed.device, packed.numel()))
         host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
-        self.unpack(plan, host, {dev: 0 for dev in host}, exact=True)
+        cursor = {dev: 0 for dev in host}
+        cmin_all = self.cmin()
+        cmax_all = self.cmax()
+        tok_all = self.tok()
+        for idx, rows, chans, keep, dev, size in plan:
+            c = cursor[dev]
+            flat = host[dev][c:c + size]
+            cursor[dev] = c + size
+            g = len(idx)
+            sc = flat[:7 * g].reshape(7, g)
+            off = 7 * g
+            self.sc[idx] = sc[:5].T
+            self.nan[idx] = sc[5]
+            self.inf[idx] = sc[6]
+            if keep:
+                cmin = flat[off:off + g * chans].reshape(g, chans)
+                cmax = flat[off + g * chans:off + 2 * g * chans].reshape(g, chans)
+                off += 2 * g * chans
+                for k, j in enumerate(idx):
+                    o = self.chan_off[j]
+                    if o >= 0:
+                        cmin_all[o:o + chans] = cmin[k]
+                        cmax_all[o:o + chans] = cmax[k]
+            tok = flat[off:off + g * rows].reshape(g, rows)
+            for k, j in enumerate(idx):
+                o = self.tok_off[j]
+                tok_all[o:o + rows] = tok[k]
+        self._cmin, self._cmax, self._tok = [cmin_all], [cmax_all], [tok_all]
         # finite-only min/max of a tensor with no finite value: NaN (not +-max)
         big = np.finfo(np.float64).max
         empty = self.sc[bad, 0] >= big
@@ -983,6 +1031,41 @@ class _UniqueStats:
 
     def tok(self) -> np.ndarray:
         return np.concatenate(self._tok) if self._tok else np.zeros(0, np.float32)
+
+
+def _fast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """15 float32: min max mean var entropy, top-5 values, top-5 ids (last position of batch
+    row 0). NaN/Inf propagate; _logits_row redoes it exactly when they do."""
+    with torch.no_grad():
+        v = _last_logits(logits).to(torch.float32)
+        mn, mx = torch.aminmax(v)
+        var, mean = torch.var_mean(v, correction=0)
+        logp = torch.log_softmax(v, 0)
+        ent = -(logp.exp() * logp).sum()
+        top = torch.topk(v, min(5, v.numel()))
+        vals = torch.full((5,), float("nan"), device=v.device)
+        ids = torch.full((5,), -1.0, device=v.device)
+        vals[:top.values.numel()] = top.values
+        ids[:top.indices.numel()] = top.indices.float()
+        return torch.cat([torch.stack([mn, mx, mean, var, ent]), vals, ids])
+
+
+def _last_logits(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() == 3:
+        return logits[0, -1]
+    if logits.dim() > 1:
+        return logits.reshape(-1, logits.shape[-1])[-1]
+    return logits.reshape(-1)
+
+
+def _logits_row(fast: np.ndarray, logits: torch.Tensor) -> np.ndarray:
+    """The 18-number logits row (min max mean std entropy nan inf argmax, top-5 ids, top-5
+    values); from the fast pass when everything was finite, else from the exact pass."""
+    f = fast.astype(np.float64)
+    if np.isfinite(f[:5]).all():
+        return np.concatenate([[f[0], f[1], f[2], np.sqrt(max(f[3], 0.0)), f[4], 0, 0, f[10]],
+                               f[10:15], f[5:10]])
+    return Capture._exact_logits(logits).cpu().numpy().astype(np.float64)
 
 
 def active_capture(model: nn.Module) -> Capture | None:
