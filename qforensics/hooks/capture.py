@@ -821,29 +821,31 @@ class Capture:
 
 
 def _fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
-    """g same-shaped tensors -> one float32 vector: mean (g), var (g), then per-channel min
-    (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then per-token absmax
-    (g*R). NaN/Inf propagate. The host derives min/max/absmax/std from these."""
+    """g same-shaped tensors -> one float32 vector: sum (g), sum of squares (g), then per-channel
+    min (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then per-token absmax
+    (g*R). NaN/Inf propagate. The host derives min/max/absmax/mean/std from these.
+
+    Only plain reductions (sum, amin, amax): on CPU builds var_mean, aminmax and vector_norm are
+    3-4x slower for these shapes. Single-token tensors (decoding) skip the per-channel pass: their
+    channel ranges are the values themselves."""
     with torch.no_grad():
         x = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
         g = x.shape[0]
-        x = x.reshape(g, rows, chans)
         if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
-        if rows == 1:  # one token (decoding): the channel ranges are the values themselves
+        if rows == 1:
             x2 = x.reshape(g, chans)
-            var, mean = torch.var_mean(x2, dim=1, correction=0)
-            vmin, vmax = torch.aminmax(x2, dim=1)
-            parts = [mean, var, vmin, vmax] + ([x2.reshape(-1)] if keep_ch else [])
-            out = torch.cat(parts)
-            return out if out.dtype == torch.float32 else out.to(torch.float32)
-        cmin, cmax = torch.aminmax(x, dim=1)
-        var, mean = torch.var_mean(x, dim=(1, 2), correction=0)
-        tok = torch.linalg.vector_norm(x, ord=float("inf"), dim=2)
-        if keep_ch:
-            parts = [mean, var, cmin.reshape(-1), cmax.reshape(-1), tok.reshape(-1)]
+            parts = [x2.sum(1), (x2 * x2).sum(1), x2.amin(1), x2.amax(1)]
+            if keep_ch:
+                parts.append(x2.reshape(-1))
         else:
-            parts = [mean, var, cmin.amin(1), cmax.amax(1), tok.reshape(-1)]
+            x = x.reshape(g, rows, chans)
+            cmin, cmax = x.amin(1), x.amax(1)
+            tok = torch.maximum(x.amax(2), -x.amin(2))
+            parts = [x.sum((1, 2)), (x * x).sum((1, 2))]
+            parts += ([cmin.reshape(-1), cmax.reshape(-1)] if keep_ch
+                      else [cmin.amin(1), cmax.amax(1)])
+            parts.append(tok.reshape(-1))
         out = torch.cat(parts)
         return out if out.dtype == torch.float32 else out.to(torch.float32)
 
@@ -919,7 +921,10 @@ class _UniqueStats:
             flat = host[dev][c:c + size]  # float32: channel and token values stay float32
             cursor[dev] = c + size
             g = len(idx)
-            mean, var = flat[:g].astype(np.float64), flat[g:2 * g].astype(np.float64)
+            n_el = float(rows * chans)
+            mean = flat[:g].astype(np.float64) / n_el
+            with np.errstate(invalid="ignore", over="ignore"):
+                var = np.maximum(flat[g:2 * g].astype(np.float64) / n_el - mean * mean, 0.0)
             off = 2 * g
             with np.errstate(invalid="ignore"):
                 if rows == 1:  # see _fast_group: min, max, then the values when kept
@@ -1038,8 +1043,9 @@ def _fast_logits(logits: torch.Tensor) -> torch.Tensor:
     row 0). NaN/Inf propagate; _logits_row redoes it exactly when they do."""
     with torch.no_grad():
         v = _last_logits(logits).to(torch.float32)
-        mn, mx = torch.aminmax(v)
-        var, mean = torch.var_mean(v, correction=0)
+        mn, mx = v.amin(), v.amax()
+        mean = v.mean()
+        var = (v * v).mean() - mean * mean
         logp = torch.log_softmax(v, 0)
         ent = -(logp.exp() * logp).sum()
         top = torch.topk(v, min(5, v.numel()))
