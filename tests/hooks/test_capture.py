@@ -208,7 +208,7 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
         up_in = recs[(recs.module == "layers.1.up") & (recs.io == 0)].iloc[0]
         assert up_in["nan_count"] == 0 and up_in["inf_count"] == 0
         # exact counts on the output; finite-only stats stay finite
-        up_out = m.layers[1].up(m.layers[0](m.emb(x)))
+        up_out = m.layers[1].up(m.layers[0](m.emb(x))).detach()
         assert first["nan_count"] == int(torch.isnan(up_out).sum())
         assert first["inf_count"] == int(torch.isinf(up_out).sum())
         fin = up_out[torch.isfinite(up_out)]
