@@ -20,6 +20,7 @@ import pandas as pd
 
 from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.findings import (
+    Incident,
     FAILED,
     PASSED,
     SUSPECT,
@@ -237,7 +238,16 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
             snaps.append(SnapshotRef(int(ci), int(g["step"].iloc[0]), str(g["module"].iloc[0]),
                                      str(reason), [str(n) for n in g["name"]]))
 
+    incidents = [
+        Incident(int(r.step), int(r.call_index), str(r.module), str(r.action), int(r.nan_count),
+                 int(r.inf_count), str(r.detail))
+        for r in trace.incidents.itertuples(index=False)
+    ]
     verdict = verdict_for(first, precursors, len(steps), end)
+    if incidents:
+        acts = sorted({i.action for i in incidents})
+        verdict = Verdict(verdict.status, verdict.line + f" (runtime guard: {len(incidents)} "
+                          f"incidents, {', '.join(acts)})")
     return Findings(
         trace=trace.path, rank=_int(raw_env.get("rank"), 0),
         world_size=_int(raw_env.get("world_size"), 1), n_steps=len(steps),
@@ -245,7 +255,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         environment=env, verdict=verdict, first_nonfinite=first, outliers=outliers,
         outlier_step=focus_step, persistent=persistent, damage=damage, unsafe=unsafe,
         damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
-        thresholds=th.to_dict(), notes=notes,
+        thresholds=th.to_dict(), notes=notes, incidents=incidents,
     )
 
 

@@ -283,6 +283,20 @@ class TraceEndInfo:
     reason: str
 
 
+@dataclass(frozen=True)
+class Incident:
+    """One runtime-guard trip recorded in the trace's /incidents table (qforensics.guard):
+    action is fallback | breaker_open | breaker_fallback | sanitize_logits."""
+
+    step: int
+    call_index: int
+    module: str
+    action: str
+    nan_count: int
+    inf_count: int
+    detail: str
+
+
 @dataclass
 class Findings:
     """Everything `analyze_trace` found in one trace (one rank)."""
@@ -307,6 +321,7 @@ class Findings:
     thresholds: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    incidents: list[Incident] = field(default_factory=list)  # runtime-guard trips, in order
 
     @property
     def status(self) -> str:

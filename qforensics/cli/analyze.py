@@ -168,6 +168,17 @@ def render(f: Findings) -> list[str]:
         for s in f.snapshots:
             L.append(_wrap(f"call {s.call_index} (step {s.step}, {s.reason}): {s.module}: "
                            f"{', '.join(s.names)}"))
+    if f.incidents:
+        from collections import Counter
+
+        counts = Counter(i.action for i in f.incidents)
+        L += ["", f"Runtime guard incidents ({len(f.incidents)}: "
+              + ", ".join(f"{a} {n}" for a, n in sorted(counts.items())) + ")"]
+        for i in f.incidents[:10]:
+            L.append(_wrap(f"step {i.step}: {i.action} {i.module} ({i.nan_count} NaN, "
+                           f"{i.inf_count} Inf): {i.detail}"))
+        if len(f.incidents) > 10:
+            L.append(f"  ... {len(f.incidents) - 10} more (--json lists all)")
     if f.notes:
         L += ["", "Notes"]
         for n in f.notes:
