@@ -395,8 +395,8 @@ class Capture:
     def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
         """Reduce every pending tensor in a few batched ops per (shape, dtype, device) group.
 
-        Fast pass: per-channel aminmax, var_mean and per-token inf-norm, NaN-propagating, so a
-        record whose stats come back finite provably had no NaN/Inf. Only records whose stats are
+        Fast pass (_fast_group): sums, sums of squares, per-channel and per-token min/max, all
+        NaN-propagating, so a record whose stats come back finite provably had no NaN/Inf. Only records whose stats are
         not finite get the exact, finite-only pass (a second batched reduction and transfer,
         in failing steps only)."""
         p = self._pending
@@ -491,13 +491,7 @@ class Capture:
     def _exact_logits(logits: torch.Tensor) -> torch.Tensor:
         """18 numbers: min max mean std entropy nan inf argmax top5 ids (5) top5 values (5)."""
         with torch.no_grad():
-            if logits.dim() == 3:
-                v = logits[0, -1]
-            elif logits.dim() > 1:
-                v = logits.reshape(-1, logits.shape[-1])[-1]
-            else:
-                v = logits.reshape(-1)
-            v = v.to(torch.float32)
+            v = _last_logits(logits).to(torch.float32)
             fin = torch.isfinite(v)
             nan = torch.isnan(v).sum()
             inf = (~fin).sum() - nan

@@ -328,25 +328,44 @@ class Trace:
             return 0
         return int(self._step_arrays["record_offset"][-1] + self._step_arrays["record_count"][-1])
 
+    def channel_span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel (min, max) values [lo, hi) of the flat arrays as float32, bounds-checked:
+        one read for the records of a whole step (their slices are contiguous)."""
+        lo, hi = int(lo), int(hi)
+        n = min(self._lengths["channels/min"], self._lengths["channels/max"])
+        if lo < 0 or hi < lo or hi > n:
+            raise TraceFormatError(f"{self.path}: channel range [{lo}, {hi}) out of bounds "
+                                   f"(/channels holds {n})")
+        return (self._f["channels/min"][lo:hi].astype(np.float32, copy=False),
+                self._f["channels/max"][lo:hi].astype(np.float32, copy=False))
+
+    def token_span(self, lo: int, hi: int) -> np.ndarray:
+        """Per-token absmax values [lo, hi) as float32, bounds-checked."""
+        lo, hi = int(lo), int(hi)
+        n = self._lengths["tokens/absmax"]
+        if lo < 0 or hi < lo or hi > n:
+            raise TraceFormatError(f"{self.path}: token range [{lo}, {hi}) out of bounds "
+                                   f"(/tokens/absmax holds {n})")
+        return self._f["tokens/absmax"][lo:hi].astype(np.float32, copy=False)
+
     def channel_ranges(self, row: int | pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
         """Per-channel (min, max) of one record as float32, or None when not stored."""
         rec = self._record(row)
         off, n = int(rec["chan_offset"]), int(rec["channels"])
         if off < 0:
             return None
-        if n < 0 or off + n > self._lengths["channels/min"] or off + n > self._lengths["channels/max"]:
-            raise TraceFormatError(f"{self.path}: record {rec['row']} channel range out of bounds")
-        return (self._f["channels/min"][off:off + n].astype(np.float32),
-                self._f["channels/max"][off:off + n].astype(np.float32))
+        if n < 0:
+            raise TraceFormatError(f"{self.path}: record {rec['row']} has {n} channels")
+        return self.channel_span(off, off + n)
 
     def token_absmax(self, row: int | pd.Series) -> np.ndarray | None:
         rec = self._record(row)
         off, n = int(rec["tok_offset"]), int(rec["tok_count"])
         if off < 0:
             return None
-        if n < 0 or off + n > self._lengths["tokens/absmax"]:
-            raise TraceFormatError(f"{self.path}: record {rec['row']} token range out of bounds")
-        return self._f["tokens/absmax"][off:off + n]
+        if n < 0:
+            raise TraceFormatError(f"{self.path}: record {rec['row']} has {n} tokens")
+        return self.token_span(off, off + n)
 
     def _record(self, row: int | pd.Series) -> dict[str, Any]:
         if isinstance(row, pd.Series):
