@@ -20,17 +20,22 @@ import h5py
 import numpy as np
 
 from qforensics.errors import ReplayError
-from qforensics.replay import awq
+from qforensics.replay import awq, layouts
 
 FORMAT_NAME = "qforensics-replay-bundle"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "2.0"
 TILE_M, TILE_N, TILE_K = 8, 64, 32  # the project kernel's tile (kernels/awq_gemm.cu)
 SMALL_INPUT_ROWS = 64  # inputs with at most this many rows are kept whole
 
 _FLOAT = (np.float16, np.float32, np.float64)
+_WORDS = (np.int32,)
 TENSOR_DTYPES: dict[str, tuple[type, ...]] = {
     "x": _FLOAT,
-    "weight": _FLOAT,
+    "weight": (*_FLOAT, np.uint8),  # uint8: FP8 bit patterns (meta weight_dtype)
+    "weight_packed": _WORDS,
+    "weight_scale": (np.float16, np.float32, np.float64),
+    "weight_zero_point": _WORDS,
+    "input_scale": (np.float16, np.float32, np.float64),
     "bias": _FLOAT,
     "qweight": (np.int32,),
     "qzeros": (np.int32,),
@@ -51,8 +56,8 @@ class Bundle:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def weight_format(self) -> str:
-        return str(self.meta["weight_format"])
+    def layout(self) -> layouts.Layout:
+        return layouts.LAYOUTS[str(self.meta["layout"])]
 
 
 # ------------------------------------------------------------------------------------------
@@ -67,31 +72,35 @@ def _first_nonfinite(snapshot: dict[str, np.ndarray], lead_shape: tuple[int, ...
             raise ReplayError(
                 f"nonfinite_positions has shape {p.shape}; expected [n, {len(lead_shape) + 1}] index rows into output.0"
             )
+        if lead_shape and ((p[:, :-1] < 0).any() or (p[:, :-1] >= np.asarray(lead_shape)).any()):
+            raise ReplayError(f"nonfinite_positions point outside the output's leading shape {lead_shape}")
         rows = np.ravel_multi_index(tuple(p[:, :-1].T), lead_shape) if lead_shape else np.zeros(len(p), np.int64)
         order = np.lexsort((p[:, -1], rows))
         return int(rows[order[0]]), int(p[order[0], -1])
     out = snapshot.get("output.0")
-    if out is not None:
-        o = np.asarray(out).reshape(-1, n) if n else np.asarray(out)
+    if out is not None and n and np.asarray(out).size % n == 0:
+        o = np.asarray(out).reshape(-1, n)
         bad = np.argwhere(~np.isfinite(o))
         if len(bad):
             return int(bad[0, 0]), int(bad[0, 1])
     return None
 
 
-def _group_size(meta: dict[str, Any], k: int, n_groups: int, has_g_idx: bool) -> int:
-    g = meta.get("group_size")
-    if g is not None:
-        g = int(g)
-        return k if g == -1 else g
-    if has_g_idx and n_groups:
-        return max(1, math.ceil(k / n_groups))
-    if n_groups and k % n_groups == 0:
-        return k // n_groups
-    raise ReplayError(
-        f"cannot infer the group size: K={k} is not a multiple of the {n_groups} scale rows; "
-        "pass meta['group_size'] (the quant config's group_size)"
-    )
+def _span(snapshot: dict[str, np.ndarray], name: str) -> tuple[int, int, int] | None:
+    """[start, stop, full] of a weight tile kept by capture (weight_rows / weight_cols)."""
+    if name not in snapshot:
+        return None
+    v = np.asarray(snapshot[name]).reshape(-1)
+    if v.size != 3 or v.dtype.kind not in "iu":
+        raise ReplayError(f"{name} must be 3 integers [start, stop, full], got {v.dtype} {v.shape}")
+    a, b, full = (int(i) for i in v)
+    if not 0 <= a < b <= full:
+        raise ReplayError(f"{name} = [{a}, {b}, {full}] is not a span inside the weight")
+    return a, b, full
+
+
+_WEIGHT_KEYS = ("weight", "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                "weight_zero_point", "input_scale")
 
 
 def build_bundle(
@@ -103,10 +112,13 @@ def build_bundle(
 ) -> Bundle:
     """Build a bundle from a snapshot of one GEMM call given as plain numpy arrays.
 
-    snapshot keys: "input.0" ([..., K], required), and "weight" (dense [N, K]) or "qweight",
-    "qzeros", "scales" (AWQ layout) with optional "g_idx"; optional "bias", "output.0",
-    "nonfinite_positions". meta: optional "group_size", "format", "bits", "call_index",
-    "module", "step", "reason", "source". Writes the bundle to out_path when given.
+    snapshot keys: "input.0" ([..., K], required); the layer's tensors in one layout of
+    qforensics.replay.layouts ("weight" dense [N, K] or FP8 bits; "qweight"/"qzeros"/"scales"
+    [+ "g_idx"]; "weight_packed"/"weight_scale"[/"weight_zero_point"]; "input_scale"); optional
+    "bias", "output.0", "nonfinite_positions", and "weight_rows"/"weight_cols" when only a tile
+    of output columns was kept. meta: "layout", "group_size", "bits", "format", "kernel",
+    "compute_dtype", "library", "fake_quant", "weight_dtype", "saturate", "call_index", "module",
+    "step", "reason", "source". Writes the bundle to out_path when given.
     """
     if "input.0" not in snapshot:
         raise ReplayError("the snapshot has no 'input.0' (the activation); a GEMM replay needs it")
@@ -118,71 +130,34 @@ def build_bundle(
     x2 = x_full.reshape(-1, k)
     m_full = int(x2.shape[0])
     tensors: dict[str, np.ndarray] = {}
-    notes: list[str] = []
+    for key in _WEIGHT_KEYS:
+        if snapshot.get(key) is not None:
+            arr = np.asarray(snapshot[key])
+            tensors[key] = _as_words(arr) if key in ("qweight", "qzeros", "weight_packed", "weight_zero_point") else arr
+    if "g_idx" in tensors:
+        g = tensors["g_idx"].reshape(-1)
+        if g.dtype.kind not in "iu":
+            raise ReplayError(f"g_idx must be integer, got {g.dtype}")
+        if g.size and (g.max() > np.iinfo(np.int32).max or g.min() < np.iinfo(np.int32).min):
+            raise ReplayError("g_idx values do not fit int32")
+        tensors["g_idx"] = g.astype(np.int32)
+    lmeta = {key: meta[key] for key in ("layout", "group_size", "weight_dtype", "weight_block_size", "saturate",
+                                        "zero_plus_one", "fake_quant") if meta.get(key) is not None}
+    lmeta["K"] = k
+    if lmeta.get("group_size") is not None:
+        lmeta["group_size"] = int(lmeta["group_size"])
+    try:
+        layout = layouts.choose_layout(tensors, lmeta)
+    except layouts.LayoutError as exc:
+        raise ReplayError(f"cannot replay this snapshot: {exc}") from exc
+    w_kn = layout.weight_kn(tensors, lmeta)
+    n = int(w_kn.shape[1])
+    span = _span(snapshot, "weight_rows") or _span(snapshot, "weight_cols")
+    col0, n_full = (span[0], span[2]) if span else (0, n)
+    if span and span[1] - span[0] != n:
+        raise ReplayError(f"the weight tile spans columns [{span[0]}, {span[1]}) but holds {n} output columns")
 
-    if "qweight" in snapshot:
-        for name in ("qzeros", "scales"):
-            if name not in snapshot:
-                raise ReplayError(f"the snapshot has 'qweight' but no '{name}'; an AWQ replay needs all three")
-        qweight = np.asarray(snapshot["qweight"])
-        qzeros = np.asarray(snapshot["qzeros"])
-        scales = np.asarray(snapshot["scales"])
-        for name, arr in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-            if arr.ndim != 2:
-                raise ReplayError(f"{name} must be 2-D (AWQ layout), got shape {arr.shape}")
-        if qweight.dtype.kind not in "iu" or qzeros.dtype.kind not in "iu":
-            raise ReplayError(f"qweight/qzeros must be int32 packed words, got {qweight.dtype}/{qzeros.dtype}")
-        n = int(qweight.shape[1]) * 8
-        if qweight.shape[0] * 8 == k and qweight.shape[1] != k // 8 and scales.shape[1] == qweight.shape[1]:
-            raise ReplayError(
-                f"qweight {tuple(qweight.shape)} looks GPTQ-packed ([K/8, N]); the replay kernel takes the AWQ "
-                "layout ([K, N/8], see docs/replay.md); repack before replaying"
-            )
-        tensors["qweight"] = _as_words(qweight)
-        tensors["qzeros"] = _as_words(qzeros)
-        tensors["scales"] = scales if scales.dtype in (np.float16, np.float32) else scales.astype(np.float32)
-        n_groups = int(scales.shape[0])
-        if "g_idx" in snapshot and snapshot["g_idx"] is not None:
-            g = np.asarray(snapshot["g_idx"]).reshape(-1)
-            if g.dtype.kind not in "iu":
-                raise ReplayError(f"g_idx must be integer, got {g.dtype}")
-            if g.size and (g.max() > np.iinfo(np.int32).max or g.min() < np.iinfo(np.int32).min):
-                raise ReplayError("g_idx values do not fit int32")
-            tensors["g_idx"] = g.astype(np.int32)
-        group_size = _group_size(meta, k, n_groups, "g_idx" in tensors)
-        weight_format = "gptq" if "g_idx" in tensors else "awq"
-        try:
-            if qweight.shape[0] != k:
-                raise ReplayError(f"qweight has {qweight.shape[0]} rows but the input has K={k}")
-            w_kn = awq.dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], group_size, tensors.get("g_idx"))
-            if w_kn.shape[1] != n or scales.shape[1] != n:
-                raise ReplayError(f"scales has {scales.shape[1]} columns, qweight implies N={n}")
-        except ReplayError as exc:
-            w_kn = None
-            notes.append(f"no CPU reference: {exc}")
-    elif "weight" in snapshot:
-        w = np.asarray(snapshot["weight"])
-        if w.ndim != 2 or w.dtype not in _FLOAT:
-            raise ReplayError(f"weight must be a float [N, K] array (torch Linear layout), got {w.dtype} {w.shape}")
-        n = int(w.shape[0])
-        if w.shape[1] != k:
-            raise ReplayError(f"weight is [N={w.shape[0]}, {w.shape[1]}] but the input has K={k}")
-        tensors["weight"] = w
-        n_groups = 0
-        group_size = int(meta.get("group_size") or 128)
-        if group_size == -1:
-            group_size = k
-        weight_format = "dense"
-        w_kn = w.astype(np.float64).T
-    else:
-        raise ReplayError("the snapshot has neither 'weight' (dense) nor 'qweight'/'qzeros'/'scales' (AWQ)")
-
-    if "bias" in snapshot and snapshot["bias"] is not None:
-        b = np.asarray(snapshot["bias"]).reshape(-1)
-        if b.dtype in _FLOAT:
-            tensors["bias"] = b
-
-    first = _first_nonfinite(snapshot, lead, n)
+    first = _first_nonfinite(snapshot, lead, n_full)
     if m_full <= small_rows:
         r0, r1 = 0, m_full
     elif first is not None:
@@ -191,40 +166,51 @@ def build_bundle(
     else:
         r0, r1 = 0, min(TILE_M, m_full)
     tensors["x"] = np.ascontiguousarray(x2[r0:r1])
+    if "bias" in snapshot and snapshot["bias"] is not None:
+        b = np.asarray(snapshot["bias"]).reshape(-1)
+        if b.dtype in _FLOAT and b.size in (n, n_full):
+            tensors["bias"] = b[col0:col0 + n] if b.size == n_full and n != n_full else b
 
-    reference = None
-    if w_kn is not None:
-        reference = tensors["x"].astype(np.float64) @ w_kn
+    with np.errstate(over="ignore", invalid="ignore"):
+        reference = layout.effective_input(tensors["x"], tensors, lmeta) @ w_kn
     observed = None
-    if "output.0" in snapshot and snapshot["output.0"] is not None:
+    notes: list[str] = []
+    if snapshot.get("output.0") is not None:
         o = np.asarray(snapshot["output.0"])
-        if o.size == m_full * n:
-            observed = np.ascontiguousarray(o.reshape(m_full, n)[r0:r1]).astype(np.float32)
+        if o.size == m_full * n_full:
+            observed = np.ascontiguousarray(o.reshape(m_full, n_full)[r0:r1, col0:col0 + n]).astype(np.float32)
+        else:
+            notes.append(f"output.0 has {o.size} values, not M*N = {m_full}*{n_full}: not compared")
 
     full_meta: dict[str, Any] = {
-        "weight_format": weight_format,
+        "layout": layout.name,
+        "fixture": layout.fixture,
+        "library": meta.get("library"),
+        "kernel": meta.get("kernel"),
+        "compute_dtype": meta.get("compute_dtype") or (x_full.dtype.name if x_full.dtype != np.float64 else "float32"),
         "quant_format": meta.get("format"),
-        "bits": int(meta.get("bits") or (4 if weight_format != "dense" else 0)),
+        "bits": int(meta.get("bits") or (0 if layout.name == "dense" else 4 if layout.name != "fp8" else 8)),
         "M": r1 - r0,
         "M_full": m_full,
         "N": n,
+        "N_full": n_full,
         "K": k,
         "input_shape": list(x_full.shape),
-        "group_size": int(group_size),
-        "n_groups": int(n_groups),
+        "group_size": int(lmeta.get("group_size") or -1),
         "row_start": int(r0),
         "row_stop": int(r1),
-        "tile": [TILE_M, TILE_N, TILE_K],
-        "tile_m": int(r0 // TILE_M),
-        "tile_n": int(first[1] // TILE_N) if first else 0,
+        "col_start": int(col0),
+        "col_stop": int(col0 + n),
         "first_nonfinite": list(first) if first else None,
         "call_index": meta.get("call_index"),
         "step": meta.get("step"),
         "module": meta.get("module"),
+        "module_type": meta.get("module_type"),
         "reason": meta.get("reason"),
         "source": meta.get("source"),
         "notes": notes,
     }
+    full_meta.update({key: v for key, v in lmeta.items() if key not in full_meta})
     full_meta = json.loads(json.dumps(full_meta, default=_jsonable))
     bundle = Bundle(tensors=tensors, meta=full_meta, reference=reference, observed=observed, notes=notes)
     if out_path is not None:
@@ -259,18 +245,52 @@ def choose_call(snapshots: Any) -> int:
     )
 
 
-def _quant_info(modules: Any, module: str | None) -> dict[str, Any]:
+def _module_row(modules: Any, module: str | None) -> tuple[str | None, dict[str, Any]]:
+    """(class name, info JSON) of `module` in the trace's module table."""
     if modules is None or module is None or not len(modules):
-        return {}
+        return None, {}
     rows = modules[modules["name"] == module]
     if not len(rows):
-        return {}
+        return None, {}
+    row = rows.iloc[0]
     try:
-        info = json.loads(rows.iloc[0]["info"] or "{}")
+        info = json.loads(row["info"] or "{}")
     except (TypeError, ValueError):
-        return {}
-    quant = info.get("quant") if isinstance(info, dict) else None
-    return quant if isinstance(quant, dict) else {}
+        info = {}
+    mtype = str(row["type"]) if "type" in rows.columns else None
+    return mtype, info if isinstance(info, dict) else {}
+
+
+def layout_meta(mtype: str | None, info: dict[str, Any], snapshot_names: set[str]) -> dict[str, Any]:
+    """What the module table says about the layer the run used: layout, library, kernel, dtypes.
+
+    Only facts the trace states are used; the layout is otherwise left to the adapters, which
+    refuse what none of them can take.
+    """
+    quant = info.get("quant") if isinstance(info.get("quant"), dict) else {}
+    params = info.get("params") if isinstance(info.get("params"), dict) else {}
+    wdt = str((params.get("weight") or {}).get("dtype") or "") if isinstance(params.get("weight"), dict) else ""
+    meta: dict[str, Any] = {"module_type": mtype, "group_size": quant.get("group_size"), "bits": quant.get("bits"),
+                            "format": quant.get("format")}
+    engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
+    if engine.get("layout"):
+        meta["layout"] = str(engine["layout"])
+    if mtype == "FakeQuantLinear":
+        meta.update(layout="qforensics-fakequant", fake_quant=quant.get("format"), kernel="qforensics-fakequant",
+                    library="qforensics (fixture: the project's own fake-quant layer)")
+    elif wdt.startswith("float8"):
+        meta.update(layout=meta.get("layout") or "fp8", weight_dtype=wdt, kernel="torch-scaled-mm")
+    elif "qweight" in snapshot_names and mtype and "WQLinear" in mtype:
+        meta.update(layout=meta.get("layout") or "awq-gemm", library="autoawq", kernel=f"autoawq:{mtype}")
+    elif "weight_packed" in snapshot_names:
+        meta.update(layout=meta.get("layout") or "ct-pack-quantized", library="compressed-tensors")
+    elif mtype in ("Linear", "NonDynamicallyQuantizableLinear") and "weight" in snapshot_names:
+        meta.update(layout="dense", kernel="torch-linear", library="torch")
+    if wdt in ("float32", "float16", "bfloat16"):
+        meta["compute_dtype"] = wdt
+    if engine.get("kernel"):
+        meta["kernel"] = str(engine["kernel"])
+    return meta
 
 
 def build_bundle_from_trace(
@@ -282,10 +302,8 @@ def build_bundle_from_trace(
 ) -> Bundle:
     """Build a bundle from snapshot `call_index` of a trace (default: see choose_call)."""
     if open_trace is None:
-        try:
-            from qforensics.trace.reader import open_trace as _open
-        except ImportError as exc:  # pragma: no cover - the trace reader ships with the package
-            raise ReplayError(f"the trace reader is not available ({exc}); pass a replay bundle instead") from exc
+        from qforensics.trace.reader import open_trace as _open
+
         open_trace = _open
     with open_trace(trace_path) as t:
         snaps = t.snapshots
@@ -298,23 +316,21 @@ def build_bundle_from_trace(
         tensors = t.snapshot_tensors(call_index)
         row = rows.iloc[0]
         module = str(row["module"]) if "module" in rows.columns else None
-        quant = _quant_info(getattr(t, "modules", None), module)
+        mtype, info = _module_row(getattr(t, "modules", None), module)
         truncated = bool(rows["truncated"].any()) if "truncated" in rows.columns else False
     if truncated:
         raise ReplayError(
             f"{trace_path}: the snapshot of call {call_index} is truncated (byte budget); "
             "re-record with a larger snapshot budget to replay it"
         )
-    meta = {
+    meta = layout_meta(mtype, info, set(tensors))
+    meta.update({
         "call_index": int(call_index),
         "step": int(row["step"]) if "step" in rows.columns else None,
         "module": module,
         "reason": str(row["reason"]) if "reason" in rows.columns else None,
         "source": str(trace_path),
-        "group_size": quant.get("group_size"),
-        "bits": quant.get("bits"),
-        "format": quant.get("format"),
-    }
+    })
     return build_bundle(tensors, meta, out_path)
 
 
@@ -411,48 +427,44 @@ def read_bundle(path: str | Path) -> Bundle:
 
 
 def validate_bundle(bundle: Bundle) -> None:
-    """Check shapes and dtypes against the meta; raises ReplayError naming the dataset."""
-    m, n, k = bundle.meta.get("M"), bundle.meta.get("N"), bundle.meta.get("K")
+    """Check the meta, the layout's own shape rules and the reference/observed shapes; raises
+    ReplayError naming what contradicts what."""
+    meta = bundle.meta
     where = str(bundle.path or "bundle")
-    for key in ("M", "N", "K", "group_size", "weight_format"):
-        if key not in bundle.meta:
+    for key in ("M", "N", "K", "layout"):
+        if key not in meta:
             raise ReplayError(f"{where}: meta lacks {key!r}")
-    if not all(isinstance(v, int) and v > 0 for v in (m, n, k)):
-        raise ReplayError(f"{where}: meta M/N/K must be positive integers, got {m}/{n}/{k}")
-    if not isinstance(bundle.meta["group_size"], int) or bundle.meta["group_size"] <= 0:
-        raise ReplayError(f"{where}: meta group_size must be a positive integer")
-    t = bundle.tensors
-    x = t.get("x")
+    m, n, k = meta["M"], meta["N"], meta["K"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**40 for v in (m, n, k)):
+        raise ReplayError(f"{where}: meta M/N/K must be positive integers, got {m!r}/{n!r}/{k!r}")
+    g = meta.get("group_size", -1)
+    if not isinstance(g, int) or isinstance(g, bool) or not (g == -1 or 0 < g <= k):
+        raise ReplayError(f"{where}: meta group_size must be -1 or an integer in 1..K, got {g!r}")
+    if meta["layout"] not in layouts.LAYOUTS:
+        raise ReplayError(f"{where}: unknown layout {meta['layout']!r}; known: {', '.join(layouts.LAYOUTS)}")
+    x = bundle.tensors.get("x")
     if x is None or x.ndim != 2 or x.shape != (m, k):
         raise ReplayError(f"{where}: /tensors/x must be [M={m}, K={k}], got {None if x is None else x.shape}")
-    fmt = bundle.meta["weight_format"]
-    if fmt == "dense":
-        w = t.get("weight")
-        if w is None or w.shape != (n, k):
-            raise ReplayError(f"{where}: /tensors/weight must be [N={n}, K={k}]")
-    elif fmt in ("awq", "gptq"):
-        for name in ("qweight", "qzeros", "scales"):
-            if name not in t or t[name].ndim != 2:
-                raise ReplayError(f"{where}: /tensors/{name} must exist and be 2-D")
-        if t["qweight"].shape[1] * 8 != n:
-            raise ReplayError(f"{where}: /tensors/qweight has {t['qweight'].shape[1]} words per row; N={n} needs {n // 8}")
-        if "g_idx" in t and t["g_idx"].ndim != 1:
-            raise ReplayError(f"{where}: /tensors/g_idx must be 1-D")
-    else:
-        raise ReplayError(f"{where}: unknown weight_format {fmt!r}")
-    if bundle.reference is not None and bundle.reference.shape != (m, n):
-        raise ReplayError(f"{where}: /reference/y must be [M={m}, N={n}], got {bundle.reference.shape}")
-    if bundle.reference is not None and bundle.reference.dtype != np.float64:
-        raise ReplayError(f"{where}: /reference/y must be float64")
-    if bundle.observed is not None and bundle.observed.shape != (m, n):
-        raise ReplayError(f"{where}: /observed/y must be [M={m}, N={n}]")
+    ok, why = bundle.layout.can_take(bundle.tensors, meta)
+    if not ok:
+        raise ReplayError(f"{where}: the tensors contradict the meta: {why}")
+    try:
+        w_n = bundle.layout.weight_kn(bundle.tensors, meta).shape[1]
+    except (ValueError, IndexError, KeyError, ReplayError) as exc:
+        raise ReplayError(f"{where}: the weight cannot be dequantized: {exc}") from exc
+    if w_n != n:
+        raise ReplayError(f"{where}: the weight holds {w_n} output columns, meta N={n}")
+    for label, arr, dt in (("reference", bundle.reference, np.float64), ("observed", bundle.observed, np.float32)):
+        if arr is not None and (arr.shape != (m, n) or arr.dtype != dt):
+            raise ReplayError(f"{where}: /{label}/y must be {np.dtype(dt).name} [M={m}, N={n}], got {arr.dtype} {arr.shape}")
 
 
 def kernel_tensors(bundle: Bundle) -> tuple[dict[str, np.ndarray], np.ndarray | None, list[str]]:
-    """Tensors the project kernel takes (x float16, qweight, qzeros, scales float16[, g_idx]).
+    """Tensors the project's CUDA kernel takes (x float16, qweight, qzeros, scales float16[, g_idx]).
 
-    Dense bundles are RTN-quantized to INT4 (group size from meta, else 128); the returned
-    reference is then that of the packed weight. Returns (tensors, reference, notes).
+    Only AWQ-GEMM bundles run on it directly. This is the path of the checked reference kernel and
+    of the planted-bug fixture, never the kernel under judgement for a user's run; dense bundles
+    are RTN-quantized to INT4 for it (the reference then is that of the packed weight).
     """
     t = bundle.tensors
     notes: list[str] = []
@@ -460,24 +472,26 @@ def kernel_tensors(bundle: Bundle) -> tuple[dict[str, np.ndarray], np.ndarray | 
     over = int(np.count_nonzero(np.isfinite(t["x"]) & ~np.isfinite(x16)))
     if over:
         notes.append(f"{over} input values overflow float16 (the kernel's input type)")
-    if bundle.weight_format == "dense":
-        g = int(bundle.meta["group_size"])
+    g = int(bundle.meta.get("group_size") or -1)
+    if bundle.layout.name in ("dense", "qforensics-fakequant"):
         w_kn = t["weight"].astype(np.float64).T
+        g = 128 if g == -1 else g
         if w_kn.shape[0] % g:
             g = w_kn.shape[0]
         qw, qz, sc = awq.quantize_rtn(w_kn, g)
         out = {"x": x16, "qweight": qw, "qzeros": qz, "scales": sc}
         ref = x16.astype(np.float64) @ awq.dequantize(qw, qz, sc, g)
-        notes.append(f"dense weight RTN-quantized to INT4 group_size={g} to run the AWQ kernel")
+        notes.append(f"dense weight RTN-quantized to INT4 group_size={g} to run the project kernel")
         return out, ref, notes
+    if bundle.layout.name != "awq-gemm":
+        raise ReplayError(f"the project kernel takes the awq-gemm layout, not {bundle.layout.name}")
+    g = int(bundle.meta["K"]) if g == -1 else g
     out = {"x": x16, "qweight": t["qweight"], "qzeros": t["qzeros"], "scales": t["scales"].astype(np.float16)}
     if "g_idx" in t:
         out["g_idx"] = t["g_idx"]
-    ref = bundle.reference
-    if ref is not None and t["x"].dtype != np.float16:
-        try:
-            ref = x16.astype(np.float64) @ awq.dequantize(
-                out["qweight"], out["qzeros"], out["scales"], int(bundle.meta["group_size"]), out.get("g_idx"))
-        except ReplayError:
-            ref = None
+    try:
+        ref = x16.astype(np.float64) @ awq.dequantize(out["qweight"], out["qzeros"], out["scales"], g, out.get("g_idx"))
+    except ReplayError as exc:
+        ref = None
+        notes.append(f"no CPU reference: {exc}")
     return out, ref, notes

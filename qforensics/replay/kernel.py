@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,3 +134,41 @@ def read_kernel_output(directory: str | os.PathLike[str], m: int, n: int) -> np.
     if not p.is_file() or p.stat().st_size != m * n * 4:
         return None
     return np.fromfile(p, dtype="<f4").reshape(m, n)
+
+
+def run_project_kernel(bundle: Any, *, checked: bool, work_dir: Path, sanitizer: str | None = None,
+                       arch: str | None = None, tool: str = "memcheck", timeout: float = 300,
+                       padding: int | None = None) -> tuple[Any, np.ndarray | None]:
+    """The project's CUDA kernel on a bundle under compute-sanitizer: the checked build is the
+    reference kernel; the unchecked build is the PLANTED-BUG FIXTURE (it never judges a user's
+    run). Returns (ReplayResult, output or None)."""
+    from qforensics.replay.bundle import kernel_tensors
+    from qforensics.replay.parse import attribute_buffers, parse_host_allocations
+    from qforensics.replay.sanitizer import find_sanitizer, run_sanitizer, sanitizer_command
+    from qforensics.replay.verdict import inconclusive, judge_sanitizer
+
+    label = "reference kernel (checked build)" if checked else "PLANTED-BUG FIXTURE (unchecked build)"
+    san = find_sanitizer(sanitizer)
+    if san is None:
+        return inconclusive("sanitizer", "no sanitizer", f"{label}: compute-sanitizer not found"), None
+    data, ref, _notes = kernel_tensors(bundle)
+    group = int(bundle.meta.get("group_size") or -1)
+    group = int(bundle.meta["K"]) if group == -1 else group
+    if bundle.layout.name != "awq-gemm":
+        group = 128 if int(bundle.meta["K"]) % 128 == 0 else int(bundle.meta["K"])
+    exe = build_kernel(arch or detect_arch() or "sm_90", checked=checked)
+    kin = write_kernel_inputs(data, group, Path(work_dir) / "kernel-in")
+    argv = sanitizer_command(san, [str(exe), str(kin)], tool=tool, kernel_name="kns=qf_awq_gemm", padding=padding)
+    run = run_sanitizer(argv, raw_path=Path(work_dir) / f"sanitizer-{tool}.txt", timeout=timeout)
+    attribute_buffers(run.report, parse_host_allocations(run.report.host_lines))
+    ran = any("qforensics-replay: kernel-done" in line for line in run.report.host_lines)
+    res = judge_sanitizer(run.report, kernel_ran=ran, print_limit=100, path="sanitizer", timed_out=run.timed_out)
+    res.summary = f"{label}: {res.summary}"
+    res.details = {"sanitizer": run.to_dict()}
+    y = read_kernel_output(kin, *data["x"].shape[:1], int(data["qweight"].shape[1]) * 8)
+    if y is not None and ref is not None:
+        with np.errstate(invalid="ignore"):
+            err = np.abs(y.astype(np.float64) - ref)
+        res.details["max_abs_err_vs_reference"] = float(np.nanmax(err)) if np.isfinite(err).any() else None
+        res.details["nonfinite_outputs"] = int(np.count_nonzero(~np.isfinite(y)))
+    return res, y

@@ -1,4 +1,12 @@
-"""Replay orchestration: bundle -> GPU run under compute-sanitizer and/or CPU emulation -> verdicts."""
+"""Replay orchestration: bundle -> the kernel the run used on the recorded data (numeric leg) and,
+with a GPU, the same kernel under compute-sanitizer (sanitizer leg) -> verdicts.
+
+The kernel under judgement is the run's own, named by the trace (`meta["kernel"]`), or one the
+user picks (`kernel=` a torch kernel of qforensics.replay.torch_kernels, or `launcher=` their own
+`module:function`). The project's CUDA kernel is never the suspect: it is the checked reference
+and, in its unchecked build, a planted-bug fixture for testing the sanitizer path (gpu_check).
+No temporary file outlives a call unless the caller asked for a work_dir or bundle_out.
+"""
 
 from __future__ import annotations
 
@@ -16,36 +24,21 @@ from typing import Any
 import numpy as np
 
 from qforensics.errors import ReplayError
-from qforensics.replay import kernel as kernel_mod
-from qforensics.replay.bundle import (
-    Bundle,
-    build_bundle_from_trace,
-    is_bundle,
-    kernel_tensors,
-    read_bundle,
-)
-from qforensics.replay.emulate import EmulationResult, LaunchGeometry, emulate_launch
+from qforensics.replay.bundle import Bundle, build_bundle_from_trace, is_bundle, read_bundle, write_bundle
+from qforensics.replay.judge import judge_numeric
 from qforensics.replay.launcher import DONE_MARKER
 from qforensics.replay.parse import attribute_buffers, parse_host_allocations
-from qforensics.replay.sanitizer import (
-    DEFAULT_PRINT_LIMIT,
-    find_sanitizer,
-    run_sanitizer,
-    sanitizer_command,
-)
-from qforensics.replay.verdict import (
-    ReplayResult,
-    Verdict,
-    inconclusive,
-    judge_sanitizer,
-    result_document,
-)
+from qforensics.replay.sanitizer import DEFAULT_PRINT_LIMIT, find_sanitizer, run_sanitizer, sanitizer_command
+from qforensics.replay.torch_kernels import KERNELS
+from qforensics.replay.verdict import ReplayResult, Verdict, inconclusive, judge_sanitizer, result_document
 
-PROJECT_KERNEL_FILTER = "kns=qf_awq_gemm"
+# torch kernels that have a CUDA --launcher entry point for the sanitizer leg
+CUDA_LAUNCHERS = {"torch-int4pack": "qforensics.replay.torch_kernels:cuda_int4pack_mm",
+                  "torch-scaled-mm": "qforensics.replay.torch_kernels:cuda_scaled_mm"}
 
 
 def detect_gpu() -> tuple[bool, str]:
-    """(available, how): /dev/nvidia[0-9]*, nvidia-smi -L, or torch.cuda.is_available()."""
+    """(available, how): /dev/nvidia[0-9]* or `nvidia-smi -L` (never imports torch)."""
     if glob.glob("/dev/nvidia[0-9]*"):
         return True, "/dev/nvidia* present"
     smi = shutil.which("nvidia-smi")
@@ -56,32 +49,22 @@ def detect_gpu() -> tuple[bool, str]:
                 return True, "nvidia-smi -L lists a GPU"
         except (OSError, subprocess.SubprocessError):
             pass
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return False, "no /dev/nvidia*, no nvidia-smi, no torch"
-    try:
-        if torch.cuda.is_available():
-            return True, "torch.cuda.is_available()"
-    except Exception:  # a broken CUDA install is "no GPU" for our purpose
-        pass
-    return False, "no /dev/nvidia*, nvidia-smi lists no GPU, torch.cuda.is_available() is False"
+    return False, "no /dev/nvidia*, and nvidia-smi is absent or lists no GPU"
 
 
 @dataclass
 class ReplayOutcome:
     bundle: Bundle
     results: list[ReplayResult] = field(default_factory=list)
-    emulations: list[EmulationResult] = field(default_factory=list)
+    kernel_output: np.ndarray | None = None
 
     def exit_code(self) -> int:
-        """1 any CONFIRMED / EMULATED-with-errors; 3 only INCONCLUSIVE; else 0."""
+        """1: a KERNEL FAULT / KERNEL DIVERGES / DATA finding, or nothing measured at all (only
+        INCONCLUSIVE); 0: measured and NOT REPRODUCED."""
         if any(r.failing for r in self.results):
             return 1
-        if self.results and all(r.verdict is Verdict.INCONCLUSIVE for r in self.results):
-            return 3
+        if not any(r.verdict is Verdict.NOT_REPRODUCED for r in self.results):
+            return 1
         return 0
 
     def document(self) -> dict[str, Any]:
@@ -90,131 +73,117 @@ class ReplayOutcome:
 
 
 def load_bundle(source: str | os.PathLike[str], *, call: int | None = None, bundle_out: str | os.PathLike[str] | None = None,
-                work_dir: Path | None = None, open_trace: Callable[[Any], Any] | None = None) -> Bundle:
-    """A bundle file is read (and validated); a trace is turned into a bundle (written to bundle_out,
-    else into work_dir)."""
+                open_trace: Callable[[Any], Any] | None = None) -> Bundle:
+    """A bundle file is read (and validated); a trace is turned into a bundle (written to bundle_out
+    when given, else kept in memory)."""
     src = Path(source)
-    if not src.exists():
+    if not src.is_file():
         raise ReplayError(f"{src}: no such file")
     if is_bundle(src):
         if call is not None:
             raise ReplayError(f"{src} is already a replay bundle (one call); --call applies to traces only")
         return read_bundle(src)
-    out = Path(bundle_out) if bundle_out else (work_dir or Path(tempfile.mkdtemp(prefix="qf-replay-"))) / "bundle.h5"
-    return build_bundle_from_trace(src, out, call, open_trace=open_trace)
+    return build_bundle_from_trace(src, bundle_out, call, open_trace=open_trace)
 
 
-def emulate_bundle(bundle: Bundle, *, limit: int = 100) -> tuple[list[ReplayResult], list[EmulationResult]]:
-    """Emulate the unchecked kernel on the bundle's tile (with numerics) and, when the bundle is a
-    tile of a larger launch, the full launch's geometry."""
-    data, ref, notes = kernel_tensors(bundle)
-    g = int(bundle.meta["group_size"])
-    tile = emulate_launch(LaunchGeometry.from_tensors(data, g), data=data, reference=ref, limit=limit)
-    tile.notes[:0] = notes + list(bundle.notes)
-    results = [_emulated("emulation", tile, f"tile rows [{bundle.meta.get('row_start', 0)}, {bundle.meta.get('row_stop', bundle.meta['M'])})")]
-    emus = [tile]
-    m_full = int(bundle.meta.get("M_full") or bundle.meta["M"])
-    if m_full != int(bundle.meta["M"]):
-        full = emulate_launch(LaunchGeometry.from_tensors(data, g, m=m_full), limit=limit)
-        results.append(_emulated("emulation-full-launch", full, f"full launch M={m_full}"))
-        emus.append(full)
-    return results, emus
+def _run_launcher(bundle_path: Path, spec: str, out_dir: Path, m: int, n: int, timeout: float) -> tuple[np.ndarray | None, str]:
+    """The user's launcher in a child process (a crash there is a finding, not ours)."""
+    argv = [sys.executable, "-m", "qforensics.replay.launcher", "--bundle", str(bundle_path), "--launcher", spec,
+            "--out", str(out_dir)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"the launcher did not finish within {timeout:g} s"
+    y = out_dir / "y.bin"
+    if proc.returncode != 0 or DONE_MARKER not in proc.stdout:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"the launcher exited with {proc.returncode}: {tail[0][:300]}"
+    if not y.is_file() or y.stat().st_size != m * n * 4:
+        return None, f"the launcher returned no [M={m}, N={n}] output"
+    return np.fromfile(y, dtype="<f4").reshape(m, n).astype(np.float64), "ok"
 
 
-def _emulated(path: str, emu: EmulationResult, scope: str) -> ReplayResult:
-    geo = emu.geometry
-    shape = f"M={geo['M']} N={geo['N']} K={geo['K']} group_size={geo['group_size']}"
-    grid = f"{emu.blocks_evaluated} of {emu.blocks_total} blocks" if emu.sampled else f"all {emu.blocks_total} blocks"
-    num = ""
-    if emu.numerics and emu.numerics.get("reference"):
-        n = emu.numerics
-        num = (f"; output equals the float64 reference on {n['compared']} in-bounds outputs"
-               if not n["mismatches"] else
-               f"; {n['mismatches']} of {n['compared']} in-bounds outputs differ from the float64 reference "
-               f"(first at {n['first_mismatch']})")
-    if emu.total_errors:
-        first = emu.records[0]
-        bufs = ", ".join(f"{b}: {s['count']}" for b, s in emu.by_buffer.items())
-        summary = (f"{scope} ({shape}): {emu.total_errors} invalid accesses over {grid} ({bufs}); "
-                   f"first: {first.describe()}{num}")
-        return ReplayResult(Verdict.EMULATED, path, summary, first=first, errors=emu.total_errors, details=emu.to_dict())
-    summary = f"{scope} ({shape}): 0 invalid accesses over {grid}{num}"
-    if emu.analytic:
-        summary += f"; analytic: {emu.analytic}"
-    mism = (emu.numerics or {}).get("mismatches") or 0
-    return ReplayResult(Verdict.EMULATED, path, summary, errors=mism, details=emu.to_dict())
+def numeric_leg(bundle: Bundle, *, kernel: str | None, launcher: str | None, work_dir: Path,
+                timeout: float = 600) -> tuple[ReplayResult, np.ndarray | None]:
+    """Run the chosen kernel on the recorded tile and judge it against the float64 reference."""
+    layout = bundle.layout
+    if launcher:
+        path = bundle.path or write_bundle(bundle, work_dir / "bundle.h5")
+        y, why = _run_launcher(Path(path), launcher, work_dir / "launcher-out", bundle.meta["M"], bundle.meta["N"], timeout)
+        if y is None:
+            return inconclusive("launcher", "launcher failed", f"{launcher}: {why}"), None
+        return judge_numeric(bundle, y, launcher, path="launcher"), y
+    name = kernel or bundle.meta.get("kernel")
+    fits = [k for k, kern in KERNELS.items() if kern.can_run(bundle.tensors, bundle.meta, layout)[0]]
+    if name is None or name not in KERNELS:
+        used = f"the run used {name!r}, which" if name else "the trace does not say which kernel the run used, so it"
+        hint = f"--kernel {' | '.join(fits)}" if fits else "no torch kernel here takes this layout"
+        return inconclusive("kernel", "kernel not callable",
+                            f"{used} cannot be called here; judge a kernel on this data with {hint}, or "
+                            "--launcher MODULE:FUNCTION"), None
+    ok, why = KERNELS[name].can_run(bundle.tensors, bundle.meta, layout)
+    if not ok:
+        return inconclusive("kernel", "kernel cannot take this tile", f"{name}: {why}"), None
+    y = KERNELS[name].run(bundle.tensors, bundle.meta, layout)
+    res = judge_numeric(bundle, y, name)
+    if bundle.meta.get("fixture"):
+        res.summary = f"[fixture: the project's own fake-quant layer, not a user kernel] {res.summary}"
+    return res, y
 
 
-def _padding_hint(emus: list[EmulationResult]) -> int:
-    far = max((s.get("max_distance", 0) for e in emus[:1] for s in e.by_buffer.values()), default=0)
-    return int(min(max(4096, (far + 16 + 4095) // 4096 * 4096), 64 << 20))
-
-
-def run_gpu(bundle: Bundle, *, work_dir: Path, tool: str = "memcheck", sanitizer: str | None = None,
-            launcher: str | None = None, kernel_name: str | None = None, print_limit: int = DEFAULT_PRINT_LIMIT,
-            arch: str | None = None, timeout: float = 600, padding: int | None = None) -> ReplayResult:
-    """Run the project kernel (or the user's launcher) on the bundle under compute-sanitizer."""
-    path = "launcher" if launcher else "gpu"
+def sanitizer_leg(bundle: Bundle, *, kernel: str | None, launcher: str | None, work_dir: Path, tool: str,
+                  sanitizer: str | None, kernel_name: str | None, print_limit: int, timeout: float) -> ReplayResult:
+    """The kernel's CUDA launch under compute-sanitizer (a child process); needs a GPU."""
+    name = kernel or bundle.meta.get("kernel")
+    spec = launcher or CUDA_LAUNCHERS.get(str(name))
+    if spec is None:
+        return inconclusive("sanitizer", "no CUDA launch", f"{name!r} has no CUDA launch qforensics can run under "
+                            "compute-sanitizer; pass --launcher MODULE:FUNCTION")
     san = find_sanitizer(sanitizer)
     if san is None:
-        return inconclusive(path, "no sanitizer", "compute-sanitizer not found (pass --sanitizer PATH, put it on PATH, "
-                            "or pip install nvidia-cuda-sanitizer-api)")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if launcher:
-        if bundle.path is None:
-            raise ReplayError("a --launcher replay needs the bundle on disk (pass --bundle-out)")
-        target = [sys.executable, "-m", "qforensics.replay.launcher", "--bundle", str(bundle.path),
-                  "--launcher", launcher, "--out", str(work_dir / "launcher-out")]
-        kfilter = kernel_name
-    else:
-        data, ref, _notes = kernel_tensors(bundle)
-        exe = kernel_mod.build_kernel(arch or kernel_mod.detect_arch() or "sm_90", checked=False)
-        kernel_mod.write_kernel_inputs(data, int(bundle.meta["group_size"]), work_dir / "kernel-in")
-        target = [str(exe), str(work_dir / "kernel-in")]
-        kfilter = kernel_name or PROJECT_KERNEL_FILTER
-    argv = sanitizer_command(san, target, tool=tool, kernel_name=kfilter, print_limit=print_limit, padding=padding)
+        return inconclusive("sanitizer", "no sanitizer", "compute-sanitizer not found (pass --sanitizer PATH, put it "
+                            "on PATH, or pip install nvidia-cuda-sanitizer-api)")
+    path = bundle.path or write_bundle(bundle, work_dir / "bundle.h5")
+    target = [sys.executable, "-m", "qforensics.replay.launcher", "--bundle", str(path), "--launcher", spec,
+              "--out", str(work_dir / "sanitizer-out")]
+    argv = sanitizer_command(san, target, tool=tool, kernel_name=kernel_name, print_limit=print_limit)
     run = run_sanitizer(argv, raw_path=work_dir / f"sanitizer-{tool}.txt", timeout=timeout)
-    allocs = parse_host_allocations(run.report.host_lines)
-    attribute_buffers(run.report, allocs)
-    marker = DONE_MARKER if launcher else "qforensics-replay: kernel-done"
-    ran = any(marker in line for line in run.report.host_lines)
-    res = judge_sanitizer(run.report, kernel_ran=ran, print_limit=print_limit, path=path, timed_out=run.timed_out)
-    res.details = {"sanitizer": run.to_dict(), "allocations": {k: [hex(a), s] for k, (a, s) in allocs.items()}}
-    if not launcher and res.verdict is Verdict.NOT_REPRODUCED and ref is not None:
-        y = kernel_mod.read_kernel_output(work_dir / "kernel-in", *ref.shape)
-        if y is not None:
-            with np.errstate(invalid="ignore"):
-                err = np.abs(y.astype(np.float64) - ref)
-            res.details["max_abs_err_vs_reference"] = float(np.nanmax(err)) if np.isfinite(err).any() else None
-            res.details["nonfinite_outputs"] = int(np.count_nonzero(~np.isfinite(y)))
+    attribute_buffers(run.report, parse_host_allocations(run.report.host_lines))
+    ran = any(DONE_MARKER in line for line in run.report.host_lines)
+    res = judge_sanitizer(run.report, kernel_ran=ran, print_limit=print_limit, path="sanitizer", timed_out=run.timed_out)
+    res.summary = f"{spec} under compute-sanitizer {tool}: {res.summary}"
+    res.details = {"sanitizer": run.to_dict()}
     return res
 
 
 def replay(source: str | os.PathLike[str], *, call: int | None = None, bundle_out: str | os.PathLike[str] | None = None,
-           mode: str = "auto", tool: str = "memcheck", sanitizer: str | None = None, launcher: str | None = None,
-           kernel_name: str | None = None, print_limit: int = DEFAULT_PRINT_LIMIT, arch: str | None = None,
+           kernel: str | None = None, launcher: str | None = None, sanitize: str = "auto", tool: str = "memcheck",
+           sanitizer: str | None = None, kernel_name: str | None = None, print_limit: int = DEFAULT_PRINT_LIMIT,
            work_dir: str | os.PathLike[str] | None = None, timeout: float = 600,
            open_trace: Callable[[Any], Any] | None = None,
            gpu_probe: Callable[[], tuple[bool, str]] = detect_gpu) -> ReplayOutcome:
-    """mode: "auto" (GPU when present, emulation always), "gpu" (GPU only), "emulate" (CPU only)."""
-    if mode not in ("auto", "gpu", "emulate"):
-        raise ReplayError(f"mode must be auto, gpu or emulate, got {mode!r}")
-    wd = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="qf-replay-"))
-    bundle = load_bundle(source, call=call, bundle_out=bundle_out, work_dir=wd, open_trace=open_trace)
-    outcome = ReplayOutcome(bundle)
-    if mode != "gpu":
-        results, emus = emulate_bundle(bundle, limit=print_limit or 100)
-        outcome.emulations = emus
-    if mode != "emulate":
-        has_gpu, how = gpu_probe()
-        if not has_gpu:
-            outcome.results.append(inconclusive("launcher" if launcher else "gpu", "no GPU",
-                                                f"GPU replay not run: no GPU ({how})"))
-        else:
-            pad = _padding_hint(outcome.emulations) if tool == "memcheck" else None
-            outcome.results.append(run_gpu(bundle, work_dir=wd, tool=tool, sanitizer=sanitizer, launcher=launcher,
-                                           kernel_name=kernel_name, print_limit=print_limit, arch=arch,
-                                           timeout=timeout, padding=pad))
-    if mode != "gpu":
-        outcome.results.extend(results)
+    """sanitize: "auto" (sanitizer leg when a GPU is present, else an INCONCLUSIVE line saying so),
+    "on" (required: INCONCLUSIVE without a GPU), "off" (numeric leg only)."""
+    if sanitize not in ("auto", "on", "off"):
+        raise ReplayError(f"sanitize must be auto, on or off, got {sanitize!r}")
+    if kernel is not None and kernel not in KERNELS:
+        raise ReplayError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    bundle = load_bundle(source, call=call, bundle_out=bundle_out, open_trace=open_trace)
+    with tempfile.TemporaryDirectory(prefix="qf-replay-") as tmp:
+        wd = Path(work_dir) if work_dir else Path(tmp)
+        wd.mkdir(parents=True, exist_ok=True)
+        res, y = numeric_leg(bundle, kernel=kernel, launcher=launcher, work_dir=wd, timeout=timeout)
+        outcome = ReplayOutcome(bundle, [res], y)
+        if sanitize != "off":
+            has_gpu, how = gpu_probe()
+            if has_gpu:
+                outcome.results.append(sanitizer_leg(bundle, kernel=kernel, launcher=launcher, work_dir=wd, tool=tool,
+                                                     sanitizer=sanitizer, kernel_name=kernel_name,
+                                                     print_limit=print_limit, timeout=timeout))
+            else:
+                outcome.results.append(inconclusive(
+                    "sanitizer", "no GPU", f"sanitizer leg not run: no GPU ({how}); compute-sanitizer cannot "
+                    "instrument anything without one, so memory safety was not measured"))
+        if not work_dir and bundle.path is not None and Path(tmp) in Path(bundle.path).parents:
+            bundle.path = None  # it lived in the temp dir, which is gone now
     return outcome

@@ -1,10 +1,14 @@
 """Verdicts: what a replay measured, in one line each, plus the versioned JSON result.
 
-CONFIRMED       the sanitizer reported an error (first record attached)
-NOT REPRODUCED  0 errors and the kernel did run
-INCONCLUSIVE    nothing was measured, with the reason (no GPU, no sanitizer, target died before
-                the first instrumented call, print limit hit, no ERROR SUMMARY line, ...)
-EMULATED        the CPU emulation's findings (never a claim about the GPU)
+KERNEL FAULT     compute-sanitizer saw an illegal access by the named kernel (first record attached)
+KERNEL DIVERGES  the float64 reference is finite; the kernel's output is non-finite or beyond the
+                 stated tolerance (coordinates attached)
+DATA             the kernel agrees with the float64 reference, which is itself non-finite: the
+                 recorded inputs or parameters make the NaN (channels / groups named)
+NOT REPRODUCED   the kernel ran on the recorded data: 0 sanitizer errors, or agreement with a
+                 finite reference
+INCONCLUSIVE     nothing was measured, with the reason (no GPU, no sanitizer, the run's kernel
+                 cannot be called here, target died before the first instrumented call, ...)
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ from qforensics.replay.records import (
 )
 
 RESULT_SCHEMA = "qforensics-replay-result"
-RESULT_SCHEMA_VERSION = "1.0"
+RESULT_SCHEMA_VERSION = "2.0"
 
 
 class Verdict(str, Enum):
-    CONFIRMED = "CONFIRMED"
+    KERNEL_FAULT = "KERNEL FAULT"
+    KERNEL_DIVERGES = "KERNEL DIVERGES"
+    DATA = "DATA"
     NOT_REPRODUCED = "NOT REPRODUCED"
     INCONCLUSIVE = "INCONCLUSIVE"
-    EMULATED = "EMULATED"
 
 
 @dataclass
@@ -38,7 +43,7 @@ class ReplayResult:
     """One path's outcome (GPU run or emulation)."""
 
     verdict: Verdict
-    path: str  # "gpu" | "launcher" | "emulation" | "emulation-full-launch"
+    path: str  # "kernel" (numeric, CPU or CUDA) | "sanitizer" | "launcher" | "fixture-emulation"
     summary: str
     reason: str | None = None
     first: AccessRecord | ApiError | OtherError | None = None
@@ -47,7 +52,7 @@ class ReplayResult:
 
     @property
     def failing(self) -> bool:
-        return self.verdict is Verdict.CONFIRMED or (self.verdict is Verdict.EMULATED and self.errors > 0)
+        return self.verdict in (Verdict.KERNEL_FAULT, Verdict.KERNEL_DIVERGES, Verdict.DATA)
 
     def line(self) -> str:
         return f"{self.verdict.value} | {self.summary}"
@@ -58,7 +63,7 @@ class ReplayResult:
                 "details": self.details}
 
 
-def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: int, path: str = "gpu",
+def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: int, path: str = "sanitizer",
                     timed_out: bool = False) -> ReplayResult:
     """Turn a parsed sanitizer run into a verdict. Never reports a clean result it did not see."""
     n = report.error_summary
@@ -73,11 +78,11 @@ def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: i
     if report.records:
         first = report.records[0]
         extra = f"; {hidden} more not printed (print limit)" if limit_hit else ""
-        return ReplayResult(Verdict.CONFIRMED, path, first.describe() + extra, first=first,
+        return ReplayResult(Verdict.KERNEL_FAULT, path, first.describe() + extra, first=first,
                             errors=n if n is not None else len(report.records))
     if report.other_errors:
         first_o = report.other_errors[0]
-        return ReplayResult(Verdict.CONFIRMED, path, first_o.message, first=first_o,
+        return ReplayResult(Verdict.KERNEL_FAULT, path, first_o.message, first=first_o,
                             errors=n if n is not None else len(report.other_errors))
     if limit_hit or (n and report.printed_errors == 0):
         return ReplayResult(Verdict.INCONCLUSIVE, path,
@@ -85,7 +90,7 @@ def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: i
                             reason="print limit hit", errors=n or 0)
     if report.api_errors:
         e = report.api_errors[0]
-        return ReplayResult(Verdict.CONFIRMED, path,
+        return ReplayResult(Verdict.KERNEL_FAULT, path,
                             f"{e.name} (error {e.number}) on {e.call or 'a CUDA API call'}, but no access record "
                             "was printed (kernel filtered out, or the fault is outside the instrumented kernels)",
                             first=e, errors=n if n is not None else len(report.api_errors))
@@ -116,8 +121,12 @@ def result_document(results: list[ReplayResult], *, bundle_path: str | None, met
         "bundle": bundle_path,
         "call_index": meta.get("call_index"),
         "module": meta.get("module"),
-        "shapes": {k: meta.get(k) for k in ("M", "M_full", "N", "K", "group_size", "n_groups")},
-        "tile": {k: meta.get(k) for k in ("tile_m", "tile_n", "row_start", "row_stop", "first_nonfinite")},
+        "layout": meta.get("layout"),
+        "fixture": bool(meta.get("fixture")),
+        "library": meta.get("library"),
+        "kernel": meta.get("kernel"),
+        "shapes": {k: meta.get(k) for k in ("M", "M_full", "N", "N_full", "K", "group_size", "compute_dtype")},
+        "tile": {k: meta.get(k) for k in ("row_start", "row_stop", "col_start", "col_stop", "first_nonfinite")},
         "results": [r.to_dict() for r in results],
     }
 

@@ -1,0 +1,394 @@
+"""Weight layouts a replay understands: each one says whether it can take a snapshot, and why not.
+
+A layout adapter turns the tensors a quantized layer really holds into the float64 weight
+``W[K, N]`` and, for W8A8 schemes, the input as the kernel sees it after activation
+quantization. That pair is the float64 reference a kernel is judged against. Every adapter
+answers ``can_take(tensors, meta) -> (ok, reason)`` before anything runs (the shape of vLLM's
+``MPLinearKernel.can_implement``); a layout nobody can take is refused with the reasons, never
+guessed. All arithmetic is numpy: no torch.
+
+Layouts (``LAYOUTS``):
+
+- ``dense``: ``weight`` float ``[N, K]`` (torch Linear).
+- ``awq-gemm``: AutoAWQ / vLLM checkpoint layout, ``qweight`` int32 ``[K, N/8]`` with nibble
+  order ``[0, 2, 4, 6, 1, 3, 5, 7]``, ``qzeros`` ``[K/G, N/8]`` packed alike, ``scales``
+  ``[K/G, N]``. ``W = (q - z) * s``.
+- ``gptq``: ``qweight`` int32 ``[K/8, N]`` packed sequentially along K, ``qzeros`` int32
+  ``[K/G, N/8]`` packed sequentially along N, ``scales`` ``[K/G, N]``, optional ``g_idx`` ``[K]``
+  (act-order). GPTQ v1 checkpoints store ``zero - 1`` (``zero_plus_one``, the default); v2 does not.
+- ``ct-pack-quantized``: compressed-tensors ``weight_packed`` int32 ``[N, K/8]`` (8 signed int4
+  values per word, stored +8, sequential), ``weight_scale`` ``[N, K/G]``, optional
+  ``weight_zero_point`` int32 ``[ceil(N/8), K/G]`` packed alike along N. ``W = (q - z) * s``.
+- ``fp8``: ``weight`` stored as uint8 bit patterns of ``float8_e4m3fn``/``float8_e5m2`` ``[N, K]``,
+  ``weight_scale`` scalar, per-channel ``[N]`` / ``[N, 1]``, or block ``[ceil(N/bn), ceil(K/bk)]``;
+  ``input_scale`` static (a scalar) or dynamic (absent); the input is quantized to e4m3 as a W8A8
+  kernel does (saturating unless ``meta['saturate']`` is False).
+- ``qforensics-fakequant``: the project's own fake-quant layer (a FIXTURE, never a user's kernel):
+  dense weight plus an activation scheme string such as ``fp8-e4m3-nosat``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qforensics.replay import awq
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+_FLOAT_KINDS = "f"
+
+
+def _decode_table(exp_bits: int, man_bits: int, fn: bool) -> np.ndarray:
+    """float64 value of every 8-bit pattern of an FP8 format (OCP e4m3fn when fn, else IEEE-like)."""
+    codes = np.arange(256, dtype=np.int64)
+    sign = np.where(codes >> 7, -1.0, 1.0)
+    e = (codes >> man_bits) & ((1 << exp_bits) - 1)
+    m = codes & ((1 << man_bits) - 1)
+    bias = (1 << (exp_bits - 1)) - 1
+    normal = (1.0 + m / (1 << man_bits)) * np.exp2(e - bias)
+    sub = (m / (1 << man_bits)) * 2.0 ** (1 - bias)
+    val = sign * np.where(e == 0, sub, normal)
+    top = e == (1 << exp_bits) - 1
+    if fn:  # e4m3fn: only S.1111.111 is NaN, no infinities
+        val = np.where(top & (m == (1 << man_bits) - 1), np.nan, val)
+    else:
+        val = np.where(top & (m == 0), sign * np.inf, np.where(top, np.nan, val))
+    return val
+
+
+FP8_DECODE = {"float8_e4m3fn": _decode_table(4, 3, True), "float8_e5m2": _decode_table(5, 2, False)}
+
+
+def decode_fp8(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """uint8 bit patterns -> float64 values."""
+    if dtype not in FP8_DECODE:
+        raise LayoutError(f"unknown FP8 dtype {dtype!r}; known: {', '.join(FP8_DECODE)}")
+    return FP8_DECODE[dtype][np.asarray(bits, dtype=np.uint8)]
+
+
+def encode_fp8(values: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:
+    """Values already on the FP8 grid (from quantize_fp8) -> their uint8 bit patterns."""
+    table = FP8_DECODE[dtype]
+    codes = np.flatnonzero(np.isfinite(table[:128]))  # positive finite codes, ascending values
+    v = np.asarray(values, dtype=np.float64)
+    idx = codes[np.clip(np.searchsorted(table[codes], np.abs(v)), 0, len(codes) - 1)]
+    if not np.array_equal(table[idx], np.where(np.isnan(v), np.nan, np.abs(v)), equal_nan=True):
+        raise LayoutError("encode_fp8 needs values on the FP8 grid (round them with quantize_fp8 first)")
+    nan_code = int(np.flatnonzero(np.isnan(table[:128]))[0])
+    idx = np.where(np.isnan(v), nan_code, idx)
+    return (idx | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def quantize_fp8(x: np.ndarray, dtype: str = "float8_e4m3fn", *, saturate: bool = True) -> np.ndarray:
+    """Round float64 values to the nearest FP8 value (ties to even code), as a cast does.
+
+    Beyond the largest finite value: clamp when `saturate`, else NaN from the rounding midpoint
+    above max on (e4m3fn has no infinity). NaN stays NaN.
+    """
+    table = FP8_DECODE[dtype]
+    pos = np.unique(table[np.isfinite(table) & (table >= 0)])  # ascending grid 0 .. max
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    idx = np.clip(np.searchsorted(pos, a), 1, len(pos) - 1)
+    lo, hi = pos[idx - 1], pos[idx]
+    # ties to even: the grid index parity is the code's last mantissa bit
+    pick_hi = (hi - a < a - lo) | ((hi - a == a - lo) & (idx % 2 == 0))
+    q = np.where(pick_hi, hi, lo)
+    top = pos[-1]
+    over = a > top
+    if saturate:
+        q = np.where(over, top, q)
+    else:
+        step = top - pos[-2]
+        q = np.where(over & (a < top + step / 2), top, np.where(over, np.nan, q))
+    q = np.where(np.isnan(a), np.nan, q)
+    return np.copysign(q, x)
+
+
+class LayoutError(ValueError):
+    """A snapshot's tensors contradict the layout they claim (shape, dtype, packing)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One weight layout: what it needs, whether it can take a snapshot, and its reference."""
+
+    name: str
+    required: tuple[str, ...]
+    check: Callable[[dict[str, np.ndarray], dict[str, Any]], str | None]
+    weight_kn: Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
+    input_as_seen: Callable[[np.ndarray, dict[str, np.ndarray], dict[str, Any]], np.ndarray] | None = None
+    fixture: bool = False
+
+    def can_take(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[bool, str]:
+        missing = [n for n in self.required if n not in tensors]
+        if missing:
+            return False, f"{self.name}: missing {', '.join(missing)}"
+        try:
+            why = self.check(tensors, meta)
+        except (LayoutError, ValueError, TypeError, KeyError) as exc:
+            why = str(exc)
+        return (why is None), (f"{self.name}: {why}" if why else f"{self.name}: ok")
+
+    def effective_input(self, x: np.ndarray, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+        x64 = np.asarray(x, dtype=np.float64)
+        return x64 if self.input_as_seen is None else self.input_as_seen(x64, tensors, meta)
+
+
+def _k(meta: dict[str, Any]) -> int:
+    return int(meta["K"])
+
+
+def _group(meta: dict[str, Any], k: int) -> int:
+    g = int(meta.get("group_size") or -1)
+    return k if g == -1 else g
+
+
+def _is_int(a: np.ndarray) -> bool:
+    return a.dtype.kind in "iu"
+
+
+# -- dense ----------------------------------------------------------------------------------
+
+def _dense_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    w = t["weight"]
+    if w.ndim != 2 or w.dtype.kind != "f":
+        return f"weight must be a float [N, K] array, got {w.dtype} {w.shape}"
+    if w.shape[1] != _k(meta):
+        return f"weight has {w.shape[1]} columns, the input has K={_k(meta)}"
+    return None
+
+
+def _dense_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    return t["weight"].astype(np.float64).T
+
+
+# -- AWQ GEMM -------------------------------------------------------------------------------
+
+def _awq_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    qw, qz, sc = t["qweight"], t["qzeros"], t["scales"]
+    k = _k(meta)
+    if not (_is_int(qw) and _is_int(qz)) or sc.dtype.kind != "f":
+        return "qweight/qzeros must be int32 words and scales float"
+    if qw.ndim != 2 or qz.ndim != 2 or sc.ndim != 2:
+        return "qweight, qzeros and scales must be 2-D"
+    if qw.shape[0] != k:
+        if qw.shape[0] * 8 == k:
+            return f"qweight {qw.shape} is [K/8, N]: that is the GPTQ layout, not AWQ's [K, N/8]"
+        return f"qweight has {qw.shape[0]} rows, the input has K={k}"
+    n = qw.shape[1] * 8
+    if sc.shape[1] != n or qz.shape[1] * 8 != n:
+        return f"scales {sc.shape} / qzeros {qz.shape} do not match N={n} from qweight {qw.shape}"
+    g = _group(meta, k)
+    if "g_idx" not in t and sc.shape[0] != math.ceil(k / g):
+        return f"{sc.shape[0]} scale rows, but K={k} with group_size={g} needs {math.ceil(k / g)}"
+    return None
+
+
+def _awq_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    return awq.dequantize(t["qweight"], t["qzeros"], t["scales"], _group(meta, _k(meta)), t.get("g_idx"))
+
+
+# -- GPTQ -----------------------------------------------------------------------------------
+
+def unpack_sequential(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words holding 8 nibbles each (nibble i = element 8w+i) -> values, unpacked along axis."""
+    w = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    vals = (w[..., None] >> (4 * np.arange(8))) & 0xF  # [..., 8]
+    vals = np.moveaxis(vals, -1, axis + 1)
+    shape = list(w.shape)
+    shape[axis] *= 8
+    return vals.reshape(shape)
+
+
+def pack_sequential(values: np.ndarray, axis: int) -> np.ndarray:
+    """Inverse of unpack_sequential: values 0..15 packed 8 per int32 along axis."""
+    v = np.moveaxis(np.asarray(values).astype(np.int64), axis, -1)
+    if v.shape[-1] % 8:
+        raise LayoutError(f"cannot pack {v.shape[-1]} values 8 per word")
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    words = (v << (4 * np.arange(8))).sum(axis=-1)
+    return np.moveaxis(words.astype(np.uint32).view(np.int32), -1, axis)
+
+
+def _gptq_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    qw, qz, sc = t["qweight"], t["qzeros"], t["scales"]
+    k = _k(meta)
+    if not (_is_int(qw) and _is_int(qz)) or sc.dtype.kind != "f":
+        return "qweight/qzeros must be int32 words and scales float"
+    if qw.ndim != 2 or qw.shape[0] * 8 != k:
+        return f"qweight {qw.shape} is not [K/8={k // 8}, N]"
+    n = qw.shape[1]
+    if sc.ndim != 2 or sc.shape[1] != n or qz.ndim != 2 or qz.shape[1] * 8 != n:
+        return f"scales {sc.shape} / qzeros {qz.shape} do not match N={n}"
+    if qz.shape[0] != sc.shape[0]:
+        return f"qzeros has {qz.shape[0]} groups, scales {sc.shape[0]}"
+    g_idx = t.get("g_idx")
+    if g_idx is not None:
+        g = np.asarray(g_idx).reshape(-1)
+        if g.size != k:
+            return f"g_idx has {g.size} entries, K={k}"
+        if g.size and (g.min() < 0 or g.max() >= sc.shape[0]):
+            return f"g_idx holds groups outside 0..{sc.shape[0] - 1} (min {g.min()}, max {g.max()})"
+    elif sc.shape[0] != math.ceil(k / _group(meta, k)):
+        return f"{sc.shape[0]} scale rows, but K={k} with group_size={_group(meta, k)} needs {math.ceil(k / _group(meta, k))}"
+    return None
+
+
+def _gptq_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    k = _k(meta)
+    q = unpack_sequential(t["qweight"], 0).astype(np.float64)  # [K, N]
+    z = unpack_sequential(t["qzeros"], 1).astype(np.float64)  # [G, N]
+    if meta.get("zero_plus_one", True):
+        z = z + 1.0
+    s = t["scales"].astype(np.float64)
+    g = awq.group_index(k, _group(meta, k), t.get("g_idx"))
+    return (q - z[g]) * s[g]
+
+
+# -- compressed-tensors pack-quantized ------------------------------------------------------
+
+def _ct_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    wp, ws = t["weight_packed"], t["weight_scale"]
+    k = _k(meta)
+    if not _is_int(wp) or wp.ndim != 2 or wp.shape[1] * 8 != k:
+        return f"weight_packed {wp.dtype} {wp.shape} is not int32 [N, K/8={k // 8}]"
+    n = wp.shape[0]
+    if ws.ndim != 2 or ws.shape[0] != n:
+        return f"weight_scale {ws.shape} is not [N={n}, K/G]"
+    zp = t.get("weight_zero_point")
+    if zp is not None and (zp.ndim != 2 or zp.shape[1] != ws.shape[1] or zp.shape[0] * 8 < n):
+        return f"weight_zero_point {zp.shape} does not pack [N={n}, {ws.shape[1]}] along N"
+    return None
+
+
+def _ct_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    k = _k(meta)
+    q = unpack_sequential(t["weight_packed"], 1).astype(np.float64) - 8.0  # [N, K] signed
+    s = t["weight_scale"].astype(np.float64)
+    n = q.shape[0]
+    g = np.arange(k) // _group(meta, k) if s.shape[1] > 1 else np.zeros(k, np.int64)
+    zp = t.get("weight_zero_point")
+    z = 0.0 if zp is None else (unpack_sequential(zp, 0)[:n].astype(np.float64) - 8.0)[:, g]
+    return ((q - z) * s[:, g]).T
+
+
+# -- FP8 ------------------------------------------------------------------------------------
+
+def _fp8_dtype(meta: dict[str, Any]) -> str:
+    return str(meta.get("weight_dtype") or "float8_e4m3fn")
+
+
+def _fp8_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    w, ws = t["weight"], t["weight_scale"]
+    if w.dtype != np.uint8 or w.ndim != 2:
+        return f"weight must hold FP8 bit patterns as uint8 [N, K], got {w.dtype} {w.shape}"
+    if _fp8_dtype(meta) not in FP8_DECODE:
+        return f"weight_dtype {_fp8_dtype(meta)!r} is not an FP8 format"
+    n, k = w.shape
+    if k != _k(meta):
+        return f"weight has {k} columns, the input has K={_k(meta)}"
+    block = meta.get("weight_block_size")
+    if ws.size in (1, n):
+        return None
+    if block and ws.ndim == 2 and ws.shape == (math.ceil(n / block[0]), math.ceil(k / block[1])):
+        return None
+    return f"weight_scale {ws.shape} is neither per-tensor, per-channel [N={n}] nor a block grid for {block}"
+
+
+def _fp8_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    w = decode_fp8(t["weight"], _fp8_dtype(meta))
+    ws = t["weight_scale"].astype(np.float64)
+    n, k = w.shape
+    if ws.size == 1:
+        s = ws.reshape(())
+    elif ws.size == n:
+        s = ws.reshape(n, 1)
+    else:
+        bn, bk = meta["weight_block_size"]
+        s = np.repeat(np.repeat(ws, bn, axis=0)[:n], bk, axis=1)[:, :k]
+    return (w * s).T
+
+
+def _fp8_input(x: np.ndarray, t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    dt = str(meta.get("input_dtype_q") or "float8_e4m3fn")
+    top = FP8_MAX[dt]
+    if "input_scale" in t:
+        scale = float(np.asarray(t["input_scale"], dtype=np.float64).reshape(-1)[0])
+    else:  # dynamic per-token scales, as vLLM's dynamic FP8 does
+        amax = np.nanmax(np.abs(np.where(np.isfinite(x), x, 0.0)), axis=-1, keepdims=True)
+        scale = np.where(amax > 0, amax / top, 1.0)
+    return quantize_fp8(x / scale, dt, saturate=bool(meta.get("saturate", True))) * scale
+
+
+# -- the project's own fake-quant layer (fixture) -------------------------------------------
+
+_FAKE_RE = re.compile(r"^fp8-(e4m3|e4m3fn|e5m2)((?:-(?:nosat|dynamic))*)$")
+
+
+def _fake_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    why = _dense_check(t, meta)
+    if why:
+        return why
+    fmt = str(meta.get("fake_quant") or "")
+    if not _FAKE_RE.match(fmt):
+        return f"activation scheme {fmt!r} has no float64 reference here (known: fp8-e4m3|e5m2[-nosat][-dynamic])"
+    return None
+
+
+def _fake_input(x: np.ndarray, t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    m = _FAKE_RE.match(str(meta["fake_quant"]))
+    assert m is not None  # can_take checked it
+    dt = "float8_e5m2" if m.group(1) == "e5m2" else "float8_e4m3fn"
+    mods = m.group(2)
+    scale = 1.0
+    if "dynamic" in mods:
+        amax = float(np.nanmax(np.abs(np.where(np.isfinite(x), x, 0.0)))) if x.size else 0.0
+        scale = amax / FP8_MAX[dt] if amax > 0 else 1.0
+    return quantize_fp8(x / scale, dt, saturate="nosat" not in mods) * scale
+
+
+LAYOUTS: dict[str, Layout] = {
+    "dense": Layout("dense", ("weight",), _dense_check, _dense_w),
+    "awq-gemm": Layout("awq-gemm", ("qweight", "qzeros", "scales"), _awq_check, _awq_w),
+    "gptq": Layout("gptq", ("qweight", "qzeros", "scales"), _gptq_check, _gptq_w),
+    "ct-pack-quantized": Layout("ct-pack-quantized", ("weight_packed", "weight_scale"), _ct_check, _ct_w),
+    "fp8": Layout("fp8", ("weight", "weight_scale"), _fp8_check, _fp8_w, _fp8_input),
+    "qforensics-fakequant": Layout("qforensics-fakequant", ("weight",), _fake_check, _dense_w, _fake_input,
+                                   fixture=True),
+}
+
+# Layouts that are repacked at load by an engine: refused with the reason (never read as AWQ).
+REPACKED = {
+    "marlin": "Marlin repacks INT4 weights into its own tile order at load",
+    "exllama": "exllama shuffles GPTQ weights at load (post_init)",
+    "vllm-cpu-w4a16": "vLLM's CPU W4A16 kernel repacks the checkpoint's qweight at load",
+    "machete": "Machete repacks weights into its own layout at load",
+}
+
+
+def choose_layout(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Layout:
+    """The layout named in meta['layout'] (checked), else the one whose tensors are present.
+
+    Raises LayoutError with every adapter's reason when none can take the snapshot.
+    """
+    name = meta.get("layout")
+    if name in REPACKED:
+        raise LayoutError(f"layout {name!r} is refused: {REPACKED[name]}; record the checkpoint's tensors "
+                          "before repacking (or replay the checkpoint's layer) instead")
+    if name is not None and name not in LAYOUTS:
+        raise LayoutError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
+    candidates = [LAYOUTS[name]] if name else list(LAYOUTS.values())
+    reasons = []
+    for lay in candidates:
+        if lay.fixture and name is None:
+            continue  # the fixture is only ever chosen by name
+        ok, why = lay.can_take(tensors, meta)
+        if ok:
+            return lay
+        reasons.append(why)
+    raise LayoutError("no layout can take this snapshot: " + "; ".join(reasons))
