@@ -1,4 +1,4 @@
-"""`qforensics replay`: rerun the suspect GEMM tile under compute-sanitizer, or emulate it on CPU."""
+"""`qforensics replay`: rerun the suspect GEMM tile through the kernel the run used and judge it."""
 
 from __future__ import annotations
 
@@ -6,59 +6,75 @@ import click
 
 from qforensics.replay.run import replay
 from qforensics.replay.sanitizer import DEFAULT_PRINT_LIMIT, TOOLS
+from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import write_result_json
 
 EXAMPLE = """\b
 Example:
-    qforensics replay trace.h5 --bundle-out call17.h5 --json replay.json
-    qforensics replay call17.h5 --tool initcheck --sanitizer /opt/cuda/bin/compute-sanitizer
-    qforensics replay call17.h5 --launcher my_awq_ext.replay:launch --gpu
+    qforensics replay trace.h5 --json replay.json --export repro/
+    qforensics replay trace.h5 --kernel torch-int4pack
+    qforensics replay call17.h5 --launcher my_awq_ext.replay:launch --sanitize on
 """
 
 
 @click.command(name="replay", epilog=EXAMPLE)
 @click.argument("source", metavar="TRACE_OR_BUNDLE", type=click.Path(dir_okay=False))
 @click.option("--call", type=int, default=None, help="Snapshot call index (default: first non-finite, else first outlier).")
-@click.option("--bundle-out", type=click.Path(dir_okay=False), default=None, help="Write the replay bundle here.")
+@click.option("--kernel", type=click.Choice(sorted(KERNELS)), default=None,
+              help="Judge this torch kernel on the recorded data (default: the kernel the trace says the run used).")
+@click.option("--launcher", default=None, metavar="MOD:FN",
+              help="Judge your own op: MOD:FN receives (tensors: dict of numpy arrays, meta: dict) and returns y [M, N].")
+@click.option("--sanitize", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="compute-sanitizer leg: auto = when a GPU is present; it needs one to measure anything.")
 @click.option("--tool", type=click.Choice(TOOLS), default="memcheck", show_default=True, help="compute-sanitizer tool.")
 @click.option("--sanitizer", type=click.Path(dir_okay=False), default=None,
               help="compute-sanitizer executable (default: PATH, then the nvidia-cuda-sanitizer-api wheel).")
-@click.option("--launcher", default=None, metavar="MOD:FN",
-              help="Run your own op instead: MOD:FN receives (tensors: dict of numpy arrays, meta: dict).")
-@click.option("--emulate/--gpu", "mode", default=None,
-              help="--emulate: CPU emulation only; --gpu: GPU only. Default: GPU when present, emulation always.")
-@click.option("--kernel-name", default=None, help="Sanitizer kernel filter (default for the project kernel: kns=qf_awq_gemm).")
+@click.option("--kernel-name", default=None, help="Sanitizer kernel filter, e.g. kns=gemm.")
 @click.option("--print-limit", type=int, default=DEFAULT_PRINT_LIMIT, show_default=True, help="Sanitizer --print-limit.")
-@click.option("--arch", default=None, help="nvcc arch for the project kernel, e.g. sm_90 (default: from nvidia-smi).")
+@click.option("--bundle-out", type=click.Path(dir_okay=False), default=None, help="Keep the replay bundle here.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-              help="Keep kernel inputs and the raw sanitizer output here (default: a temp dir).")
+              help="Keep launcher output and raw sanitizer output here (default: a temp dir, removed afterwards).")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
+              help="Write a repro for an upstream bug report: tensors (safetensors), geometry JSON, script.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result as JSON.")
-def command(source: str, call: int | None, bundle_out: str | None, tool: str, sanitizer: str | None,
-            launcher: str | None, mode: bool | None, kernel_name: str | None, print_limit: int, arch: str | None,
-            work_dir: str | None, json_out: str | None) -> None:
-    """Replay the suspect GEMM call of TRACE_OR_BUNDLE and say what it measured.
+def command(source: str, call: int | None, kernel: str | None, launcher: str | None, sanitize: str, tool: str,
+            sanitizer: str | None, kernel_name: str | None, print_limit: int, bundle_out: str | None,
+            work_dir: str | None, export_dir: str | None, json_out: str | None) -> None:
+    """Rerun the suspect GEMM call of TRACE_OR_BUNDLE through the kernel the run used, on the
+    data it saw, against a float64 reference.
 
     \b
     Each line starts with a verdict:
-      CONFIRMED       compute-sanitizer reported an invalid access (the first one is named)
-      NOT REPRODUCED  0 errors and the kernel ran on this tile
-      INCONCLUSIVE    nothing was measured, and why (no GPU, no sanitizer, ...)
-      EMULATED        the CPU emulation of the project kernel's index arithmetic
-    Exit codes: 0 clean, 1 CONFIRMED or emulation errors, 2 bad usage or
-    unreadable input, 3 only INCONCLUSIVE results.
+      KERNEL FAULT     compute-sanitizer saw an illegal access by the kernel (GPU only)
+      KERNEL DIVERGES  the reference is finite; the kernel's output is not, or is beyond tolerance
+      DATA             the kernel agrees with the reference, which is itself non-finite:
+                       the recorded inputs or parameters make the NaN (named)
+      NOT REPRODUCED   the kernel ran on the recorded data and the failure did not recur
+      INCONCLUSIVE     nothing was measured, and why (no GPU, kernel not callable here, ...)
+    Exit codes: 0 measured and NOT REPRODUCED, 1 KERNEL FAULT / KERNEL DIVERGES / DATA
+    or nothing measured, 2 bad usage or unreadable input.
     """
-    m = {None: "auto", True: "emulate", False: "gpu"}[mode]
-    outcome = replay(source, call=call, bundle_out=bundle_out, mode=m, tool=tool, sanitizer=sanitizer,
-                     launcher=launcher, kernel_name=kernel_name, print_limit=print_limit, arch=arch, work_dir=work_dir)
+    outcome = replay(source, call=call, bundle_out=bundle_out, kernel=kernel, launcher=launcher, sanitize=sanitize,
+                     tool=tool, sanitizer=sanitizer, kernel_name=kernel_name, print_limit=print_limit, work_dir=work_dir)
+    meta = outcome.bundle.meta
+    click.echo(f"call {meta.get('call_index')} {meta.get('module')} ({meta.get('module_type') or '?'}), layout "
+               f"{meta.get('layout')}, kernel {kernel or launcher or meta.get('kernel') or 'unknown'}, "
+               f"M={meta['M']} of {meta.get('M_full')} N={meta['N']} of {meta.get('N_full')} K={meta['K']}")
+    if meta.get("fixture"):
+        click.echo("  note: this layer is qforensics's own fake-quant FIXTURE; the verdict is about it, not a user kernel")
     for res in outcome.results:
         click.echo(res.line())
         raw = (res.details.get("sanitizer") or {}).get("raw_output") if res.details else None
-        if raw:
+        if raw and work_dir:
             click.echo(f"  raw sanitizer output: {raw}")
     if outcome.bundle.path is not None:
         click.echo(f"  bundle: {outcome.bundle.path}")
+    if export_dir:
+        from qforensics.replay.export import export_repro
+
+        where = export_repro(outcome.bundle, export_dir, kernel=kernel or meta.get("kernel"), results=outcome.results)
+        click.echo(f"  repro: {where} (python {where}/repro.py)")
     if json_out:
         write_result_json(outcome.document(), json_out)
         click.echo(f"  json: {json_out}")
-    ctx = click.get_current_context()
-    ctx.exit(outcome.exit_code())
+    click.get_current_context().exit(outcome.exit_code())

@@ -77,8 +77,8 @@ def _linear_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, 
 def _linear_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> np.ndarray:
     torch = _torch()
     dt = _dtype(meta.get("compute_dtype"))
-    x = torch.from_numpy(np.ascontiguousarray(t["x"])).to(device=device, dtype=dt)
-    w = torch.from_numpy(np.ascontiguousarray(t["weight"])).to(device=device, dtype=dt)
+    x = torch.from_numpy(np.array(t["x"])).to(device=device, dtype=dt)
+    w = torch.from_numpy(np.array(t["weight"])).to(device=device, dtype=dt)
     with torch.no_grad():
         y = torch.nn.functional.linear(x, w)
     return y.double().cpu().numpy()
@@ -104,8 +104,8 @@ def _fake_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
 
     scheme = parse_scheme(str(meta["fake_quant"]), "activations")
     dt = _dtype(meta.get("compute_dtype"))
-    x = torch.from_numpy(np.ascontiguousarray(t["x"])).to(device=device, dtype=dt)
-    w = torch.from_numpy(np.ascontiguousarray(t["weight"])).to(device=device, dtype=dt)
+    x = torch.from_numpy(np.array(t["x"])).to(device=device, dtype=dt)
+    w = torch.from_numpy(np.array(t["weight"])).to(device=device, dtype=dt)
     with torch.no_grad():
         y = torch.nn.functional.linear(scheme.fake_quant(x), w)
     return y.double().cpu().numpy()
@@ -137,7 +137,7 @@ def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layou
         z = (np.full_like(s, 8.0) if zp is None
              else unpack_sequential(zp, 0)[: q.shape[1]].T.astype(np.float64))
     # (q - z) * s == (q - 8) * s + (8 - z) * s
-    return q.T.astype(np.int32), s, (8.0 - z) * s, g
+    return np.ascontiguousarray(q.T, dtype=np.int32), s, (8.0 - z) * s, g
 
 
 def _int4_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> tuple[bool, str]:
@@ -165,7 +165,7 @@ def _int4_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
     torch = _torch()
     q, s, z, g = _int4_operands(t, meta, layout)
     sz = torch.from_numpy(np.stack([s, z], axis=-1)).to(torch.bfloat16).contiguous()
-    x = torch.from_numpy(np.ascontiguousarray(t["x"])).to(torch.bfloat16)
+    x = torch.from_numpy(np.array(t["x"])).to(torch.bfloat16)
     if device == "cuda":
         qt = torch.from_numpy(q.astype(np.uint8))
         packed_u8 = (qt[:, ::2] << 4 | qt[:, 1::2]).contiguous().cuda()
@@ -210,7 +210,7 @@ def _scaled_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, 
     torch = _torch()
     xq, sa, sb = _scaled_operands(t, meta)
     a = torch.from_numpy(xq).to(torch.float32).to(torch.float8_e4m3fn).to(device)
-    w = torch.from_numpy(np.ascontiguousarray(t["weight"])).view(torch.float8_e4m3fn).to(device)
+    w = torch.from_numpy(np.array(t["weight"])).view(torch.float8_e4m3fn).to(device)
     scale_a = torch.tensor(sa, dtype=torch.float32, device=device)
     scale_b = torch.tensor(sb, dtype=torch.float32, device=device)
     y = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)

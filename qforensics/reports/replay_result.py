@@ -19,11 +19,11 @@ __all__ = ["REPLAY_SCHEMA", "ReplayEntry", "ReplaySummary", "load_replay_result"
            "parse_replay_result"]
 
 REPLAY_SCHEMA = "qforensics-replay-result"
-SUPPORTED_MAJOR = 1
+SUPPORTED_MAJOR = 2
 MAX_BYTES = 16 << 20
 MAX_RESULTS = 64
 MAX_STR = 2000
-VERDICTS = ("CONFIRMED", "NOT REPRODUCED", "INCONCLUSIVE", "EMULATED")
+VERDICTS = ("KERNEL FAULT", "KERNEL DIVERGES", "DATA", "NOT REPRODUCED", "INCONCLUSIVE")
 # keys of a result's `first` record worth a row in the report, in display order
 FIRST_KEYS = ("kind", "size", "error", "buffer", "relation", "distance", "space", "kernel",
               "function", "block", "thread", "source", "line", "address", "name", "number",
@@ -32,7 +32,7 @@ FIRST_KEYS = ("kind", "size", "error", "buffer", "relation", "distance", "space"
 
 @dataclass(frozen=True)
 class ReplayEntry:
-    """One path's verdict (gpu, launcher, emulation, ...)."""
+    """One leg's verdict (kernel, launcher, sanitizer)."""
 
     verdict: str
     path: str
@@ -47,7 +47,7 @@ class ReplayEntry:
 
     @property
     def failing(self) -> bool:
-        return self.verdict == "CONFIRMED" or (self.verdict == "EMULATED" and self.errors > 0)
+        return self.verdict in ("KERNEL FAULT", "KERNEL DIVERGES", "DATA")
 
 
 @dataclass(frozen=True)

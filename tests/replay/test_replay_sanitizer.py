@@ -19,7 +19,8 @@ from qforensics.errors import ReplayError
 from qforensics.replay import sanitizer as san_mod
 from qforensics.replay.bundle import build_bundle
 from qforensics.replay.parse import parse_sanitizer_output
-from qforensics.replay.run import replay, run_gpu
+from qforensics.replay.kernel import run_project_kernel
+from qforensics.replay.run import replay, sanitizer_leg
 from qforensics.replay.sanitizer import find_sanitizer, run_sanitizer, sanitizer_command
 from qforensics.replay.verdict import Verdict, judge_sanitizer
 
@@ -76,16 +77,22 @@ def test_command_line_exact():
         sanitizer_command("cs", ["p"], tool="leakcheck")
 
 
-def test_stub_sees_exact_argv_and_env(tmp_path, monkeypatch):
+def test_stub_runs_the_target_with_exact_argv_and_env(tmp_path, monkeypatch):
+    """The sanitizer stub really runs the target; the target itself reports the environment it got."""
     monkeypatch.setenv("KEEP_ME", "1")
     monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
-    stub, record = make_stub(tmp_path, DEMO, rc=86)
-    argv = sanitizer_command(stub, ["/bin/target", "arg"], tool="initcheck", kernel_name="kns=k")
+    target = tmp_path / "target.py"
+    target.write_text("import json, os, sys\n"
+                      f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(tmp_path / 'target.json')!r}, 'w'))\n")
+    stub, record = make_stub(tmp_path, DEMO, rc=86, run_target=True)
+    argv = sanitizer_command(stub, [sys.executable, str(target), "arg"], tool="initcheck", kernel_name="kns=k")
     run = run_sanitizer(argv, raw_path=tmp_path / "raw" / "out.txt")
     seen = json.loads(record.read_text())
     assert seen["argv"] == ["--tool", "initcheck", "--kernel-name", "kns=k", "--error-exitcode", "86",
-                            "--print-limit", "100", "/bin/target", "arg"]
-    assert seen["env"]["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1" and seen["env"]["KEEP_ME"] == "1"
+                            "--print-limit", "100", sys.executable, str(target), "arg"]
+    got = json.loads((tmp_path / "target.json").read_text())
+    assert got["argv"] == ["arg"]
+    assert got["env"]["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1" and got["env"]["KEEP_ME"] == "1"
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING" not in os.environ
     assert run.returncode == 86 and (tmp_path / "raw" / "out.txt").read_text() == DEMO
     assert run.report.error_summary == 2 and run.report.records[0].kind == "write"
@@ -107,7 +114,7 @@ def test_find_sanitizer_order(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text, ran, limit, verdict, reason", [
-    (CANNED_OOB, False, 100, Verdict.CONFIRMED, None),
+    (CANNED_OOB, False, 100, Verdict.KERNEL_FAULT, None),
     (CANNED_CLEAN, True, 100, Verdict.NOT_REPRODUCED, None),
     (NO_GPU, False, 100, Verdict.INCONCLUSIVE, "target died before first instrumented call"),
     ("========= ERROR SUMMARY: 0 errors\n", False, 100, Verdict.INCONCLUSIVE, "kernel did not run"),
@@ -121,25 +128,25 @@ def test_judge(text, ran, limit, verdict, reason):
     assert res.verdict is verdict and res.reason == reason
 
 
-def test_judge_api_error_only_is_confirmed_without_access_record():
+def test_judge_api_error_only_is_a_kernel_fault_without_access_record():
     text = ('========= Program hit cudaErrorIllegalAddress (error 700) due to "an illegal memory access was '
             'encountered" on CUDA API call to cudaDeviceSynchronize.\n========= ERROR SUMMARY: 1 error\n')
     res = judge_sanitizer(parse_sanitizer_output(text), kernel_ran=False, print_limit=100)
-    assert res.verdict is Verdict.CONFIRMED and res.first.number == 700 and "no access record" in res.summary
+    assert res.verdict is Verdict.KERNEL_FAULT and res.first.number == 700 and "no access record" in res.summary
 
 
 def _bundle(tmp_path, m=3):
     return build_bundle(make_awq(m, 64, 64, 32), {"group_size": 32, "call_index": 1}, tmp_path / "b.h5")
 
 
-def test_gpu_path_with_stub_names_the_buffer(tmp_path, monkeypatch):
+def test_planted_fixture_path_with_stub_names_the_buffer(tmp_path, monkeypatch):
     stub, record = make_stub(tmp_path, CANNED_OOB, rc=86)
     monkeypatch.setattr("qforensics.replay.kernel.build_kernel", lambda *a, **k: Path("/bin/true"))
-    monkeypatch.setattr("qforensics.replay.kernel.detect_arch", lambda: "sm_90")
-    res = run_gpu(_bundle(tmp_path), work_dir=tmp_path / "w", sanitizer=str(stub), padding=4096)
-    assert res.verdict is Verdict.CONFIRMED
-    assert res.line() == ("CONFIRMED | kernel qf_awq_gemm_unchecked, block (0,0,0), thread (12,0,0), reads 16 bytes "
-                          "at 1 bytes past the end of `x` at awq_gemm.cu:94")
+    res, _y = run_project_kernel(_bundle(tmp_path), checked=False, work_dir=tmp_path / "w", sanitizer=str(stub),
+                                 arch="sm_90", padding=4096)
+    assert res.verdict is Verdict.KERNEL_FAULT
+    assert res.line() == ("KERNEL FAULT | PLANTED-BUG FIXTURE (unchecked build): kernel qf_awq_gemm_unchecked, "
+                          "block (0,0,0), thread (12,0,0), reads 16 bytes at 1 bytes past the end of `x` at awq_gemm.cu:94")
     argv = json.loads(record.read_text())["argv"]
     assert argv == ["--tool", "memcheck", "--kernel-name", "kns=qf_awq_gemm", "--error-exitcode", "86",
                     "--print-limit", "100", "--padding", "4096", "/bin/true", str(tmp_path / "w" / "kernel-in")]
@@ -149,17 +156,20 @@ def test_gpu_path_with_stub_names_the_buffer(tmp_path, monkeypatch):
 
 def test_no_sanitizer_is_inconclusive(tmp_path, monkeypatch):
     monkeypatch.setattr("qforensics.replay.run.find_sanitizer", lambda explicit=None: None)
-    res = run_gpu(_bundle(tmp_path), work_dir=tmp_path / "w")
+    res = sanitizer_leg(_bundle(tmp_path), kernel="torch-int4pack", launcher=None, work_dir=tmp_path / "w",
+                        tool="memcheck", sanitizer=None, kernel_name=None, print_limit=100, timeout=60)
     assert res.verdict is Verdict.INCONCLUSIVE and res.reason == "no sanitizer"
 
 
-def test_replay_without_gpu_never_claims_a_clean_gpu_run(tmp_path):
-    out = replay(_bundle(tmp_path, m=8).path, gpu_probe=lambda: (False, "test"), work_dir=tmp_path / "w")
+def test_replay_without_gpu_never_claims_a_clean_sanitizer_run(tmp_path):
+    out = replay(_bundle(tmp_path, m=8).path, kernel="torch-int4pack", gpu_probe=lambda: (False, "test"))
     verdicts = [(r.path, r.verdict) for r in out.results]
-    assert verdicts == [("gpu", Verdict.INCONCLUSIVE), ("emulation", Verdict.EMULATED)]
-    assert out.results[0].reason == "no GPU" and out.exit_code() == 0
-    only = replay(_bundle(tmp_path, m=8).path, mode="gpu", gpu_probe=lambda: (False, "test"))
-    assert only.exit_code() == 3
+    assert verdicts == [("kernel", Verdict.NOT_REPRODUCED), ("sanitizer", Verdict.INCONCLUSIVE)]
+    assert out.results[1].reason == "no GPU" and "not measured" in out.results[1].summary
+    assert out.exit_code() == 0
+    only = replay(_bundle(tmp_path, m=8).path, gpu_probe=lambda: (False, "test"))  # no kernel named: nothing measured
+    assert [r.verdict for r in only.results] == [Verdict.INCONCLUSIVE, Verdict.INCONCLUSIVE]
+    assert only.exit_code() == 1
 
 
 LAUNCHER_MOD = '''
@@ -179,15 +189,15 @@ def test_launcher_runs_users_op_under_the_sanitizer(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[2]}")
     monkeypatch.setenv("QF_TEST_LAUNCHER_OUT", str(tmp_path / "seen.json"))
     stub, record = make_stub(tmp_path, "========= ERROR SUMMARY: 0 errors\n", run_target=True)
-    res = run_gpu(_bundle(tmp_path), work_dir=tmp_path / "w", sanitizer=str(stub), launcher="mylaunch:launch",
-                  kernel_name="kns=gemm")
+    res = sanitizer_leg(_bundle(tmp_path), kernel=None, launcher="mylaunch:launch", work_dir=tmp_path / "w",
+                        tool="memcheck", sanitizer=str(stub), kernel_name="kns=gemm", print_limit=100, timeout=120)
     argv = json.loads(record.read_text())["argv"]
     assert argv[:6] == ["--tool", "memcheck", "--kernel-name", "kns=gemm", "--error-exitcode", "86"]
     assert argv[8:12] == [sys.executable, "-m", "qforensics.replay.launcher", "--bundle"]
     assert json.loads((tmp_path / "seen.json").read_text()) == {"keys": ["qweight", "qzeros", "scales", "x"], "M": 3,
                                                                 "x_dtype": "float16"}
-    assert res.verdict is Verdict.NOT_REPRODUCED and res.path == "launcher"
-    assert np.fromfile(tmp_path / "w" / "launcher-out" / "y.bin", "<f4").size == 3 * 64
+    assert res.verdict is Verdict.NOT_REPRODUCED and res.path == "sanitizer"
+    assert np.fromfile(tmp_path / "w" / "sanitizer-out" / "y.bin", "<f4").size == 3 * 64
 
 
 def test_launcher_spec_errors():
@@ -210,6 +220,6 @@ def test_real_sanitizer_without_gpu_is_inconclusive(tmp_path):
     from qforensics.replay.run import detect_gpu
     if detect_gpu()[0]:
         pytest.skip("a GPU is present; tests/replay does not run GPU checks (see replay/gpu_check.py)")
-    res = run_gpu(_bundle(tmp_path), work_dir=tmp_path / "w", sanitizer=REAL, arch="sm_90")
+    res, _y = run_project_kernel(_bundle(tmp_path), checked=True, work_dir=tmp_path / "w", sanitizer=REAL, arch="sm_90")
     assert res.verdict is Verdict.INCONCLUSIVE
     assert res.reason == "target died before first instrumented call"

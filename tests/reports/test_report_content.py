@@ -39,15 +39,15 @@ from qforensics.reports.report import CSP_SCRIPT
 
 def _replay_doc(**over):
     doc = {
-        "schema": "qforensics-replay-result", "schema_version": "1.0",
+        "schema": "qforensics-replay-result", "schema_version": "2.0",
         "created_by": "qforensics 0.1.0", "bundle": "call94.h5", "call_index": 94,
         "module": "model.layers.11.mlp.down_proj",
         "shapes": {"M": 3, "N": 576, "K": 1536, "group_size": 128},
-        "tile": {"tile_m": 0, "tile_n": 5, "first_nonfinite": [1, 341]},
+        "tile": {"row_start": 0, "row_stop": 3, "col_start": 0, "col_stop": 576, "first_nonfinite": [1, 341]},
         "results": [
-            {"verdict": "INCONCLUSIVE", "path": "gpu", "summary": "GPU replay not run: no GPU",
+            {"verdict": "INCONCLUSIVE", "path": "sanitizer", "summary": "sanitizer leg not run: no GPU",
              "reason": "no GPU", "errors": 0, "first": None, "details": {}},
-            {"verdict": "EMULATED", "path": "emulation", "summary": "16-byte read 1 byte past x",
+            {"verdict": "KERNEL FAULT", "path": "sanitizer", "summary": "16-byte read 1 byte past x",
              "reason": None, "errors": 320,
              "first": {"kind": "read", "size": 16, "buffer": "x", "relation": "after",
                        "distance": 1, "frames": [{"deep": {"nested": 1}}]},
@@ -172,19 +172,19 @@ def test_replay_result_is_shown(tmp_path, failing_trace):
     p = tmp_path / "replay.json"
     p.write_text(json.dumps(doc))
     html, _ = render_report(failing_trace, replay=p)
-    assert 'id="replay"' in html and "EMULATED" in html and "INCONCLUSIVE" in html
+    assert 'id="replay"' in html and "KERNEL FAULT" in html and "INCONCLUSIVE" in html
     assert "&lt;script&gt;window.__pwned=9" in html and "<script>window.__pwned" not in html
     assert "deep" not in html  # nested structures are not dumped into the page
 
 
 @pytest.mark.parametrize("doc, words", [
     ({"schema": "something-else", "schema_version": "1.0", "results": []}, "not a replay result"),
-    (_replay_doc(schema_version="2.0"), "not supported"),
+    (_replay_doc(schema_version="3.0"), "not supported"),
     (_replay_doc(schema_version=1), "schema_version"),
     (_replay_doc(results={"a": 1}), "'results' must be a list"),
     (_replay_doc(results=[{"verdict": "PWNED", "path": "gpu", "summary": "x"}]), "verdict"),
-    (_replay_doc(results=[{"verdict": "EMULATED", "path": 3, "summary": "x"}]), "strings"),
-    (_replay_doc(results=[{"verdict": "EMULATED", "path": "e", "summary": "x", "errors": -1}]),
+    (_replay_doc(results=[{"verdict": "DATA", "path": 3, "summary": "x"}]), "strings"),
+    (_replay_doc(results=[{"verdict": "DATA", "path": "e", "summary": "x", "errors": -1}]),
      "errors"),
     (_replay_doc(call_index="94"), "call_index"),
     ([1, 2], "JSON object"),
