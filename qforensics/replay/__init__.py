@@ -11,13 +11,8 @@ Public API (see docs/replay.md):
 
 from __future__ import annotations
 
-from qforensics.replay.bundle import (
-    Bundle,
-    build_bundle,
-    build_bundle_from_trace,
-    read_bundle,
-    write_bundle,
-)
+from qforensics.replay.build import build_bundle, build_bundle_from_trace
+from qforensics.replay.bundle import Bundle, read_bundle, write_bundle
 from qforensics.replay.emulate import EmulationResult, LaunchGeometry, emulate_launch
 from qforensics.replay.kernel import build_kernel, write_kernel_inputs
 from qforensics.replay.parse import parse_sanitizer_output

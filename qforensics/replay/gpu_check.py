@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from qforensics.replay import awq
-from qforensics.replay.bundle import Bundle, build_bundle, build_bundle_from_trace
+from qforensics.replay.build import build_bundle, build_bundle_from_trace
+from qforensics.replay.bundle import Bundle
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.kernel import build_kernel, detect_arch, run_project_kernel
 from qforensics.replay.layouts import encode_fp8, quantize_fp8

@@ -144,7 +144,11 @@ def run_project_kernel(bundle: Any, *, checked: bool, work_dir: Path, sanitizer:
     run). Returns (ReplayResult, output or None)."""
     from qforensics.replay.bundle import kernel_tensors
     from qforensics.replay.parse import attribute_buffers, parse_host_allocations
-    from qforensics.replay.sanitizer import find_sanitizer, run_sanitizer, sanitizer_command
+    from qforensics.replay.sanitizer import (
+        find_sanitizer,
+        run_sanitizer,
+        sanitizer_command,
+    )
     from qforensics.replay.verdict import inconclusive, judge_sanitizer
 
     label = "reference kernel (checked build)" if checked else "PLANTED-BUG FIXTURE (unchecked build)"

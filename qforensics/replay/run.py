@@ -24,13 +24,25 @@ from typing import Any
 import numpy as np
 
 from qforensics.errors import ReplayError
-from qforensics.replay.bundle import Bundle, build_bundle_from_trace, is_bundle, read_bundle, write_bundle
+from qforensics.replay.build import build_bundle_from_trace
+from qforensics.replay.bundle import Bundle, is_bundle, read_bundle, write_bundle
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.launcher import DONE_MARKER
 from qforensics.replay.parse import attribute_buffers, parse_host_allocations
-from qforensics.replay.sanitizer import DEFAULT_PRINT_LIMIT, find_sanitizer, run_sanitizer, sanitizer_command
+from qforensics.replay.sanitizer import (
+    DEFAULT_PRINT_LIMIT,
+    find_sanitizer,
+    run_sanitizer,
+    sanitizer_command,
+)
 from qforensics.replay.torch_kernels import KERNELS
-from qforensics.replay.verdict import ReplayResult, Verdict, inconclusive, judge_sanitizer, result_document
+from qforensics.replay.verdict import (
+    ReplayResult,
+    Verdict,
+    inconclusive,
+    judge_sanitizer,
+    result_document,
+)
 
 # torch kernels that have a CUDA --launcher entry point for the sanitizer leg
 CUDA_LAUNCHERS = {"torch-int4pack": "qforensics.replay.torch_kernels:cuda_int4pack_mm",

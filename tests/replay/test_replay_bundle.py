@@ -11,14 +11,8 @@ from replay_helpers import FakeTrace, fake_opener, make_awq
 
 from qforensics.errors import ReplayError
 from qforensics.replay import awq
-from qforensics.replay.bundle import (
-    FORMAT_NAME,
-    build_bundle,
-    build_bundle_from_trace,
-    choose_call,
-    kernel_tensors,
-    read_bundle,
-)
+from qforensics.replay.build import build_bundle, build_bundle_from_trace, choose_call
+from qforensics.replay.bundle import FORMAT_NAME, kernel_tensors, read_bundle
 
 
 def test_awq_pack_roundtrip_and_nibble_order():

@@ -17,7 +17,7 @@ from replay_helpers import make_awq
 
 from qforensics.cli import main
 from qforensics.replay import run as run_mod
-from qforensics.replay.bundle import build_bundle
+from qforensics.replay.build import build_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "sample_traces" / "fp8-e4m3-nosat-act.h5"

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qforensics.replay.parse import attribute_buffers, parse_host_allocations, parse_sanitizer_output
+from qforensics.replay.parse import (
+    attribute_buffers,
+    parse_host_allocations,
+    parse_sanitizer_output,
+)
 from qforensics.replay.verdict import Verdict, judge_sanitizer
 
 FIX = Path(__file__).parent / "fixtures" / "gpu_h200"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from qforensics.replay.parse import (
     attribute_buffers,
     parse_host_allocations,

@@ -17,9 +17,9 @@ from test_replay_parse import DEMO, NO_GPU
 
 from qforensics.errors import ReplayError
 from qforensics.replay import sanitizer as san_mod
-from qforensics.replay.bundle import build_bundle
-from qforensics.replay.parse import parse_sanitizer_output
+from qforensics.replay.build import build_bundle
 from qforensics.replay.kernel import run_project_kernel
+from qforensics.replay.parse import parse_sanitizer_output
 from qforensics.replay.run import replay, sanitizer_leg
 from qforensics.replay.sanitizer import find_sanitizer, run_sanitizer, sanitizer_command
 from qforensics.replay.verdict import Verdict, judge_sanitizer
