@@ -105,13 +105,25 @@ def is_bundle(path: str | Path) -> bool:
     try:
         with h5py.File(path, "r") as f:
             return f.attrs.get("format") == FORMAT_NAME
-    except (OSError, ValueError):
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError):
         return False
 
 
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, OverflowError)
+
+
 def read_bundle(path: str | Path) -> Bundle:
-    """Read and validate a bundle. Raises ReplayError on anything malformed or unsafe."""
+    """Read and validate a bundle. Raises ReplayError on anything malformed, damaged or unsafe."""
     path = Path(path)
+    try:
+        return _read_bundle(path)
+    except ReplayError:
+        raise
+    except _H5_ERRORS as exc:  # h5py's errors on a damaged file: the file is unreadable, not our crash
+        raise ReplayError(f"{path}: damaged or unreadable bundle ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _read_bundle(path: Path) -> Bundle:
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as exc:
@@ -151,6 +163,34 @@ def read_bundle(path: str | Path) -> Bundle:
     return bundle
 
 
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "layout": (str,), "fixture": (bool,), "library": (str, type(None)), "kernel": (str, type(None)),
+    "compute_dtype": (str,), "fake_quant": (str, type(None)), "weight_dtype": (str, type(None)),
+    "saturate": (bool,), "zero_plus_one": (bool,), "module": (str, type(None)), "notes": (list,),
+    "weight_block_size": (list, type(None)), "first_nonfinite": (list, type(None)),
+}
+_META_INTS = ("M_full", "N_full", "row_start", "row_stop", "col_start", "col_stop")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_meta_types(meta: dict[str, Any], where: str) -> None:
+    for key, types in _META_TYPES.items():
+        if key in meta and not isinstance(meta[key], types):
+            raise ReplayError(f"{where}: meta {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                              f"got {type(meta[key]).__name__}")
+    for key in _META_INTS:
+        if key in meta and not (_is_int(meta[key]) and 0 <= meta[key] < 2**40):
+            raise ReplayError(f"{where}: meta {key!r} must be a non-negative integer, got {meta[key]!r}")
+    blk = meta.get("weight_block_size")
+    if blk is not None and not (len(blk) == 2 and all(_is_int(b) and 0 < b < 2**20 for b in blk)):
+        raise ReplayError(f"{where}: meta 'weight_block_size' must be two positive integers, got {blk!r}")
+    if meta.get("compute_dtype") not in (None, "float16", "bfloat16", "float32", "float64"):
+        raise ReplayError(f"{where}: meta 'compute_dtype' {meta['compute_dtype']!r} is not a float dtype")
+
+
 def validate_bundle(bundle: Bundle) -> None:
     """Check the meta, the layout's own shape rules and the reference/observed shapes; raises
     ReplayError naming what contradicts what."""
@@ -160,11 +200,12 @@ def validate_bundle(bundle: Bundle) -> None:
         if key not in meta:
             raise ReplayError(f"{where}: meta lacks {key!r}")
     m, n, k = meta["M"], meta["N"], meta["K"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**40 for v in (m, n, k)):
+    if not all(_is_int(v) and 0 < v < 2**40 for v in (m, n, k)):
         raise ReplayError(f"{where}: meta M/N/K must be positive integers, got {m!r}/{n!r}/{k!r}")
     g = meta.get("group_size", -1)
-    if not isinstance(g, int) or isinstance(g, bool) or not (g == -1 or 0 < g <= k):
+    if not _is_int(g) or not (g == -1 or 0 < g <= k):
         raise ReplayError(f"{where}: meta group_size must be -1 or an integer in 1..K, got {g!r}")
+    _check_meta_types(meta, where)
     if meta["layout"] not in layouts.LAYOUTS:
         raise ReplayError(f"{where}: unknown layout {meta['layout']!r}; known: {', '.join(layouts.LAYOUTS)}")
     x = bundle.tensors.get("x")
@@ -175,7 +216,7 @@ def validate_bundle(bundle: Bundle) -> None:
         raise ReplayError(f"{where}: the tensors contradict the meta: {why}")
     try:
         w_n = bundle.layout.weight_kn(bundle.tensors, meta).shape[1]
-    except (ValueError, IndexError, KeyError, ReplayError) as exc:
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, ReplayError) as exc:
         raise ReplayError(f"{where}: the weight cannot be dequantized: {exc}") from exc
     if w_n != n:
         raise ReplayError(f"{where}: the weight holds {w_n} output columns, meta N={n}")

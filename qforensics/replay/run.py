@@ -136,7 +136,10 @@ def numeric_leg(bundle: Bundle, *, kernel: str | None, launcher: str | None, wor
     ok, why = KERNELS[name].can_run(bundle.tensors, bundle.meta, layout)
     if not ok:
         return inconclusive("kernel", "kernel cannot take this tile", f"{name}: {why}"), None
-    y = KERNELS[name].run(bundle.tensors, bundle.meta, layout)
+    try:
+        y = KERNELS[name].run(bundle.tensors, bundle.meta, layout)
+    except Exception as exc:  # the op refusing or failing on the recorded data is reported, not ours to crash on
+        return inconclusive("kernel", "kernel raised", f"{name} raised on the recorded tile: {exc!r}"[:800]), None
     res = judge_numeric(bundle, y, name)
     if bundle.meta.get("fixture"):
         res.summary = f"[fixture: the project's own fake-quant layer, not a user kernel] {res.summary}"
