@@ -23,6 +23,10 @@ Layouts (``LAYOUTS``):
   ``weight_scale`` scalar, per-channel ``[N]`` / ``[N, 1]``, or block ``[ceil(N/bn), ceil(K/bk)]``;
   ``input_scale`` static (a scalar) or dynamic (absent); the input is quantized to e4m3 as a W8A8
   kernel does (saturating unless ``meta['saturate']`` is False).
+- ``vllm-cpu-w4a16``: what vLLM's CPU W4A16 kernel holds after loading an AWQ/GPTQ checkpoint:
+  ``qweight`` int32 ``[N/16, 2K]`` (per 16-column block, K rows of 2 words packed sequentially
+  along N), ``scales`` ``[K/G, N]``, ``qzeros`` ``[K/G, N/8]`` packed sequentially along N (AWQ
+  zero points; absent for GPTQ's uint4b8, zero 8). ``W = (q - z) * s``.
 - ``qforensics-fakequant``: the project's own fake-quant layer (a FIXTURE, never a user's kernel):
   dense weight plus an activation scheme string such as ``fp8-e4m3-nosat``.
 """
@@ -38,76 +42,16 @@ from typing import Any
 import numpy as np
 
 from qforensics.replay import awq
+from qforensics.replay.fp8bits import (
+    FP8_DECODE,
+    FP8_MAX,
+    decode_fp8,
+    encode_fp8,
+    quantize_fp8,
+)
 
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-_FLOAT_KINDS = "f"
-
-
-def _decode_table(exp_bits: int, man_bits: int, fn: bool) -> np.ndarray:
-    """float64 value of every 8-bit pattern of an FP8 format (OCP e4m3fn when fn, else IEEE-like)."""
-    codes = np.arange(256, dtype=np.int64)
-    sign = np.where(codes >> 7, -1.0, 1.0)
-    e = (codes >> man_bits) & ((1 << exp_bits) - 1)
-    m = codes & ((1 << man_bits) - 1)
-    bias = (1 << (exp_bits - 1)) - 1
-    normal = (1.0 + m / (1 << man_bits)) * np.exp2(e - bias)
-    sub = (m / (1 << man_bits)) * 2.0 ** (1 - bias)
-    val = sign * np.where(e == 0, sub, normal)
-    top = e == (1 << exp_bits) - 1
-    if fn:  # e4m3fn: only S.1111.111 is NaN, no infinities
-        val = np.where(top & (m == (1 << man_bits) - 1), np.nan, val)
-    else:
-        val = np.where(top & (m == 0), sign * np.inf, np.where(top, np.nan, val))
-    return val
-
-
-FP8_DECODE = {"float8_e4m3fn": _decode_table(4, 3, True), "float8_e5m2": _decode_table(5, 2, False)}
-
-
-def decode_fp8(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """uint8 bit patterns -> float64 values."""
-    if dtype not in FP8_DECODE:
-        raise LayoutError(f"unknown FP8 dtype {dtype!r}; known: {', '.join(FP8_DECODE)}")
-    return FP8_DECODE[dtype][np.asarray(bits, dtype=np.uint8)]
-
-
-def encode_fp8(values: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:
-    """Values already on the FP8 grid (from quantize_fp8) -> their uint8 bit patterns."""
-    table = FP8_DECODE[dtype]
-    codes = np.flatnonzero(np.isfinite(table[:128]))  # positive finite codes, ascending values
-    v = np.asarray(values, dtype=np.float64)
-    idx = codes[np.clip(np.searchsorted(table[codes], np.abs(v)), 0, len(codes) - 1)]
-    if not np.array_equal(table[idx], np.where(np.isnan(v), np.nan, np.abs(v)), equal_nan=True):
-        raise LayoutError("encode_fp8 needs values on the FP8 grid (round them with quantize_fp8 first)")
-    nan_code = int(np.flatnonzero(np.isnan(table[:128]))[0])
-    idx = np.where(np.isnan(v), nan_code, idx)
-    return (idx | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
-
-
-def quantize_fp8(x: np.ndarray, dtype: str = "float8_e4m3fn", *, saturate: bool = True) -> np.ndarray:
-    """Round float64 values to the nearest FP8 value (ties to even code), as a cast does.
-
-    Beyond the largest finite value: clamp when `saturate`, else NaN from the rounding midpoint
-    above max on (e4m3fn has no infinity). NaN stays NaN.
-    """
-    table = FP8_DECODE[dtype]
-    pos = np.unique(table[np.isfinite(table) & (table >= 0)])  # ascending grid 0 .. max
-    a = np.abs(np.asarray(x, dtype=np.float64))
-    idx = np.clip(np.searchsorted(pos, a), 1, len(pos) - 1)
-    lo, hi = pos[idx - 1], pos[idx]
-    # ties to even: the grid index parity is the code's last mantissa bit
-    pick_hi = (hi - a < a - lo) | ((hi - a == a - lo) & (idx % 2 == 0))
-    q = np.where(pick_hi, hi, lo)
-    top = pos[-1]
-    over = a > top
-    if saturate:
-        q = np.where(over, top, q)
-    else:
-        step = top - pos[-2]
-        q = np.where(over & (a < top + step / 2), top, np.where(over, np.nan, q))
-    q = np.where(np.isnan(a), np.nan, q)
-    return np.copysign(q, x)
-
+__all__ = ["FP8_MAX", "LAYOUTS", "Layout", "LayoutError", "choose_layout", "decode_fp8", "encode_fp8",
+           "quantize_fp8", "unpack_sequential", "pack_sequential"]
 
 class LayoutError(ValueError):
     """A snapshot's tensors contradict the layout they claim (shape, dtype, packing)."""
@@ -325,6 +269,43 @@ def _fp8_input(x: np.ndarray, t: dict[str, np.ndarray], meta: dict[str, Any]) ->
     return quantize_fp8(x / scale, dt, saturate=bool(meta.get("saturate", True))) * scale
 
 
+# -- vLLM's CPU W4A16 (CPUWNA16LinearKernel) after process_weights_after_loading -----------
+
+def _vllm_cpu_q(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    """Undo vLLM's CPU W4A16 repack: qweight [N/16, 2K] holds, for each block of 16 output
+    columns, K rows of 2 words packed sequentially along N. Returns q [K, N]."""
+    k = _k(meta)
+    qw = np.asarray(t["qweight"])
+    blocks = qw.shape[0]
+    words = qw.reshape(blocks, k, 2).transpose(1, 0, 2).reshape(k, blocks * 2)
+    return unpack_sequential(words, 1)
+
+
+def _vllm_cpu_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
+    qw, sc = t["qweight"], t["scales"]
+    k = _k(meta)
+    if not _is_int(qw) or qw.ndim != 2 or qw.shape[1] != 2 * k:
+        return f"qweight {qw.dtype} {qw.shape} is not vLLM's CPU W4A16 repack [N/16, 2K={2 * k}]"
+    n = qw.shape[0] * 16
+    if sc.dtype.kind != "f" or sc.ndim != 2 or sc.shape[1] != n:
+        return f"scales {sc.shape} do not match N={n}"
+    zp = t.get("qzeros")
+    if zp is not None and (zp.ndim != 2 or zp.shape != (sc.shape[0], n // 8)):
+        return f"qzeros {zp.shape} is not [groups={sc.shape[0]}, N/8={n // 8}]"
+    if sc.shape[0] != math.ceil(k / _group(meta, k)):
+        return f"{sc.shape[0]} scale rows, but K={k} with group_size={_group(meta, k)} needs {math.ceil(k / _group(meta, k))}"
+    return None
+
+
+def _vllm_cpu_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+    k = _k(meta)
+    q = _vllm_cpu_q(t, meta).astype(np.float64)
+    z = unpack_sequential(t["qzeros"], 1).astype(np.float64) if t.get("qzeros") is not None else 8.0  # uint4b8
+    s = t["scales"].astype(np.float64)
+    g = np.arange(k) // _group(meta, k)
+    return (q - (z[g] if isinstance(z, np.ndarray) else z)) * s[g]
+
+
 # -- the project's own fake-quant layer (fixture) -------------------------------------------
 
 _FAKE_RE = re.compile(r"^fp8-(e4m3|e4m3fn|e5m2)((?:-(?:nosat|dynamic))*)$")
@@ -358,6 +339,7 @@ LAYOUTS: dict[str, Layout] = {
     "gptq": Layout("gptq", ("qweight", "qzeros", "scales"), _gptq_check, _gptq_w),
     "ct-pack-quantized": Layout("ct-pack-quantized", ("weight_packed", "weight_scale"), _ct_check, _ct_w),
     "fp8": Layout("fp8", ("weight", "weight_scale"), _fp8_check, _fp8_w, _fp8_input),
+    "vllm-cpu-w4a16": Layout("vllm-cpu-w4a16", ("qweight", "scales"), _vllm_cpu_check, _vllm_cpu_w),
     "qforensics-fakequant": Layout("qforensics-fakequant", ("weight",), _fake_check, _dense_w, _fake_input,
                                    fixture=True),
 }
@@ -366,9 +348,15 @@ LAYOUTS: dict[str, Layout] = {
 REPACKED = {
     "marlin": "Marlin repacks INT4 weights into its own tile order at load",
     "exllama": "exllama shuffles GPTQ weights at load (post_init)",
-    "vllm-cpu-w4a16": "vLLM's CPU W4A16 kernel repacks the checkpoint's qweight at load",
     "machete": "Machete repacks weights into its own layout at load",
+    "vllm-cpu-w4a8": ("vLLM's CPU W4A8 path (the default on AMX CPUs, VLLM_CPU_INT4_W4A8=1) blocks weights, scales "
+                      "and zero points with convert_weight_packed_scale_zp; rerun with VLLM_CPU_INT4_W4A8=0 to get the "
+                      "W4A16 layout replay reads"),
 }
+
+
+# Layouts whose tensors could be mistaken for another's: used only when the trace names them.
+NAMED_ONLY = ("vllm-cpu-w4a16",)
 
 
 def choose_layout(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Layout:
@@ -385,8 +373,8 @@ def choose_layout(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Layou
     candidates = [LAYOUTS[name]] if name else list(LAYOUTS.values())
     reasons = []
     for lay in candidates:
-        if lay.fixture and name is None:
-            continue  # the fixture is only ever chosen by name
+        if (lay.fixture or lay.name in NAMED_ONLY) and name is None:
+            continue  # chosen only when the trace names them
         ok, why = lay.can_take(tensors, meta)
         if ok:
             return lay

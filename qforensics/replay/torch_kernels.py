@@ -221,11 +221,20 @@ _CAN = {"torch-linear": _linear_can, "qforensics-fakequant": _fake_can, "torch-i
         "torch-scaled-mm": _scaled_can}
 _RUN = {"torch-linear": _linear_run, "qforensics-fakequant": _fake_run, "torch-int4pack": _int4_run,
         "torch-scaled-mm": _scaled_run}
+def _vllm(name: str) -> Any:
+    from qforensics.replay import vllm_kernels
+
+    return getattr(vllm_kernels, name)
+
+
+_CAN["vllm-cpu-wna16"] = lambda *a: _vllm("_wna16_can")(*a)
+_RUN["vllm-cpu-wna16"] = lambda *a: _vllm("_wna16_run")(*a)
 KERNELS: dict[str, TorchKernel] = {
     "torch-linear": TorchKernel("torch-linear", "torch.nn.functional.linear"),
     "qforensics-fakequant": TorchKernel("qforensics-fakequant", "qforensics FakeQuantLinear.forward (fixture)"),
     "torch-int4pack": TorchKernel("torch-int4pack", "torch.ops.aten._weight_int4pack_mm[_for_cpu]"),
     "torch-scaled-mm": TorchKernel("torch-scaled-mm", "torch._scaled_mm"),
+    "vllm-cpu-wna16": TorchKernel("vllm-cpu-wna16", "vllm._custom_ops.cpu_gemm_wna16"),
 }
 
 
