@@ -200,9 +200,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
             first = find_first_nonfinite(trace, steps, fail_row, recs)
             focus = _focus_rows(recs, first)
     else:
-        focus_step = _peak_step(trace, steps)
+        focus_step = _guarded(trace, lambda: _peak_step(trace, steps), None)
         if focus_step is not None:
-            recs = trace.records(focus_step)
+            recs = _guarded(trace, lambda: trace.records(focus_step), None)
 
     outliers, persistent, damage, unsafe = [], [], [], []
     vocab = None
