@@ -37,7 +37,6 @@ from qforensics.analyze.nonfinite import (
     kind_word,
 )
 from qforensics.analyze.outliers import (
-    GEMM_KINDS,
     RecordIndex,
     find_outlier_channels,
     find_persistent_outliers,
@@ -47,6 +46,7 @@ from qforensics.analyze.outliers import (
 from qforensics.analyze.precursors import find_precursors
 from qforensics.analyze.thresholds import Thresholds
 from qforensics.errors import TraceUnreadableError, UsageError
+from qforensics.formats import GEMM_KINDS, KIND_ROOT
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
@@ -181,6 +181,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
     if not end.complete or not end.reason.startswith("complete"):
         notes.append(end.reason)
 
+    _guarded(trace, lambda: trace.modules, None)  # validates the module kinds up front
     fail_row = find_first_bad_step(steps)
     fail_row = _cross_check(trace, steps, fail_row, notes)
     first = None
@@ -233,7 +234,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                 notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
                              "no damage prediction")
             kinds = trace.modules["kind"].to_numpy()
-            root = recs[(kinds[recs["module_id"].to_numpy()] == "root")
+            root = recs[(kinds[recs["module_id"].to_numpy()] == KIND_ROOT)
                         & (recs["io"] == schema.IO_OUTPUT)] if len(recs) else recs
             if len(root):
                 vocab = int(root["channels"].iloc[0])

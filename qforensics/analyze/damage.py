@@ -20,7 +20,8 @@ import numpy as np
 
 from qforensics.analyze.findings import SchemeDamage, UnsafeModules
 from qforensics.analyze.outliers import ChannelRow
-from qforensics.analyze.thresholds import FORMAT_LIMITS, FP8_MIN_SUBNORMAL, Thresholds
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.formats import FORMAT_LIMITS, FP8_MIN_SUBNORMAL
 
 __all__ = ["SCHEMES", "predict_damage", "rank_unsafe"]
 

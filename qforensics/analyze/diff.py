@@ -29,6 +29,7 @@ from qforensics.analyze.findings import (
     Verdict,
 )
 from qforensics.errors import QForensicsError, UsageError
+from qforensics.formats import KIND_BLOCK
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
@@ -200,7 +201,7 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         for i in range(len(m))]
     # blocks aggregate what their children add: rank the modules themselves
     outs = [d for d in divs if d.io == schema.IO_OUTPUT
-            and kind_of.get("" if d.module == "(model output)" else d.module) != "block"]
+            and kind_of.get("" if d.module == "(model output)" else d.module) != KIND_BLOCK]
     ranked = sorted(outs, key=lambda d: -d.jump)[:top]
     first_bad = next((d for d in divs if d.nonfinite), None)
     first_jump = next((d for d in outs if d.jump >= jump), None)

@@ -19,7 +19,8 @@ from qforensics.analyze.access import (
     read_token_block,
 )
 from qforensics.analyze.findings import OutlierChannel, PersistentOutlier, TrendPoint
-from qforensics.analyze.thresholds import FORMAT_LIMITS, Thresholds
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.formats import FORMAT_LIMITS, GEMM_KINDS, KIND_BLOCK
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 
@@ -34,7 +35,6 @@ __all__ = [
 ]
 
 _TINY = 1e-30
-GEMM_KINDS = ("linear", "quantized_linear")
 
 
 @dataclass
@@ -74,7 +74,7 @@ def load_step_channels(trace: Trace, step: int, recs: pd.DataFrame,
     kinds = trace.modules["kind"].to_numpy()
     sel = recs[(recs["chan_offset"] >= 0) & (recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)]
     sel = sel.drop_duplicates(subset=["module_id"], keep="first")
-    sel = sel[np.isin(kinds[sel["module_id"].to_numpy()], GEMM_KINDS + ("block",))]
+    sel = sel[np.isin(kinds[sel["module_id"].to_numpy()], GEMM_KINDS + (KIND_BLOCK,))]
     if len(extra_rows):
         more = recs[recs["row"].isin(list(extra_rows)) & (recs["chan_offset"] >= 0)]
         sel = pd.concat([sel, more]).drop_duplicates(subset=["row"])
@@ -212,7 +212,7 @@ def find_persistent_outliers(sc: StepChannels, th: Thresholds) -> list[Persisten
     module inputs of the same width (vectorized over modules x channels per width)."""
     by_width: dict[int, list[ChannelRow]] = {}
     for r in sc.rows:
-        if r.kind in GEMM_KINDS + ("block",) and len(r.absmax):
+        if r.kind in GEMM_KINDS + (KIND_BLOCK,) and len(r.absmax):
             by_width.setdefault(len(r.absmax), []).append(r)
     out: list[PersistentOutlier] = []
     for rows in by_width.values():

@@ -8,17 +8,7 @@ from typing import Any
 
 from qforensics.errors import UsageError
 
-# Largest finite value of each format (overflow limits).
-FORMAT_LIMITS: dict[str, float] = {
-    "fp8-e4m3": 448.0,
-    "fp8-e5m2": 57344.0,
-    "fp16": 65504.0,
-}
-# Smallest positive (subnormal) value of each FP8 format: below half of it, a value rounds to 0.
-FP8_MIN_SUBNORMAL: dict[str, float] = {
-    "fp8-e4m3": 2.0 ** -9,
-    "fp8-e5m2": 2.0 ** -16,
-}
+from qforensics.formats import FORMAT_LIMITS, FP8_MIN_SUBNORMAL  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from qforensics.errors import TraceFormatError, TraceUnreadableError, TraceVersionError
+from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
 from qforensics.trace.validate import (
     check_self_contained,
@@ -255,6 +256,11 @@ class Trace:
                          for v in vals]
         df = pd.DataFrame(cols)
         df.index.name = "module_id"
+        odd = ~df["kind"].isin(MODULE_KINDS)
+        if odd.any():
+            i = int(np.argmax(odd.to_numpy()))
+            self.unreadable.append(f"/modules/kind[{i}] is {df['kind'].iloc[i]!r:.40}, not a "
+                                   f"module kind ({', '.join(sorted(MODULE_KINDS))})")
         return df
 
     def module_info(self, module_id: int) -> dict[str, Any]:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qforensics.formats import GEMM_KINDS
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
 __all__ = ["TraceAbsmax", "absmax_from_trace"]
 
-_GEMM_KINDS = ("linear", "quantized_linear")
 
 
 @dataclass
@@ -52,7 +52,7 @@ def absmax_from_trace(trace: Trace | str | os.PathLike[str],
             return absmax_from_trace(t, modules)
     kinds = trace.modules["kind"].to_numpy()
     names = trace.modules["name"].to_numpy()
-    gemm = {int(i) for i, k in enumerate(kinds) if k in _GEMM_KINDS}
+    gemm = {int(i) for i, k in enumerate(kinds) if k in GEMM_KINDS}
     want = set(modules) if modules is not None else None
     out = TraceAbsmax()
     for step in trace.iter_steps():

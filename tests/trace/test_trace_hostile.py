@@ -210,3 +210,12 @@ def test_read_prefix_stops_at_the_damaged_chunk(tmp_path):
     with h5py.File(p, "r") as f:
         rows, bad = read_prefix(f["x"], 0, 40)
     assert bad == 20 and rows.tolist() == list(range(20))
+
+
+def test_an_unknown_module_kind_is_never_passed(tmp_path):
+    t = copy(PASSING, tmp_path)
+    with h5py.File(t, "r+") as f:
+        f["modules/kind"][0] = "lXnear"  # what a flipped byte in the string heap looks like
+    r = run("analyze", t)
+    assert r.code == EXIT_FINDING and r.first.startswith("SUSPECT | "), r
+    assert "/modules/kind[0] is 'lXnear', not a module kind" in " ".join(r.out.split())
