@@ -331,4 +331,7 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
+    if not end.complete or not end.reason.startswith("complete"):
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but the run "
+                       f"did not finish normally: {end.reason}")
     return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)

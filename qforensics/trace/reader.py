@@ -49,6 +49,12 @@ class TraceEnd:
 
 
 _HEALTH = ("nan_count", "inf_count")  # record columns every verdict depends on
+_STEP_DOMAINS = (  # (column, lowest, highest or None)
+    ("n_nonfinite_records", 0, None), ("logits_nan", 0, None), ("logits_inf", 0, None),
+    ("n_calls", 0, None), ("record_count", 0, None), ("token_count", 0, None),
+    ("first_nonfinite_call", -1, None), ("first_nonfinite_record", -1, None),
+    ("complete", 0, 1), ("has_logits", 0, 1),
+)
 
 
 def _span_end(steps: dict[str, np.ndarray]) -> int:
@@ -281,6 +287,7 @@ class Trace:
         if bad_row is not None:
             self.unreadable.append(f"/steps rows from {bad_row} on")
         # a lost /records keeps the summaries usable; their spans are checked for sanity only
+        self._check_step_domains(raw)
         n_rec = self._records_limit()
         ok = valid_spans(raw["record_offset"], raw["record_count"], n_rec)
         ok &= valid_spans(raw["token_offset"], raw["token_count"],
@@ -305,6 +312,16 @@ class Trace:
             self.unreadable.append(f"/records row {int(np.argmax(neg))} has a negative NaN/Inf "
                                    "count")
         return raw
+
+    def _check_step_domains(self, raw: dict[str, np.ndarray]) -> None:
+        """Counts are >= 0, 'first' indices are -1 (none) or >= 0, flags are 0 or 1: a value
+        outside its domain is damage the format itself can show."""
+        for col, lo, hi in _STEP_DOMAINS:
+            v = raw[col]
+            bad = (v < lo) | (v > hi) if hi is not None else (v < lo)
+            if bad.any():
+                i = int(np.argmax(bad))
+                self.unreadable.append(f"/steps/{col}[{i}] holds {v[i]}, outside its domain")
 
     def _records_limit(self) -> int:
         """Rows in /records; when a damaged file lost the table, the int64 maximum (the spans
