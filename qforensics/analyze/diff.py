@@ -19,7 +19,6 @@ import os
 import numpy as np
 import pandas as pd
 
-from qforensics.analyze.access import read_channel_block
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,
@@ -72,22 +71,21 @@ def _rel(a: np.ndarray, b: np.ndarray, denom: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(r), r, np.where(np.isnan(a) & np.isnan(b), 0.0, np.inf))
 
 
+def _side(m: pd.DataFrame, sfx: str) -> pd.DataFrame:
+    """One trace's record columns of the aligned frame, as `Trace.channel_block` takes them."""
+    return pd.DataFrame({k: m[k + sfx].to_numpy() for k in ("row", "chan_offset", "channels")})
+
+
 def _channel_div(ref: Trace, sus: Trace, m: pd.DataFrame) -> np.ndarray:
     out = np.full(len(m), np.nan)
-    ra = m[["chan_offset_r", "channels_r"]].rename(
-        columns={"chan_offset_r": "chan_offset", "channels_r": "channels"})
-    sa = m[["chan_offset_s", "channels_s"]].rename(
-        columns={"chan_offset_s": "chan_offset", "channels_s": "channels"})
-    br, bs = read_channel_block(ref, ra), read_channel_block(sus, sa)
-    if br is None or bs is None:
-        return out
-    for i, (orr, nr, os_, ns) in enumerate(zip(m["chan_offset_r"], m["channels_r"],
-                                              m["chan_offset_s"], m["channels_s"])):
-        if orr < 0 or os_ < 0 or nr != ns or nr <= 0:
+    br, bs = ref.channel_block(_side(m, "_r"), tokens=False), \
+        sus.channel_block(_side(m, "_s"), tokens=False)
+    for i, (rr, rs) in enumerate(zip(m["row_r"], m["row_s"])):
+        a, b = br.channels(rr), bs.channels(rs)
+        if a is None or b is None or len(a[0]) != len(b[0]) or not len(a[0]):
             continue
-        rmin, rmax = br.get(int(orr), int(nr))
-        smin, smax = bs.get(int(os_), int(ns))
-        rmin, rmax = rmin.astype(np.float64), rmax.astype(np.float64)  # type: ignore[union-attr]
+        rmin, rmax = a[0].astype(np.float64), a[1].astype(np.float64)
+        smin, smax = b
         d = np.nansum(np.abs(smin - rmin)) + np.nansum(np.abs(smax - rmax))
         n = np.nansum(np.abs(rmin)) + np.nansum(np.abs(rmax))
         out[i] = d / max(n, _EPS)

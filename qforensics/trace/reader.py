@@ -25,6 +25,7 @@ import pandas as pd
 from qforensics.errors import TraceFormatError, TraceUnreadableError, TraceVersionError
 from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
+from qforensics.trace.blocks import ChannelBlock, frame_columns, plan_spans
 from qforensics.trace.validate import (
     check_self_contained,
     checked_span,
@@ -459,6 +460,25 @@ class Trace:
         n = self._lengths["tokens/absmax"]
         lo, hi = checked_span(lo, int(hi) - int(lo), n, f"{self.path}: /tokens/absmax")
         return read(self._ds("tokens/absmax"), slice(lo, hi), self.path).astype(np.float32)
+
+    def channel_block(self, recs: pd.DataFrame, tokens: bool = True) -> ChannelBlock:
+        """Per-channel (min, max) and per-token absmax of the records in `recs` (rows of
+        `records()`, usually one step's), each array read in one bounds-checked call."""
+        rows, coff, ccnt, toff, tcnt = frame_columns(recs, tokens)
+        n_chan = min(self._lengths["channels/min"], self._lengths["channels/max"])
+        chan, clo, chi = plan_spans(f"{self.path}: /channels", rows, coff, ccnt, n_chan)
+        tok, tlo, thi = plan_spans(f"{self.path}: /tokens/absmax", rows, toff, tcnt,
+                                   self._lengths["tokens/absmax"])
+        block = ChannelBlock(chan_lo=clo, tok_lo=tlo, _chan=chan, _tok=tok)
+        if chi > clo:
+            block.cmin, block.cmax = self.channel_span(clo, chi)
+        if thi > tlo:
+            block.tok = self.token_span(tlo, thi)
+        return block
+
+    def step_block(self, step: int) -> ChannelBlock:
+        """`channel_block` of every record of one step."""
+        return self.channel_block(self.records(step))
 
     def channel_ranges(self, row: int | pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
         """Per-channel (min, max) of one record as float32, or None when not stored."""

@@ -1,7 +1,7 @@
 """Salient input channels from a trace: per-input-channel activation absmax of every Linear.
 
 A trace stores, per call and for steps chosen at capture (``channel_steps``), the per-channel
-min and max of each hooked module's input (`Trace.channels_for` / `Trace.channel_ranges`).
+min and max of each hooked module's input (`Trace.channel_block`, one read per step).
 The absmax of channel c is ``max(|min_c|, |max_c|)``, maximised over every step that stored it.
 This is exactly what `qforensics.quant.select_salient_channels` ranks, so the what-if can pick
 the channels the failing run really saw instead of running a calibration pass.
@@ -57,15 +57,17 @@ def absmax_from_trace(trace: Trace | str | os.PathLike[str],
     out = TraceAbsmax()
     for step in trace.iter_steps():
         df = trace.records(step)
-        sel = df[(df["io"] == schema.IO_INPUT) & (df["slot"] == 0) & (df["chan_offset"] >= 0)
-                 & df["module_id"].isin(gemm)]
+        sel = df[(df["io"] == schema.IO_INPUT) & (df["slot"] == 0) & df["module_id"].isin(gemm)]
         if want is not None:
             sel = sel[sel["module"].isin(want)]
         if sel.empty:
             continue
+        block = trace.channel_block(sel, tokens=False)  # one read for the whole step
+        if not block.rows:
+            continue
         out.steps.append(step)
         for _, rec in sel.iterrows():
-            rng = trace.channel_ranges(rec)
+            rng = block.channels(int(rec["row"]))
             if rng is None:
                 continue
             lo, hi = rng
