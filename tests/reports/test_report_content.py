@@ -33,7 +33,8 @@ from qforensics.reports import (
     render_report,
     write_report,
 )
-from qforensics.reports.plots import bin_heatmap, plot_heatmap
+from qforensics.analyze.grid import bin_heatmap
+from qforensics.reports.plots import plot_heatmap
 from qforensics.reports.report import CSP_SCRIPT
 
 
