@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from qforensics import __version__
+from qforensics.version import __version__
 from qforensics.errors import (
     DEBUG_ENV,
     EXIT_INTERNAL,

@@ -25,7 +25,7 @@ import jinja2
 import numpy as np
 from markupsafe import Markup
 
-from qforensics import __version__
+from qforensics.version import __version__
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,

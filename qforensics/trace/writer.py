@@ -24,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from qforensics import __version__
+from qforensics.version import __version__
 from qforensics.trace import schema
 
 log = logging.getLogger(__name__)
