@@ -199,13 +199,12 @@ def test_extreme_logits_and_outcome_are_suspect(tmp_path):
 
 
 TRUNCATE = textwrap.dedent("""
-    import os, sys, time
+    import os, sys
     sys.path.insert(0, {here!r})
     import numpy as np
     from analyze_synth import TinyModel, run_model, write_trace
     batches = run_model(TinyModel(), 6)
-    write_trace({path!r}, batches, 3, close=False)
-    time.sleep(1.0)
+    write_trace({path!r}, batches, 3, close=False)  # returns after the writer's flush barrier
     os._exit(0)  # like SIGKILL: no close, no status
 """)
 
