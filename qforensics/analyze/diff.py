@@ -135,6 +135,7 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         raise UsageError("jump must be >= 0 and top >= 1")
     with open_trace(reference) as ref, open_trace(suspect) as sus:
         notes: list[str] = []
+        damaged: list[str] = []  # what could not be read: never PASSED
         if steps is None:
             steps, notes = _steps_to_compare(ref, sus, max_steps)
         kind_of = dict(zip(ref.modules["name"], ref.modules["kind"]))
@@ -143,18 +144,22 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         for s in steps:
             try:
                 a, b = _with_occ(ref.records(s)), _with_occ(sus.records(s))
+                m = a.merge(b, on=_KEY, suffixes=("_r", "_s"), sort=False)
+                if len(m):
+                    m["channel_div"] = _channel_div(ref, sus, m)
+                    snap = _snapshot_metrics(ref, sus, m)
+                    m["sqnr"] = [snap.get(i, (np.nan, np.nan))[0] for i in range(len(m))]
+                    m["cos"] = [snap.get(i, (np.nan, np.nan))[1] for i in range(len(m))]
             except QForensicsError as exc:
                 notes.append(f"step {s} skipped: {exc}")
+                damaged.append(f"step {s}: {exc}")
                 continue
             n_r += len(a)
             n_s += len(b)
-            m = a.merge(b, on=_KEY, suffixes=("_r", "_s"), sort=False)
             if len(m):
-                m["channel_div"] = _channel_div(ref, sus, m)
-                snap = _snapshot_metrics(ref, sus, m)
-                m["sqnr"] = [snap.get(i, (np.nan, np.nan))[0] for i in range(len(m))]
-                m["cos"] = [snap.get(i, (np.nan, np.nan))[1] for i in range(len(m))]
                 parts.append(m)
+        damaged += [f"reference: {x}" for x in ref.unreadable]
+        damaged += [f"suspect: {x}" for x in sus.unreadable]
     if not parts:
         return DiffFindings(str(reference), str(suspect), Verdict(
             SUSPECT, f"{SUSPECT} | nothing to compare: no record aligns between the traces"),
@@ -212,10 +217,16 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         verdict = Verdict(SUSPECT, f"{SUSPECT} | divergence jumps first at step {d.step}, call "
                           f"{d.call_index}: {d.module} (score {d.score - d.jump:.3g} -> "
                           f"{d.score:.3g})")
+    elif damaged:
+        verdict = Verdict(SUSPECT, f"{SUSPECT} | no module adds divergence >= {jump:g} in the "
+                          f"{len(m):,} records that could be read, but a trace is damaged: "
+                          f"{damaged[0]}" + (f" (+{len(damaged) - 1} more)" if len(damaged) > 1
+                                             else ""))
     else:
         verdict = Verdict(PASSED, f"{PASSED} | no module adds divergence >= {jump:g} in "
                           f"{len(m):,} aligned records (steps {', '.join(map(str, steps))})")
     return DiffFindings(
         reference=str(reference), suspect=str(suspect), verdict=verdict, n_aligned=len(m),
         n_only_reference=n_r - len(m), n_only_suspect=n_s - len(m), steps_compared=list(steps),
-        first_jump=first_jump, ranked=ranked, thresholds={"jump": jump, "top": top}, notes=notes)
+        first_jump=first_jump, ranked=ranked, thresholds={"jump": jump, "top": top},
+        notes=notes + [f"could not read: {x}" for x in damaged])

@@ -1,4 +1,4 @@
-"""The analyzer's thresholds, their defaults, and the format limits they refer to. No torch."""
+"""The analyzer's thresholds and their defaults (format limits: qforensics.formats). No torch."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qforensics.errors import UsageError
-
-from qforensics.formats import FORMAT_LIMITS, FP8_MIN_SUBNORMAL  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)

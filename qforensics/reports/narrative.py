@@ -19,7 +19,7 @@ from qforensics.analyze.findings import (
     Findings,
     UnsafeModules,
 )
-from qforensics.analyze.thresholds import FORMAT_LIMITS
+from qforensics.formats import FORMAT_LIMITS
 from qforensics.analyze.quantization import ModuleQuant
 from qforensics.reports.facts import Health, Outcome, fmt_num
 from qforensics.reports.replay_result import ReplaySummary

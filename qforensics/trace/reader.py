@@ -12,7 +12,6 @@ opened as far as it goes and says where it ends; what could not be read is liste
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,7 +24,8 @@ import pandas as pd
 from qforensics.errors import TraceFormatError, TraceUnreadableError, TraceVersionError
 from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
-from qforensics.trace.blocks import ChannelBlock, frame_columns, plan_spans
+from qforensics.trace.blocks import ChannelAccess
+from qforensics.trace.snapshots import SnapshotAccess
 from qforensics.trace.validate import (
     check_self_contained,
     checked_span,
@@ -38,7 +38,6 @@ from qforensics.trace.validate import (
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOT_ELEMENTS = 1 << 31
 _UNREADABLE = (OSError, RuntimeError)
 
 
@@ -82,7 +81,7 @@ def _get(f: h5py.File, path: str) -> Any:
         return None
 
 
-class Trace:
+class Trace(ChannelAccess, SnapshotAccess):
     """An open trace. Use as a context manager or call `close()`.
 
     `meta` is a dict; `modules`, `steps`, `records()` and `snapshots` are pandas DataFrames;
@@ -446,131 +445,6 @@ class Trace:
     def records_end(self) -> int:
         """One past the last record row any readable step points to."""
         return _span_end(self._step_arrays)
-
-    def channel_span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per-channel (min, max) values [lo, hi) of the flat arrays as float32, bounds-checked:
-        one read for the records of a whole step (their slices are contiguous)."""
-        n = min(self._lengths["channels/min"], self._lengths["channels/max"])
-        lo, hi = checked_span(lo, int(hi) - int(lo), n, f"{self.path}: /channels")
-        return (read(self._ds("channels/min"), slice(lo, hi), self.path).astype(np.float32),
-                read(self._ds("channels/max"), slice(lo, hi), self.path).astype(np.float32))
-
-    def token_span(self, lo: int, hi: int) -> np.ndarray:
-        """Per-token absmax values [lo, hi) as float32, bounds-checked."""
-        n = self._lengths["tokens/absmax"]
-        lo, hi = checked_span(lo, int(hi) - int(lo), n, f"{self.path}: /tokens/absmax")
-        return read(self._ds("tokens/absmax"), slice(lo, hi), self.path).astype(np.float32)
-
-    def channel_block(self, recs: pd.DataFrame, tokens: bool = True) -> ChannelBlock:
-        """Per-channel (min, max) and per-token absmax of the records in `recs` (rows of
-        `records()`, usually one step's), each array read in one bounds-checked call."""
-        rows, coff, ccnt, toff, tcnt = frame_columns(recs, tokens)
-        n_chan = min(self._lengths["channels/min"], self._lengths["channels/max"])
-        chan, clo, chi = plan_spans(f"{self.path}: /channels", rows, coff, ccnt, n_chan)
-        tok, tlo, thi = plan_spans(f"{self.path}: /tokens/absmax", rows, toff, tcnt,
-                                   self._lengths["tokens/absmax"])
-        block = ChannelBlock(chan_lo=clo, tok_lo=tlo, _chan=chan, _tok=tok)
-        if chi > clo:
-            block.cmin, block.cmax = self.channel_span(clo, chi)
-        if thi > tlo:
-            block.tok = self.token_span(tlo, thi)
-        return block
-
-    def step_block(self, step: int) -> ChannelBlock:
-        """`channel_block` of every record of one step."""
-        return self.channel_block(self.records(step))
-
-    def channel_ranges(self, row: int | pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-channel (min, max) of one record as float32, or None when not stored."""
-        rec = self._record(row)
-        off, n = int(rec["chan_offset"]), int(rec["channels"])
-        if off < 0:
-            return None
-        lo, hi = checked_span(off, n, min(self._lengths["channels/min"],
-                                          self._lengths["channels/max"]),
-                              f"{self.path}: record {rec['row']} channels")
-        return self.channel_span(lo, hi)
-
-    def token_absmax(self, row: int | pd.Series) -> np.ndarray | None:
-        rec = self._record(row)
-        off, n = int(rec["tok_offset"]), int(rec["tok_count"])
-        if off < 0:
-            return None
-        lo, hi = checked_span(off, n, self._lengths["tokens/absmax"],
-                              f"{self.path}: record {rec['row']} tokens")
-        return self.token_span(lo, hi)
-
-    def _record(self, row: int | pd.Series) -> dict[str, Any]:
-        if isinstance(row, pd.Series):
-            return {"row": row.get("row", -1), **{k: row[k] for k in
-                    ("chan_offset", "channels", "tok_offset", "tok_count")}}
-        row = int(row)
-        if not 0 <= row < self._lengths["records"]:
-            raise TraceFormatError(f"{self.path}: no record row {row}")
-        d = self._read_table("records", schema.RECORD_COLUMNS, row, row + 1,
-                             ["chan_offset", "channels", "tok_offset", "tok_count"])
-        return {"row": row, **{k: v[0] for k, v in d.items()}}
-
-    def channels_for(self, module: str, step: int, io: int = schema.IO_INPUT,
-                     slot: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-channel (min, max) of `module`'s input (or output) at `step` (first call)."""
-        df = self.records(step)
-        sel = df[(df["module"] == module) & (df["io"] == io) & (df["slot"] == slot)]
-        if sel.empty:
-            return None
-        return self.channel_ranges(int(sel["row"].iloc[0]))
-
-    # -- snapshots ---------------------------------------------------------------------------
-    @cached_property
-    def snapshots(self) -> pd.DataFrame:
-        data = self._read_table("snapshots/index", schema.SNAPSHOT_COLUMNS)
-        df = pd.DataFrame({k: v for k, v in data.items()})
-        for col in ("reason", "name", "dtype", "shape"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        mod = df["module_id"].to_numpy() if len(df) else np.zeros(0, int)
-        names = self.modules["name"].to_numpy()
-        ok = (mod >= 0) & (mod < self.n_modules)
-        df["module"] = [names[m] if k else f"<unknown {m}>" for m, k in zip(mod, ok)]
-        return df
-
-    def snapshot_tensors(self, call_index: int) -> dict[str, np.ndarray]:
-        """The tensors kept for one call, validated (dtype whitelist, shape vs byte count)."""
-        df = self.snapshots
-        sel = df[df["call_index"] == int(call_index)]
-        if sel.empty:
-            raise TraceFormatError(f"{self.path}: no snapshot for call {call_index}; calls with "
-                                   f"snapshots: {sorted(set(df['call_index'].tolist()))}")
-        out: dict[str, np.ndarray] = {}
-        data = self._ds("snapshots/data")
-        for _, r in sel.iterrows():
-            where = f"{self.path}: snapshot {r['name']!r} of call {call_index}"
-            if r["dtype"] not in schema.SNAPSHOT_DTYPES:
-                raise TraceFormatError(f"{where}: dtype {r['dtype']!r} not allowed")
-            shape = _parse_json(r["shape"], where)
-            if (not isinstance(shape, list) or len(shape) > 8
-                    or not all(isinstance(s, int) and s >= 0 for s in shape)):
-                raise TraceFormatError(f"{where}: bad shape {r['shape']!r}")
-            dt = np.dtype(r["dtype"]).newbyteorder("<")
-            count = math.prod(shape)  # Python ints: no wrap
-            off, nbytes = int(r["offset"]), int(r["nbytes"])
-            if count > MAX_SNAPSHOT_ELEMENTS or nbytes != count * dt.itemsize:
-                raise TraceFormatError(f"{where}: {nbytes} bytes do not hold shape {shape}")
-            lo, hi = checked_span(off, nbytes, self._lengths["snapshots/data"], where)
-            raw = read(data, slice(lo, hi), where)
-            out[r["name"]] = np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
-        return out
-
-    @cached_property
-    def incidents(self) -> pd.DataFrame:
-        """Runtime-guard trips (qforensics.guard): step, call_index, module, action, counts."""
-        cols = [c for c, _, _ in schema.INCIDENT_COLUMNS]
-        if not self._has_incidents:
-            return pd.DataFrame({c: [] for c in cols})
-        data = self._read_table("incidents", schema.INCIDENT_COLUMNS)
-        df = pd.DataFrame(data)
-        for col in ("module", "action", "detail"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        return df
 
     def iter_steps(self) -> Iterator[int]:
         yield from (int(s) for s in self._step_arrays["step"])

@@ -219,3 +219,13 @@ def test_an_unknown_module_kind_is_never_passed(tmp_path):
     r = run("analyze", t)
     assert r.code == EXIT_FINDING and r.first.startswith("SUSPECT | "), r
     assert "/modules/kind[0] is 'lXnear', not a module kind" in " ".join(r.out.split())
+
+
+def test_diff_against_a_damaged_trace_is_never_passed(tmp_path):
+    clean = run("diff", sample(PASSING), sample("int4-g128-salient1pct"))
+    assert clean.code == EXIT_OK, clean  # the documented good fix: no divergence jump
+    t = copy("int4-g128-salient1pct", tmp_path)
+    off, size = chunk_span(t, "records/nan_count")
+    flip_byte(t, off + size // 2)
+    r = run("diff", sample(PASSING), t)
+    assert r.code in (EXIT_FINDING, EXIT_USAGE) and not r.first.startswith("PASSED"), r
