@@ -298,8 +298,11 @@ class Trace(ChannelAccess, SnapshotAccess):
             raw = {k: v[:cut] for k, v in raw.items()}
         n = len(raw["step"])
         end = _span_end(raw)
-        health, bad_rec = self._read_prefix_table(
-            "records", [c for c in schema.RECORD_COLUMNS if c[0] in _HEALTH], stop=end)
+        # every record column is read (and decompressed) once, so damage anywhere in /records
+        # is seen; the NaN/Inf counts are kept for the cross-check with the summaries
+        table, bad_rec = self._read_prefix_table("records", schema.RECORD_COLUMNS, stop=end)
+        health = {k: table[k] for k in _HEALTH}
+        del table
         self._health = health
         self.records_readable = len(health["nan_count"]) if bad_rec is None else bad_rec
         if bad_rec is not None:

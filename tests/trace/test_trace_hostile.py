@@ -229,3 +229,15 @@ def test_diff_against_a_damaged_trace_is_never_passed(tmp_path):
     flip_byte(t, off + size // 2)
     r = run("diff", sample(PASSING), t)
     assert r.code in (EXIT_FINDING, EXIT_USAGE) and not r.first.startswith("PASSED"), r
+
+
+def test_any_damaged_record_column_is_never_passed(tmp_path):
+    """The verdict does not read /records/mean, but a trace whose records cannot all be read is
+    still never PASSED."""
+    t = copy(PASSING, tmp_path)
+    off, size = chunk_span(t, "records/mean")
+    flip_byte(t, off + size // 2)
+    with pytest.raises(OSError):
+        plain_column(t, "records/mean")
+    r = run("analyze", t)
+    assert r.code == EXIT_FINDING and r.first.startswith("SUSPECT | "), r
