@@ -261,8 +261,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
                           "records could not be read: producer unknown")
-    for item in trace.unreadable:
-        if item not in notes:
+    for item in dict.fromkeys(trace.unreadable):
+        if not any(item in n for n in notes):
             notes.append(f"could not read: {item}")
     if incidents:
         acts = sorted({i.action for i in incidents})
