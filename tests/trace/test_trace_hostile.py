@@ -241,3 +241,27 @@ def test_any_damaged_record_column_is_never_passed(tmp_path):
         plain_column(t, "records/mean")
     r = run("analyze", t)
     assert r.code == EXIT_FINDING and r.first.startswith("SUSPECT | "), r
+
+
+def test_step_block_matches_plain_h5py_and_refuses_spans_past_the_end(tmp_path):
+    path = sample(FAILING)
+    with h5py.File(path, "r") as f:
+        step = int(f["steps/step"][0])
+        off, n = int(f["steps/record_offset"][0]), int(f["steps/record_count"][0])
+        c_off = f["records/chan_offset"][off:off + n]
+        c_n = f["records/channels"][off:off + n]
+        stored = np.nonzero(c_off >= 0)[0]
+        i = int(stored[len(stored) // 2])
+        want_min = f["channels/min"][c_off[i]:c_off[i] + c_n[i]].astype(np.float32)
+        n_chan = f["channels/min"].shape[0]
+    with open_trace(path) as tr:
+        block = tr.step_block(step)
+        got = block.channels(off + i)
+        assert got is not None and np.array_equal(got[0], want_min, equal_nan=True)
+        assert sorted(block.rows) == sorted(int(off + k) for k in stored)
+    t = copy(FAILING, tmp_path)
+    with h5py.File(t, "r+") as f:
+        f["records/channels"][off + i] = n_chan  # offset + count now past /channels
+    with open_trace(t) as tr:
+        with pytest.raises(TraceFormatError, match="points past the data"):
+            tr.step_block(step)
