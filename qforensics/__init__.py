@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from qforensics.version import __version__
 
 __all__ = ["__version__", "capture", "guard", "open_trace"]
 

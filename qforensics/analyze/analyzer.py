@@ -37,7 +37,6 @@ from qforensics.analyze.nonfinite import (
     kind_word,
 )
 from qforensics.analyze.outliers import (
-    GEMM_KINDS,
     RecordIndex,
     find_outlier_channels,
     find_persistent_outliers,
@@ -46,7 +45,8 @@ from qforensics.analyze.outliers import (
 )
 from qforensics.analyze.precursors import find_precursors
 from qforensics.analyze.thresholds import Thresholds
-from qforensics.errors import UsageError
+from qforensics.errors import TraceUnreadableError, UsageError
+from qforensics.formats import GEMM_KINDS, KIND_ROOT
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
@@ -128,7 +128,7 @@ def _environment(meta: dict[str, Any]) -> dict[str, Any]:
 def _int(x: Any, default: int) -> int:
     try:
         return int(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return default
 
 
@@ -181,59 +181,72 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
     if not end.complete or not end.reason.startswith("complete"):
         notes.append(end.reason)
 
+    _guarded(trace, lambda: trace.modules, None)  # validates the module kinds up front
     fail_row = find_first_bad_step(steps)
+    fail_row = _cross_check(trace, steps, fail_row, notes)
     first = None
     focus: list[int] = []
     recs = None
+    summary_only = None  # (step, call) when the failing step's records cannot be read
     if fail_row is not None:
         fstep = int(steps["step"].iloc[fail_row])
-        recs = trace.records(fstep)
-        first = find_first_nonfinite(trace, steps, fail_row, recs)
-        focus = _focus_rows(recs, first)
         focus_step: int | None = fstep
+        try:
+            recs = trace.records(fstep)
+        except TraceUnreadableError as exc:
+            trace.unreadable.append(str(exc))
+            summary_only = (fstep, int(steps["first_nonfinite_call"].iloc[fail_row]))
+            recs = focus_step = None
+        else:
+            first = find_first_nonfinite(trace, steps, fail_row, recs)
+            focus = _focus_rows(recs, first)
     else:
-        focus_step = _peak_step(trace, steps)
+        focus_step = _guarded(trace, lambda: _peak_step(trace, steps), None)
         if focus_step is not None:
-            recs = trace.records(focus_step)
+            recs = _guarded(trace, lambda: trace.records(focus_step), None)
 
     outliers, persistent, damage, unsafe = [], [], [], []
     vocab = None
-    if recs is not None and focus_step is not None:
-        sc = load_step_channels(trace, focus_step, recs, focus)
-        index = RecordIndex(trace)
-        if first is not None:
-            rows = [sc.by_row[r] for r in focus if r in sc.by_row]
-            if not rows:
-                notes.append(f"no per-channel ranges stored for the inputs of call "
-                             f"{first.call_index} at step {focus_step}: outlier channels unknown")
-        else:
-            rows = top_ratio_rows(sc, int(th.top))
-        outliers = find_outlier_channels(trace, rows, th, index)
-        finite = [r for r in sc.rows
-                  if int(r.rec["nan_count"]) + int(r.rec["inf_count"]) == 0]
-        if len(finite) < len(sc.rows):
-            notes.append(f"{len(sc.rows) - len(finite)} module inputs at step {focus_step} hold "
-                         "NaN/Inf: left out of the persistent outliers and the damage prediction")
-        sc.rows = finite
-        persistent = find_persistent_outliers(sc, th)
-        gemm = sc.gemm_rows()
-        if gemm:
-            damage = predict_damage(gemm, th)
-            unsafe = rank_unsafe(damage, th)
-        else:
-            notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
-                         "no damage prediction")
-        kinds = trace.modules["kind"].to_numpy()
-        root = recs[(kinds[recs["module_id"].to_numpy()] == "root")
-                    & (recs["io"] == schema.IO_OUTPUT)] if len(recs) else recs
-        if len(root):
-            vocab = int(root["channels"].iloc[0])
+    try:
+        if recs is not None and focus_step is not None:
+            sc = load_step_channels(trace, focus_step, recs, focus)
+            index = RecordIndex(trace)
+            if first is not None:
+                rows = [sc.by_row[r] for r in focus if r in sc.by_row]
+                if not rows:
+                    notes.append(f"no per-channel ranges stored for the inputs of call "
+                                 f"{first.call_index} at step {focus_step}: outlier channels unknown")
+            else:
+                rows = top_ratio_rows(sc, int(th.top))
+            outliers = find_outlier_channels(trace, rows, th, index)
+            finite = [r for r in sc.rows
+                      if int(r.rec["nan_count"]) + int(r.rec["inf_count"]) == 0]
+            if len(finite) < len(sc.rows):
+                notes.append(f"{len(sc.rows) - len(finite)} module inputs at step {focus_step} hold "
+                             "NaN/Inf: left out of the persistent outliers and the damage prediction")
+            sc.rows = finite
+            persistent = find_persistent_outliers(sc, th)
+            gemm = sc.gemm_rows()
+            if gemm:
+                damage = predict_damage(gemm, th)
+                unsafe = rank_unsafe(damage, th)
+            else:
+                notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
+                             "no damage prediction")
+            kinds = trace.modules["kind"].to_numpy()
+            root = recs[(kinds[recs["module_id"].to_numpy()] == KIND_ROOT)
+                        & (recs["io"] == schema.IO_OUTPUT)] if len(recs) else recs
+            if len(root):
+                vocab = int(root["channels"].iloc[0])
+    except TraceUnreadableError as exc:
+        trace.unreadable.append(str(exc))
+        notes.append(f"outlier channels and damage left out: {exc}")
     precursors = find_precursors(steps, meta, th, fail_row=fail_row, vocab=vocab) \
         if len(steps) else []
 
     snaps: list[SnapshotRef] = []
-    sdf = trace.snapshots
-    if len(sdf):
+    sdf = _guarded(trace, lambda: trace.snapshots, None)
+    if sdf is not None and len(sdf):
         for (ci, reason), g in sdf.groupby(["call_index", "reason"], sort=True):
             snaps.append(SnapshotRef(int(ci), int(g["step"].iloc[0]), str(g["module"].iloc[0]),
                                      str(reason), [str(n) for n in g["name"]]))
@@ -241,9 +254,16 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
     incidents = [
         Incident(int(r.step), int(r.call_index), str(r.module), str(r.action), int(r.nan_count),
                  int(r.inf_count), str(r.detail))
-        for r in trace.incidents.itertuples(index=False)
+        for r in _guarded(trace, lambda: trace.incidents, pd.DataFrame()).itertuples(index=False)
     ]
-    verdict = verdict_for(first, precursors, len(steps), end)
+    verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable)
+    if summary_only is not None:
+        verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
+                          f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
+                          "records could not be read: producer unknown")
+    for item in dict.fromkeys(trace.unreadable):
+        if not any(item in n for n in notes):
+            notes.append(f"could not read: {item}")
     if incidents:
         acts = sorted({i.action for i in incidents})
         verdict = Verdict(verdict.status, verdict.line + f" (runtime guard: {len(incidents)} "
@@ -259,8 +279,35 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
     )
 
 
+def _guarded(trace: Trace, get: Any, default: Any) -> Any:
+    try:
+        return get()
+    except TraceUnreadableError as exc:
+        trace.unreadable.append(str(exc))
+        return default
+
+
+def _cross_check(trace: Trace, steps: pd.DataFrame, fail_row: int | None,
+                 notes: list[str]) -> int | None:
+    """The per-step summaries against a scan of every record's NaN/Inf counts: a step whose
+    records hold NaN/Inf is failing even when its summary (damaged, or written by a killed run)
+    says otherwise."""
+    bad_steps = trace.nonfinite_record_steps()
+    if not len(bad_steps) or not len(steps):
+        return fail_row
+    rows = np.nonzero(np.isin(steps["step"].to_numpy(), bad_steps))[0]
+    if not len(rows) or (fail_row is not None and fail_row <= int(rows[0])):
+        return fail_row
+    row = int(rows[0])
+    notes.append(f"the per-step summary of step {int(steps['step'].iloc[row])} says it is "
+                 "finite but its records hold NaN/Inf: the records are trusted")
+    trace.unreadable.append("/steps summaries disagree with the records' NaN/Inf counts")
+    return row
+
+
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
-                end: Any) -> Verdict:
+                end: Any, unreadable: list[str] | None = None) -> Verdict:
+    """FAILED, SUSPECT or PASSED. A trace with anything `unreadable` is never PASSED."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
     if first is not None:
         word = kind_word(first.kind)
@@ -277,7 +324,14 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if silent:
         more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
         return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)
+    if unreadable:
+        more = f" (+{len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps that "
+                       f"could be read, but the trace is damaged: {unreadable[0]}{more}" + tail)
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
+    if not end.complete or not end.reason.startswith("complete"):
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but the run "
+                       f"did not finish normally: {end.reason}")
     return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)

@@ -20,11 +20,12 @@ import numpy as np
 
 from qforensics.analyze.findings import SchemeDamage, UnsafeModules
 from qforensics.analyze.outliers import ChannelRow
-from qforensics.analyze.thresholds import FORMAT_LIMITS, FP8_MIN_SUBNORMAL, Thresholds
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.formats import FORMAT_LIMITS, FP8_MIN_SUBNORMAL, symmetric_qmax
 
 __all__ = ["SCHEMES", "predict_damage", "rank_unsafe"]
 
-QMAX = {4: 7.0, 8: 127.0}
+QMAX = {b: float(symmetric_qmax(b)) for b in (4, 8)}
 GROUPS = (32, 64, 128)
 SCHEMES: tuple[str, ...] = tuple(
     [f"int{b}-{g}" for b in (4, 8) for g in ("per-tensor", "per-token")]

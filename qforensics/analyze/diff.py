@@ -19,7 +19,6 @@ import os
 import numpy as np
 import pandas as pd
 
-from qforensics.analyze.access import read_channel_block
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,
@@ -29,6 +28,7 @@ from qforensics.analyze.findings import (
     Verdict,
 )
 from qforensics.errors import QForensicsError, UsageError
+from qforensics.formats import KIND_BLOCK
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
@@ -71,22 +71,21 @@ def _rel(a: np.ndarray, b: np.ndarray, denom: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(r), r, np.where(np.isnan(a) & np.isnan(b), 0.0, np.inf))
 
 
+def _side(m: pd.DataFrame, sfx: str) -> pd.DataFrame:
+    """One trace's record columns of the aligned frame, as `Trace.channel_block` takes them."""
+    return pd.DataFrame({k: m[k + sfx].to_numpy() for k in ("row", "chan_offset", "channels")})
+
+
 def _channel_div(ref: Trace, sus: Trace, m: pd.DataFrame) -> np.ndarray:
     out = np.full(len(m), np.nan)
-    ra = m[["chan_offset_r", "channels_r"]].rename(
-        columns={"chan_offset_r": "chan_offset", "channels_r": "channels"})
-    sa = m[["chan_offset_s", "channels_s"]].rename(
-        columns={"chan_offset_s": "chan_offset", "channels_s": "channels"})
-    br, bs = read_channel_block(ref, ra), read_channel_block(sus, sa)
-    if br is None or bs is None:
-        return out
-    for i, (orr, nr, os_, ns) in enumerate(zip(m["chan_offset_r"], m["channels_r"],
-                                              m["chan_offset_s"], m["channels_s"])):
-        if orr < 0 or os_ < 0 or nr != ns or nr <= 0:
+    br, bs = ref.channel_block(_side(m, "_r"), tokens=False), \
+        sus.channel_block(_side(m, "_s"), tokens=False)
+    for i, (rr, rs) in enumerate(zip(m["row_r"], m["row_s"])):
+        a, b = br.channels(rr), bs.channels(rs)
+        if a is None or b is None or len(a[0]) != len(b[0]) or not len(a[0]):
             continue
-        rmin, rmax = br.get(int(orr), int(nr))
-        smin, smax = bs.get(int(os_), int(ns))
-        rmin, rmax = rmin.astype(np.float64), rmax.astype(np.float64)  # type: ignore[union-attr]
+        rmin, rmax = a[0].astype(np.float64), a[1].astype(np.float64)
+        smin, smax = b
         d = np.nansum(np.abs(smin - rmin)) + np.nansum(np.abs(smax - rmax))
         n = np.nansum(np.abs(rmin)) + np.nansum(np.abs(rmax))
         out[i] = d / max(n, _EPS)
@@ -136,6 +135,7 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         raise UsageError("jump must be >= 0 and top >= 1")
     with open_trace(reference) as ref, open_trace(suspect) as sus:
         notes: list[str] = []
+        damaged: list[str] = []  # what could not be read: never PASSED
         if steps is None:
             steps, notes = _steps_to_compare(ref, sus, max_steps)
         kind_of = dict(zip(ref.modules["name"], ref.modules["kind"]))
@@ -144,18 +144,22 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         for s in steps:
             try:
                 a, b = _with_occ(ref.records(s)), _with_occ(sus.records(s))
+                m = a.merge(b, on=_KEY, suffixes=("_r", "_s"), sort=False)
+                if len(m):
+                    m["channel_div"] = _channel_div(ref, sus, m)
+                    snap = _snapshot_metrics(ref, sus, m)
+                    m["sqnr"] = [snap.get(i, (np.nan, np.nan))[0] for i in range(len(m))]
+                    m["cos"] = [snap.get(i, (np.nan, np.nan))[1] for i in range(len(m))]
             except QForensicsError as exc:
                 notes.append(f"step {s} skipped: {exc}")
+                damaged.append(f"step {s}: {exc}")
                 continue
             n_r += len(a)
             n_s += len(b)
-            m = a.merge(b, on=_KEY, suffixes=("_r", "_s"), sort=False)
             if len(m):
-                m["channel_div"] = _channel_div(ref, sus, m)
-                snap = _snapshot_metrics(ref, sus, m)
-                m["sqnr"] = [snap.get(i, (np.nan, np.nan))[0] for i in range(len(m))]
-                m["cos"] = [snap.get(i, (np.nan, np.nan))[1] for i in range(len(m))]
                 parts.append(m)
+        damaged += [f"reference: {x}" for x in ref.unreadable]
+        damaged += [f"suspect: {x}" for x in sus.unreadable]
     if not parts:
         return DiffFindings(str(reference), str(suspect), Verdict(
             SUSPECT, f"{SUSPECT} | nothing to compare: no record aligns between the traces"),
@@ -200,7 +204,7 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         for i in range(len(m))]
     # blocks aggregate what their children add: rank the modules themselves
     outs = [d for d in divs if d.io == schema.IO_OUTPUT
-            and kind_of.get("" if d.module == "(model output)" else d.module) != "block"]
+            and kind_of.get("" if d.module == "(model output)" else d.module) != KIND_BLOCK]
     ranked = sorted(outs, key=lambda d: -d.jump)[:top]
     first_bad = next((d for d in divs if d.nonfinite), None)
     first_jump = next((d for d in outs if d.jump >= jump), None)
@@ -213,10 +217,16 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         verdict = Verdict(SUSPECT, f"{SUSPECT} | divergence jumps first at step {d.step}, call "
                           f"{d.call_index}: {d.module} (score {d.score - d.jump:.3g} -> "
                           f"{d.score:.3g})")
+    elif damaged:
+        verdict = Verdict(SUSPECT, f"{SUSPECT} | no module adds divergence >= {jump:g} in the "
+                          f"{len(m):,} records that could be read, but a trace is damaged: "
+                          f"{damaged[0]}" + (f" (+{len(damaged) - 1} more)" if len(damaged) > 1
+                                             else ""))
     else:
         verdict = Verdict(PASSED, f"{PASSED} | no module adds divergence >= {jump:g} in "
                           f"{len(m):,} aligned records (steps {', '.join(map(str, steps))})")
     return DiffFindings(
         reference=str(reference), suspect=str(suspect), verdict=verdict, n_aligned=len(m),
         n_only_reference=n_r - len(m), n_only_suspect=n_s - len(m), steps_compared=list(steps),
-        first_jump=first_jump, ranked=ranked, thresholds={"jump": jump, "top": top}, notes=notes)
+        first_jump=first_jump, ranked=ranked, thresholds={"jump": jump, "top": top},
+        notes=notes + [f"could not read: {x}" for x in damaged])

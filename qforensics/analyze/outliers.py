@@ -11,16 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from qforensics.analyze.access import (
-    Block,
-    channel_absmax,
-    read_channel_block,
-    read_channel_slice,
-    read_token_block,
-)
 from qforensics.analyze.findings import OutlierChannel, PersistentOutlier, TrendPoint
-from qforensics.analyze.thresholds import FORMAT_LIMITS, Thresholds
+from qforensics.analyze.thresholds import Thresholds
+from qforensics.formats import FORMAT_LIMITS, GEMM_KINDS, KIND_BLOCK
 from qforensics.trace import schema
+from qforensics.trace.blocks import ChannelBlock
 from qforensics.trace.reader import Trace
 
 __all__ = [
@@ -34,7 +29,6 @@ __all__ = [
 ]
 
 _TINY = 1e-30
-GEMM_KINDS = ("linear", "quantized_linear")
 
 
 @dataclass
@@ -74,30 +68,32 @@ def load_step_channels(trace: Trace, step: int, recs: pd.DataFrame,
     kinds = trace.modules["kind"].to_numpy()
     sel = recs[(recs["chan_offset"] >= 0) & (recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)]
     sel = sel.drop_duplicates(subset=["module_id"], keep="first")
-    sel = sel[np.isin(kinds[sel["module_id"].to_numpy()], GEMM_KINDS + ("block",))]
+    sel = sel[np.isin(kinds[sel["module_id"].to_numpy()], GEMM_KINDS + (KIND_BLOCK,))]
     if len(extra_rows):
         more = recs[recs["row"].isin(list(extra_rows)) & (recs["chan_offset"] >= 0)]
         sel = pd.concat([sel, more]).drop_duplicates(subset=["row"])
     out = StepChannels(step)
     if sel.empty:
         return out
-    cblock = read_channel_block(trace, sel)
-    tblock = read_token_block(trace, sel)
+    block = trace.channel_block(sel)
     for _, rec in sel.iterrows():
-        out.rows.append(_row(rec, kinds, cblock, tblock))
+        out.rows.append(_row(rec, kinds, block))
         out.by_row[int(rec["row"])] = out.rows[-1]
     return out
 
 
-def _row(rec: pd.Series, kinds: np.ndarray, cblock: Block | None,
-         tblock: Block | None) -> ChannelRow:
-    assert cblock is not None
-    cmin, cmax = cblock.get(int(rec["chan_offset"]), int(rec["channels"]))
-    tok = None
-    if tblock is not None and int(rec["tok_offset"]) >= 0:
-        tok, _ = tblock.get(int(rec["tok_offset"]), int(rec["tok_count"]))
+def channel_absmax(cmin: np.ndarray, cmax: np.ndarray) -> np.ndarray:
+    """max(|min|, |max|) per channel; channels with no finite value count as 0."""
+    a = np.fmax(np.abs(cmin.astype(np.float64)), np.abs(cmax.astype(np.float64)))
+    return np.where(np.isfinite(a), a, 0.0)
+
+
+def _row(rec: pd.Series, kinds: np.ndarray, block: ChannelBlock) -> ChannelRow:
+    row = int(rec["row"])
+    got = block.channels(row)
+    assert got is not None  # `sel` holds only records that store channel ranges
     return ChannelRow(rec, str(rec["module"]), str(kinds[int(rec["module_id"])]),
-                      channel_absmax(cmin, cmax), tok)  # type: ignore[arg-type]
+                      channel_absmax(*got), block.tokens(row))
 
 
 def _limits(a: np.ndarray, r: np.ndarray, th: Thresholds) -> np.ndarray:
@@ -120,8 +116,7 @@ class RecordIndex:
     @property
     def cols(self) -> dict[str, np.ndarray]:
         if self._cols is None:
-            self._cols = self._trace.record_columns(
-                ["step", "module_id", "io", "slot", "chan_offset", "channels"])
+            self._cols = self._trace.record_columns(["step", "module_id", "io", "slot"])
         return self._cols
 
     def rows_of(self, module_id: int, io: int, slot: int) -> dict[int, int]:
@@ -142,15 +137,13 @@ def _trend(trace: Trace, index: RecordIndex, row: ChannelRow, channels: np.ndarr
         pick = np.unique(np.linspace(0, len(earlier) - 1, max(int(th.trend_steps), 2)).round()
                          .astype(int))
         earlier = [earlier[i] for i in pick]
-    c = index.cols
     pts: list[list[TrendPoint]] = [[] for _ in channels]
     first: list[int | None] = [None] * len(channels)
     for s in earlier + [step]:
         if s == step:
             a, r = row.absmax[channels], row.ratio[channels]
         else:
-            i = by_step[s]
-            got = read_channel_slice(trace, int(c["chan_offset"][i]), int(c["channels"][i]))
+            got = trace.channel_ranges(by_step[s])
             if got is None or len(got[0]) != len(row.absmax):
                 continue
             full = channel_absmax(*got)
@@ -212,7 +205,7 @@ def find_persistent_outliers(sc: StepChannels, th: Thresholds) -> list[Persisten
     module inputs of the same width (vectorized over modules x channels per width)."""
     by_width: dict[int, list[ChannelRow]] = {}
     for r in sc.rows:
-        if r.kind in GEMM_KINDS + ("block",) and len(r.absmax):
+        if r.kind in GEMM_KINDS + (KIND_BLOCK,) and len(r.absmax):
             by_width.setdefault(len(r.absmax), []).append(r)
     out: list[PersistentOutlier] = []
     for rows in by_width.values():

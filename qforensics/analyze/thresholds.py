@@ -1,4 +1,4 @@
-"""The analyzer's thresholds, their defaults, and the format limits they refer to. No torch."""
+"""The analyzer's thresholds and their defaults (format limits: qforensics.formats). No torch."""
 
 from __future__ import annotations
 
@@ -7,18 +7,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qforensics.errors import UsageError
-
-# Largest finite value of each format (overflow limits).
-FORMAT_LIMITS: dict[str, float] = {
-    "fp8-e4m3": 448.0,
-    "fp8-e5m2": 57344.0,
-    "fp16": 65504.0,
-}
-# Smallest positive (subnormal) value of each FP8 format: below half of it, a value rounds to 0.
-FP8_MIN_SUBNORMAL: dict[str, float] = {
-    "fp8-e4m3": 2.0 ** -9,
-    "fp8-e5m2": 2.0 ** -16,
-}
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,28 @@
 """The `qforensics` command line: a click group whose subcommands live one per module here.
 
 This package is the only place that prints or chooses exit codes. Exit codes: 0 healthy or done,
-1 a failure or suspect finding, 2 bad usage or unreadable input. `QForensicsError` (user errors)
-is printed as one line without a traceback; any other exception is a bug and keeps its traceback.
+1 a FAILED or SUSPECT finding, 2 bad usage or unreadable input, 3 an internal error (a bug).
+`QForensicsError` (user errors) is printed as one line; any other exception is a bug, printed as
+one line too, its traceback only with QFORENSICS_DEBUG=1. No traceback reaches the user otherwise.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from typing import Any
 
 import click
 
-from qforensics import __version__
-from qforensics.errors import QForensicsError
+from qforensics.version import __version__
+from qforensics.errors import (
+    DEBUG_ENV,
+    EXIT_INTERNAL,
+    EXIT_USAGE,
+    QForensicsError,
+)
 
 # name -> module under qforensics.cli that defines a click command called `command`.
 # Imported lazily so `qforensics analyze` never pays for (or needs) torch.
@@ -52,9 +60,30 @@ class LazyGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise  # click's own exits and usage errors (exit 2) keep their meaning
         except QForensicsError as exc:
-            click.echo(f"Error: {exc}", err=True)
-            ctx.exit(2)
+            click.echo(f"Error: {_one_line(exc)}", err=True)
+            ctx.exit(EXIT_USAGE)
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # a bug: one line, never read as a finding
+            if _debug():
+                traceback.print_exc(file=sys.stderr)
+            click.echo(f"Internal error: {type(exc).__name__}: {_one_line(exc)} (a bug in "
+                       f"qforensics; rerun with {DEBUG_ENV}=1 for the traceback and report it)",
+                       err=True)
+            ctx.exit(EXIT_INTERNAL)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,6 +94,11 @@ def main() -> None:
     \b
     Capture a failing run, find the first NaN and the module that produced it,
     replay the suspect kernel tile, and write an incident report.
+
+    \b
+    Exit status: 0 healthy, 1 a FAILED or SUSPECT finding, 2 bad usage or
+    unreadable input, 3 an internal error (set QFORENSICS_DEBUG=1 for its
+    traceback).
 
     \b
     Example:

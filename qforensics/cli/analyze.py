@@ -217,7 +217,8 @@ def command(traces: tuple[str, ...], as_json: bool, **thresholds: Any) -> None:
     per rank) are analyzed together and the earliest failure across ranks is named. A trace
     left behind by a crashed run is analyzed as far as it goes. Torch is not needed.
 
-    Exit status: 0 PASSED, 1 FAILED or SUSPECT, 2 bad usage or unreadable trace.
+    Exit status: 0 PASSED, 1 FAILED or SUSPECT, 2 bad usage or unreadable trace, 3 internal
+    error.
     """
     paths = expand_paths(traces)
     ctx = click.get_current_context()

@@ -59,7 +59,7 @@ def command(reference: str, suspect: str, as_json: bool, top: int, jump: float,
     ranges, and SQNR / cosine of snapshot tensors both traces kept.
 
     Exit status: 0 no jump, 1 a jump or NaN/Inf only in the suspect, 2 bad usage or unreadable
-    trace.
+    trace, 3 internal error.
     """
     chosen = None
     if steps:

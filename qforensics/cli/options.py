@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import click
 
+from qforensics.formats import E4M3_MAX
+
 F = Callable[..., Any]
 
 
@@ -23,7 +25,7 @@ def capture_options(f: F) -> F:
                      help='"default" (linears, decoder blocks, logits) or "linear".'),
         click.option("--snapshot-budget-mib", type=float, default=64.0, show_default=True,
                      help="Bytes of full tensors kept for the calls that matter."),
-        click.option("--outlier-threshold", type=float, default=448.0, show_default=True,
+        click.option("--outlier-threshold", type=float, default=E4M3_MAX, show_default=True,
                      help="Linear input absmax that triggers the outlier snapshot."),
     ]
     for o in reversed(opts):

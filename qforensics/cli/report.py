@@ -1,7 +1,8 @@
 """`qforensics report TRACE -o incident.html`: the self-contained HTML incident report.
 
 Only printing and exit codes live here; the report itself is `qforensics.reports`.
-Exit codes: 0 the report was written (whatever the verdict), 2 unreadable input or bad options.
+Exit codes: 0 the report was written (whatever the verdict), 2 unreadable input or bad options,
+3 internal error.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ Example:
          "and recommendations with the commands that verify them. The file loads nothing "
          "from the network; open it offline or attach it to a ticket.\n\n"
          "Prints the report path and the verdict line; exits 0 when the report is written "
-         "(whatever the verdict), 2 when an input cannot be read.",
+         "(whatever the verdict), 2 when an input cannot be read, 3 on an internal error.",
     epilog=EXAMPLE,
 )
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))

@@ -102,7 +102,7 @@ def command(path: Path, as_json: bool, fail_on: str, progress: bool | None,
     needed.
 
     Exit status: 0 clean, 1 findings at or above --fail-on, 2 unreadable input or nothing
-    scannable. The JSON schema and every check are described in docs/scan.md.
+    scannable, 3 internal error. The JSON schema and every check are described in docs/scan.md.
     """
     plan = plan_scan(path)
     chunk_bytes = chunk_mib * 1024 * 1024

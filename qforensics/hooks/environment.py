@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qforensics import __version__
+from qforensics.version import __version__
 
 
 def probe_fp8_cast() -> dict[str, Any]:

@@ -10,6 +10,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from qforensics.formats import (
+    GEMM_KINDS,
+    KIND_BLOCK,
+    KIND_LINEAR,
+    KIND_OTHER,
+    KIND_QUANTIZED_LINEAR,
+    KIND_ROOT,
+)
+
 # Class names of quantized / special linears from common libraries (matched on type name so we
 # never import those libraries): AutoAWQ WQLinear_*, GPTQ/AutoGPTQ/GPTQModel QuantLinear,
 # bitsandbytes Linear4bit/Linear8bitLt, FP8 linears, transformers' GPT-2 Conv1D, Marlin, Exllama.
@@ -51,7 +60,7 @@ ModuleFilter = Callable[[str, nn.Module], bool]
 
 def select_modules(model: nn.Module, modules: str | Iterable[str] | ModuleFilter | None = None,
                    ) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, kind) in model order; kind is linear | quantized_linear | block | root.
+    """(name, module, kind) in model order; kind is one of qforensics.formats.MODULE_KINDS.
 
     `modules`: None or "default" (every linear-like module, every decoder block, the model
     output), "linear" (linears and the model output only), an iterable of module names, or a
@@ -74,19 +83,19 @@ def select_modules(model: nn.Module, modules: str | Iterable[str] | ModuleFilter
         if mod is model:
             continue
         lin = is_linear_like(mod)
-        kind = ("quantized_linear" if lin and _quant_meta(mod) else "linear") if lin else (
-            "block" if id(mod) in blocks else "")
+        kind = (KIND_QUANTIZED_LINEAR if lin and _quant_meta(mod) else KIND_LINEAR) if lin else (
+            KIND_BLOCK if id(mod) in blocks else "")
         if names is not None:
             ok = name in names
-            kind = kind or "other"
+            kind = kind or KIND_OTHER
         elif fn is not None:
             ok = bool(fn(name, mod))
-            kind = kind or "other"
+            kind = kind or KIND_OTHER
         else:
-            ok = bool(kind) and (mode == "default" or kind != "block")
+            ok = bool(kind) and (mode == "default" or kind != KIND_BLOCK)
         if ok:
             chosen.append((name, mod, kind))
-    chosen.append(("", model, "root"))
+    chosen.append(("", model, KIND_ROOT))
     return chosen
 
 
@@ -162,7 +171,7 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
     health: dict[str, Any] = {}
     tensors = list(module.named_parameters(recurse=False)) + list(
         module.named_buffers(recurse=False))
-    if kind in ("linear", "quantized_linear"):
+    if kind in GEMM_KINDS:
         for pname, t in tensors:
             params[pname] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
             if pname in ("weight", "bias", "scales", "weight_scale", "input_scale") or (

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from qforensics.formats import E4M3_MAX, E5M2_MAX
 from qforensics.quant.errors import QuantSchemeError
 from qforensics.quant.integer import work_dtype
 
@@ -54,8 +55,8 @@ class FP8Format:
 
 
 FP8_FORMATS: dict[str, FP8Format] = {
-    "e4m3": FP8Format("e4m3", 3, -6, 448.0, "float8_e4m3fn"),
-    "e5m2": FP8Format("e5m2", 2, -14, 57344.0, "float8_e5m2"),
+    "e4m3": FP8Format("e4m3", 3, -6, E4M3_MAX, "float8_e4m3fn"),
+    "e5m2": FP8Format("e5m2", 2, -14, E5M2_MAX, "float8_e5m2"),
 }
 
 

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from qforensics.formats import symmetric_qmax
 from qforensics.quant.errors import QuantSchemeError
 
 Granularity = Literal["per-tensor", "per-channel", "per-token", "group"]
@@ -42,7 +43,7 @@ def int_qmax(bits: int) -> int:
     """Largest integer magnitude of a symmetric signed ``bits``-bit grid (7 for 4, 127 for 8)."""
     if bits not in (4, 8):
         raise QuantSchemeError(f"integer fake-quant supports bits 4 or 8, not {bits!r}")
-    return 2 ** (bits - 1) - 1
+    return symmetric_qmax(bits)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,6 +1,7 @@
-"""Facts the report reads from a trace beyond the analyzer's findings: module quantization and
-parameter health (modules' info JSON), the generated text (meta outcome), the environment, the
-per-channel input range of the responsible module and the module-by-step absmax grid.
+"""Facts the report reads from a trace beyond the analyzer's findings: parameter health (modules'
+info JSON), the generated text (meta outcome), the environment and the per-channel input range of
+the responsible module. (Quantization per module and the module-by-step grid are analysis:
+qforensics.analyze.quantization and qforensics.analyze.grid.)
 
 Every value here comes from an untrusted file: JSON is parsed defensively, types are checked,
 strings are capped, and nothing is marked safe for HTML (the template escapes). No torch import.
@@ -16,24 +17,21 @@ from typing import Any
 import numpy as np
 
 from qforensics.analyze.findings import Findings
+from qforensics.analyze.quantization import module_info_dict
 from qforensics.errors import TraceFormatError
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 
 __all__ = [
     "ChannelView",
-    "Grid",
     "Health",
     "HealthRow",
-    "ModuleQuant",
     "Outcome",
     "environment_rows",
     "fmt_num",
     "read_channels",
-    "read_grid",
     "read_health",
     "read_outcome",
-    "read_quant",
     "text_value",
 ]
 
@@ -80,40 +78,7 @@ def text_value(v: Any, limit: int = MAX_FIELD) -> str:
 
 
 def _module_info(raw: str) -> dict[str, Any] | None:
-    if not raw:
-        return {}
-    if len(raw) > 1 << 20:
-        return None
-    try:
-        d = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
-# -- quantization per module -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModuleQuant:
-    format: str  # e.g. "fp8-e4m3-nosat", "int4-per-tensor"
-    target: str  # "activations" | "weights" | ""
-    bits: int | None
-
-
-def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
-    """module name -> its quantization (from the `quant` key of the module's info JSON)."""
-    out: dict[str, ModuleQuant] = {}
-    for name, raw in zip(trace.modules["name"], trace.modules["info"]):
-        info = _module_info(raw)
-        q = info.get("quant") if info else None
-        if not isinstance(q, dict):
-            continue
-        fmt = q.get("format")
-        if not isinstance(fmt, str) or not fmt:
-            continue
-        target = q.get("target") if isinstance(q.get("target"), str) else ""
-        bits = q.get("bits") if isinstance(q.get("bits"), int) else None
-        out[name] = ModuleQuant(fmt[:80], target[:40], bits)
-    return out
+    return module_info_dict(raw)
 
 
 # -- parameter health ------------------------------------------------------------------------------
@@ -345,55 +310,3 @@ def read_channels(trace: Trace, findings: Findings) -> ChannelView | None:
         labelled = [(int(i), float(absmax[i])) for i in top if med > 0 and fin[i] >= ratio * med]
     return ChannelView(module, step, int(call) if call is not None else -1, why, absmax,
                        labelled)
-
-
-# -- module x step grid ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Grid:
-    values: np.ndarray  # log10 absmax of outputs, (modules in call order) x (steps)
-    bad: np.ndarray
-    labels: list[str]
-    module_ids: np.ndarray  # module id of each row
-    steps: np.ndarray  # step value of each column
-
-
-def read_grid(trace: Trace) -> Grid | None:
-    """Max output absmax per (module, step) over the whole trace, rows in first-call order."""
-    cols = trace.record_columns(["call_index", "step", "module_id", "io", "absmax", "nan_count",
-                                 "inf_count"])
-    if len(cols["step"]) == 0:
-        return None
-    out = cols["io"] == schema.IO_OUTPUT
-    if not out.any():
-        out = np.ones_like(out, dtype=bool)
-    mod = cols["module_id"][out].astype(np.int64)
-    step = cols["step"][out].astype(np.int64)
-    call = cols["call_index"][out]
-    amax = cols["absmax"][out].astype(np.float64)
-    bad = (cols["nan_count"][out] > 0) | (cols["inf_count"][out] > 0)
-    ok = (mod >= 0) & (mod < trace.n_modules)
-    mod, step, call, amax, bad = mod[ok], step[ok], call[ok], amax[ok], bad[ok]
-    if not len(mod):
-        return None
-    # rows: modules ordered by their first call
-    first_call: dict[int, int] = {}
-    order = np.argsort(call, kind="stable")
-    uniq, idx = np.unique(mod[order], return_index=True)
-    first = call[order][idx]
-    for m, c in zip(uniq, first):
-        first_call[int(m)] = int(c)
-    mods_sorted = np.array(sorted(first_call, key=lambda m: first_call[m]), dtype=np.int64)
-    row_of = np.full(trace.n_modules, -1, dtype=np.int64)
-    row_of[mods_sorted] = np.arange(len(mods_sorted))
-    steps_u, col = np.unique(step, return_inverse=True)
-    r = row_of[mod]
-    vals = np.full((len(mods_sorted), len(steps_u)), -np.inf)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lg = np.where(np.isfinite(amax) & (amax > 0), np.log10(np.where(amax > 0, amax, 1)),
-                      np.nan)
-    np.fmax.at(vals, (r, col), np.where(np.isnan(lg), -np.inf, lg))
-    vals[np.isneginf(vals)] = np.nan
-    badg = np.zeros(vals.shape, dtype=bool)
-    np.logical_or.at(badg, (r, col), bad)
-    labels = [trace.module_name(int(m)) for m in mods_sorted]
-    return Grid(vals, badg, labels, mods_sorted, steps_u)

@@ -19,8 +19,9 @@ from qforensics.analyze.findings import (
     Findings,
     UnsafeModules,
 )
-from qforensics.analyze.thresholds import FORMAT_LIMITS
-from qforensics.reports.facts import Health, ModuleQuant, Outcome, fmt_num
+from qforensics.formats import FORMAT_LIMITS
+from qforensics.analyze.quantization import ModuleQuant
+from qforensics.reports.facts import Health, Outcome, fmt_num
 from qforensics.reports.replay_result import ReplaySummary
 
 __all__ = [

@@ -22,12 +22,10 @@ from matplotlib.figure import Figure as MplFigure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
+from qforensics.analyze.grid import Heatmap
+
 __all__ = [
-    "MAX_HEATMAP_COLS",
-    "MAX_HEATMAP_ROWS",
     "Figure",
-    "Heatmap",
-    "bin_heatmap",
     "plot_channels",
     "plot_divergence",
     "plot_heatmap",
@@ -35,8 +33,6 @@ __all__ = [
 ]
 
 # The heatmap is binned (max over each bin) above these sizes.
-MAX_HEATMAP_ROWS = 200
-MAX_HEATMAP_COLS = 200
 DPI = 100
 WIDTH_IN = 10.0
 
@@ -152,51 +148,6 @@ def plot_logits(steps: np.ndarray, lmin: np.ndarray, lmax: np.ndarray, lmean: np
 
 
 # -- module x step heatmap -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Heatmap:
-    """log10 absmax per (module row, step column), binned; `bad` marks cells with NaN/Inf."""
-
-    values: np.ndarray  # float, NaN where no record
-    bad: np.ndarray  # bool
-    row_labels: list[str]  # one per row (the first module of the bin)
-    row_starts: np.ndarray  # first module index of each row
-    col_starts: np.ndarray  # first step index of each column
-    n_modules: int
-    n_steps: int
-
-    @property
-    def binned(self) -> bool:
-        return self.values.shape != (self.n_modules, self.n_steps)
-
-
-def _bins(n: int, limit: int) -> np.ndarray:
-    """Start indices of at most `limit` contiguous bins covering range(n)."""
-    if n <= limit:
-        return np.arange(n)
-    k = math.ceil(n / limit)
-    return np.arange(0, n, k)
-
-
-def bin_heatmap(values: np.ndarray, bad: np.ndarray, labels: list[str],
-                max_rows: int = MAX_HEATMAP_ROWS, max_cols: int = MAX_HEATMAP_COLS) -> Heatmap:
-    """Reduce a (modules x steps) grid to at most max_rows x max_cols by taking each bin's max
-    (NaN-aware) and OR of the non-finite flags."""
-    n_mod, n_steps = values.shape
-    rs, cs = _bins(n_mod, max_rows), _bins(n_steps, max_cols)
-    v, b = values, bad
-    if len(rs) != n_mod:
-        filled = np.where(np.isnan(v), -np.inf, v)
-        v = np.maximum.reduceat(filled, rs, axis=0)
-        v = np.where(np.isneginf(v), np.nan, v)
-        b = np.logical_or.reduceat(b, rs, axis=0)
-    if len(cs) != n_steps:
-        filled = np.where(np.isnan(v), -np.inf, v)
-        v = np.maximum.reduceat(filled, cs, axis=1)
-        v = np.where(np.isneginf(v), np.nan, v)
-        b = np.logical_or.reduceat(b, cs, axis=1)
-    return Heatmap(v, b, [labels[i] for i in rs], rs, cs, n_mod, n_steps)
-
-
 def plot_heatmap(hm: Heatmap, mark: tuple[int, int] | None = None) -> Figure | None:
     """Module-by-step heatmap of log10 absmax; cells with NaN/Inf drawn red. `mark` = (module
     index, step index) of the first non-finite record, circled."""

@@ -25,7 +25,7 @@ import jinja2
 import numpy as np
 from markupsafe import Markup
 
-from qforensics import __version__
+from qforensics.version import __version__
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,
@@ -34,6 +34,8 @@ from qforensics.analyze.findings import (
     Findings,
     Verdict,
 )
+from qforensics.analyze.grid import bin_heatmap, read_grid
+from qforensics.analyze.quantization import read_quant
 from qforensics.errors import QForensicsError
 from qforensics.reports import facts, narrative, plots
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
@@ -111,10 +113,10 @@ def _logits_figure(trace: Trace, findings: Findings) -> plots.Figure | None:
 
 
 def _heatmap_figure(trace: Trace, findings: Findings) -> plots.Figure | None:
-    grid = facts.read_grid(trace)
+    grid = read_grid(trace)
     if grid is None:
         return None
-    hm = plots.bin_heatmap(grid.values, grid.bad, grid.labels)
+    hm = bin_heatmap(grid.values, grid.bad, grid.labels)
     mark = None
     fn = findings.first_nonfinite
     if fn is not None:
@@ -173,7 +175,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     """Everything the template shows, as plain values (strings unescaped: Jinja escapes)."""
     meta = trace.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
-    quant = facts.read_quant(trace)
+    quant = read_quant(trace)
     health = facts.read_health(trace)
     outcome = facts.read_outcome(meta)
     view = facts.read_channels(trace, findings)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from qforensics.formats import BF16_MAX, E4M3_MAX, E5M2_MAX, FP16_MAX
+
 __all__ = [
     "FloatFormat",
     "FLOAT_FORMATS",
@@ -136,13 +138,13 @@ FLOAT_FORMATS: dict[str, FloatFormat] = {
                        _decode_f64),
     "F32": FloatFormat("F32", 4, np.dtype("<u4"), 0x7F800000, 0x7F800000, _F32_TINY,
                        float(np.finfo(np.float32).max), _decode_f32),
-    "F16": FloatFormat("F16", 2, np.dtype("<u2"), 0x7C00, 0x7C00, _F16_TINY, 65504.0,
+    "F16": FloatFormat("F16", 2, np.dtype("<u2"), 0x7C00, 0x7C00, _F16_TINY, FP16_MAX,
                        _decode_f16),
-    "BF16": FloatFormat("BF16", 2, np.dtype("<u2"), 0x7F80, 0x7F80, _F32_TINY, 3.3895314e38,
+    "BF16": FloatFormat("BF16", 2, np.dtype("<u2"), 0x7F80, 0x7F80, _F32_TINY, BF16_MAX,
                         _decode_bf16),
-    "F8_E4M3": FloatFormat("F8_E4M3", 1, np.dtype("u1"), 0x7F, 0x7F, 2.0**-6, 448.0,
+    "F8_E4M3": FloatFormat("F8_E4M3", 1, np.dtype("u1"), 0x7F, 0x7F, 2.0**-6, E4M3_MAX,
                            _decode_e4m3),
-    "F8_E5M2": FloatFormat("F8_E5M2", 1, np.dtype("u1"), 0x7C, 0x7C, 2.0**-14, 57344.0,
+    "F8_E5M2": FloatFormat("F8_E5M2", 1, np.dtype("u1"), 0x7C, 0x7C, 2.0**-14, E5M2_MAX,
                            _decode_e5m2),
     "F8_E8M0": FloatFormat("F8_E8M0", 1, np.dtype("u1"), 0xFF, 0xFF, 0.0, 2.0**127,
                            _decode_e8m0),

@@ -79,8 +79,8 @@ class SafetensorsFile:
         self.data_size = self.size - self.data_start
         try:
             header = json.loads(raw_header.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _fail(self.path, f"header is not valid UTF-8 JSON ({exc})") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise _fail(self.path, f"header is not valid UTF-8 JSON ({exc})") from None
         if not isinstance(header, dict):
             raise _fail(self.path, "header JSON is not an object")
         meta = header.pop("__metadata__", None)

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from qforensics.formats import FP16_MAX
 from qforensics.scan.dtypes import FloatFormat
 from qforensics.scan.findings import CHECKS, Finding
 
 __all__ = ["Tally", "FP16_MAX", "tally_float_chunks", "tally_mask", "findings_from_tallies"]
 
-FP16_MAX = 65504.0
 
 
 @dataclass

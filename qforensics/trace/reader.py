@@ -1,15 +1,16 @@
 """Validating trace reader: numpy and pandas views of a qforensics HDF5 trace.
 
-Trace files are untrusted input. The reader checks the format name and version (refusing a newer
-major version), refuses external links and external storage, checks every column's dtype and
-every offset against the arrays it points into, and never unpickles anything. A trace left behind
-by a crashed or killed run (SWMR flags still set, columns of unequal length) is opened as far as
-it goes and says where it ends. No torch import.
+Trace files are untrusted input. The checks live in trace/validate.py: the reader checks the
+format name and version (refusing a newer major version), refuses links, virtual datasets and
+external storage, checks every column's dtype and every offset against the arrays it points into
+(with Python ints), guards every data read, and never unpickles anything. A trace left behind by a
+crashed or killed run (SWMR flags still set, columns of unequal length, a file cut short) is
+opened as far as it goes and says where it ends; what could not be read is listed in
+`Trace.unreadable`, and the analysis never calls such a trace PASSED. No torch import.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,13 +21,24 @@ import h5py
 import numpy as np
 import pandas as pd
 
-from qforensics.errors import TraceFormatError, TraceVersionError
+from qforensics.errors import TraceFormatError, TraceUnreadableError, TraceVersionError
+from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
+from qforensics.trace.blocks import ChannelAccess
+from qforensics.trace.snapshots import SnapshotAccess
+from qforensics.trace.validate import (
+    check_self_contained,
+    checked_span,
+    open_hdf5,
+    parse_json,
+    read,
+    read_prefix,
+    valid_spans,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_BYTES = 4 << 20
-MAX_SNAPSHOT_ELEMENTS = 1 << 31
+_UNREADABLE = (OSError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -36,60 +48,40 @@ class TraceEnd:
     reason: str  # human sentence: how and where the trace ends
 
 
-def _open_h5(path: str) -> h5py.File:
-    if not os.path.exists(path):
-        raise TraceFormatError(f"{path}: no such file")
-    if not h5py.is_hdf5(path):
-        raise TraceFormatError(f"{path}: not an HDF5 file (is this a qforensics trace?)")
-    try:
-        return h5py.File(path, "r")
-    except OSError as exc:
-        if "already open for write" not in str(exc) and "consistency flags" not in str(exc):
-            raise TraceFormatError(f"{path}: cannot open: {exc}") from exc
-    try:  # left behind by a killed writer: SWMR read still works
-        return h5py.File(path, "r", swmr=True)
-    except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot open (writer did not close it): {exc}") from exc
+_HEALTH = ("nan_count", "inf_count")  # record columns every verdict depends on
+_STEP_DOMAINS = (  # (column, lowest, highest or None)
+    ("n_nonfinite_records", 0, None), ("logits_nan", 0, None), ("logits_inf", 0, None),
+    ("n_calls", 0, None), ("record_count", 0, None), ("token_count", 0, None),
+    ("first_nonfinite_call", -1, None), ("first_nonfinite_record", -1, None),
+    ("complete", 0, 1), ("has_logits", 0, 1),
+)
 
 
-def _check_links(f: h5py.File, path: str) -> None:
-    """Refuse soft/external links and datasets with external storage anywhere in the file."""
-    bad: list[str] = []
-    stack: list[h5py.Group] = [f]
-    while stack:
-        grp = stack.pop()
-        for key in grp.keys():
-            link = grp.get(key, getlink=True)
-            full = f"{grp.name.rstrip('/')}/{key}"
-            if not isinstance(link, h5py.HardLink):
-                bad.append(full)
-                continue
-            obj = grp.get(key)
-            if isinstance(obj, h5py.Group):
-                stack.append(obj)
-            elif isinstance(obj, h5py.Dataset) and obj.external:
-                bad.append(full + " (external storage)")
-    if bad:
-        raise TraceFormatError(
-            f"{path}: refusing links or external storage at {', '.join(bad[:5])}; "
-            "a trace must be self-contained"
-        )
+def _span_end(steps: dict[str, np.ndarray]) -> int:
+    """max(offset + count) over step rows already checked by valid_spans (no wrap)."""
+    if not len(steps["record_offset"]):
+        return 0
+    return int((steps["record_offset"] + steps["record_count"]).max())
 
 
 def _parse_json(raw: Any, where: str) -> Any:
+    return parse_json(raw, where)
+
+
+def _attr_text(raw: Any) -> Any:
     if isinstance(raw, bytes):
-        raw = raw.decode("utf-8", errors="replace")
-    if not isinstance(raw, str):
-        raise TraceFormatError(f"{where}: expected a JSON string, found {type(raw).__name__}")
-    if len(raw) > MAX_JSON_BYTES:
-        raise TraceFormatError(f"{where}: JSON larger than {MAX_JSON_BYTES} bytes")
+        return raw.decode("utf-8", "replace")
+    return raw
+
+
+def _get(f: h5py.File, path: str) -> Any:
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{where}: invalid JSON ({exc})") from exc
+        return f.get(path)
+    except _UNREADABLE:
+        return None
 
 
-class Trace:
+class Trace(ChannelAccess, SnapshotAccess):
     """An open trace. Use as a context manager or call `close()`.
 
     `meta` is a dict; `modules`, `steps`, `records()` and `snapshots` are pandas DataFrames;
@@ -98,27 +90,25 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._f = _open_h5(self.path)
+        self._f, self.cut_short = open_hdf5(self.path, "trace")
+        # what could not be read (damaged chunks, a cut-short file), in words; never PASSED
+        self.unreadable: list[str] = [self.cut_short] if self.cut_short else []
         try:
             self._validate()
         except TraceFormatError:
-            self._f.close()
+            self.close()
             raise
-        except (KeyError, ValueError, TypeError, OSError) as exc:
-            self._f.close()
-            raise TraceFormatError(f"{self.path}: malformed trace ({exc})") from exc
+        except (KeyError, ValueError, TypeError, OverflowError, *_UNREADABLE) as exc:
+            self.close()
+            raise TraceFormatError(f"{self.path}: malformed trace ({exc})") from None
 
     # -- validation --------------------------------------------------------------------------
     def _validate(self) -> None:
         f, p = self._f, self.path
-        name = f.attrs.get("format")
-        if isinstance(name, bytes):
-            name = name.decode("utf-8", "replace")
+        name = _attr_text(f.attrs.get("format"))
         if name != schema.FORMAT_NAME:
             raise TraceFormatError(f"{p}: not a qforensics trace (root attribute format={name!r})")
-        ver = f.attrs.get("format_version")
-        if isinstance(ver, bytes):
-            ver = ver.decode()
+        ver = _attr_text(f.attrs.get("format_version"))
         try:
             major, minor = (int(x) for x in str(ver).split("."))
         except ValueError:
@@ -132,36 +122,63 @@ class Trace:
             log.warning("%s: trace format %s.%s is newer than %s; reading what is known",
                         p, major, minor, schema.FORMAT_VERSION_STR)
         self.format_version = (major, minor)
-        _check_links(f, p)
+        lost = check_self_contained(f, p)
+        self._lost = {x.lstrip("/") for x in lost}
+        if lost:
+            self.unreadable.append("unreadable objects: " + ", ".join(lost[:6])
+                                   + (f" and {len(lost) - 6} more" if len(lost) > 6 else ""))
+        if "" in self._lost:
+            raise TraceUnreadableError(f"{p}: {self.cut_short or 'the file is damaged'}: its root "
+                                       "group cannot be read, so nothing in it can be")
+        if "meta" not in self._lost and not isinstance(_get(f, "meta"), h5py.Group):
+            raise TraceFormatError(f"{p}: no /meta group (every qforensics writer creates it "
+                                   "first): the file is damaged or not a trace")
         self._lengths: dict[str, int] = {}
-        for table, columns in (("steps", schema.STEP_COLUMNS), ("records", schema.RECORD_COLUMNS)):
+        for table, columns in (("steps", schema.STEP_COLUMNS), ("records", schema.RECORD_COLUMNS),
+                               ("snapshots/index", schema.SNAPSHOT_COLUMNS)):
             self._lengths[table] = self._check_table(table, columns)
-        self._lengths["snapshots/index"] = self._check_table(
-            "snapshots/index", schema.SNAPSHOT_COLUMNS
-        )
+        if any(c == "steps" or c.startswith("steps/") for c in self._lost):
+            raise TraceUnreadableError(f"{p}: {self.cut_short or 'the file is damaged'}: the "
+                                       "/steps table cannot be read, so no step can be analyzed")
         # /incidents arrived in format 1.0 from the start; tolerate its absence (minor versions)
-        self._has_incidents = isinstance(self._f.get("incidents"), h5py.Group)
+        self._has_incidents = isinstance(_get(f, "incidents"), h5py.Group)
         if self._has_incidents:
             self._lengths["incidents"] = self._check_table("incidents", schema.INCIDENT_COLUMNS)
         for path, dt in schema.FLAT_ARRAYS.items():
             ds = self._dataset(path)
+            if ds is None:
+                self._lengths[path] = 0
+                continue
             if ds.ndim != 1:
                 raise TraceFormatError(f"{p}: /{path} must be 1-D")
             kind = np.dtype(dt).kind
             if ds.dtype.kind != kind:
                 raise TraceFormatError(f"{p}: /{path} has dtype {ds.dtype}, expected kind {kind}")
             self._lengths[path] = ds.shape[0]
+        n_mod = set()
         for col, _ in schema.MODULE_COLUMNS:
             ds = self._dataset(f"modules/{col}")
-            if ds.dtype.kind not in "OS":
+            if ds is None:
+                n_mod.add(0)
+                continue
+            if ds.dtype.kind not in "OS" or ds.ndim != 1:
                 raise TraceFormatError(f"{p}: /modules/{col} must hold strings")
-        n_mod = {self._f[f"modules/{c}"].shape[0] for c, _ in schema.MODULE_COLUMNS}
+            n_mod.add(ds.shape[0])
         if len(n_mod) != 1:
             raise TraceFormatError(f"{p}: /modules columns differ in length")
         self.n_modules = n_mod.pop()
 
-    def _dataset(self, path: str) -> h5py.Dataset:
-        obj = self._f.get(path)
+    def _dataset(self, path: str) -> h5py.Dataset | None:
+        """The dataset at `path`; None (and noted unreadable) when a damaged or cut-short file
+        lost it; TraceFormatError when it is simply not there."""
+        if any(path == x or path.startswith(x + "/") for x in self._lost):
+            return None
+        try:
+            obj = self._f.get(path)
+        except _UNREADABLE as exc:
+            self.unreadable.append(f"/{path} ({exc})")
+            self._lost.add(path)
+            return None
         if not isinstance(obj, h5py.Dataset):
             raise TraceFormatError(f"{self.path}: missing dataset /{path}")
         return obj
@@ -170,9 +187,12 @@ class Trace:
         n = None
         for name, dt, shape in columns:
             ds = self._dataset(f"{table}/{name}")
+            if ds is None:
+                n = 0
+                continue
             want = np.dtype(dt)
             ok = ds.dtype.kind == want.kind or (want.kind in "iu" and ds.dtype.kind in "iu")
-            if not ok or tuple(ds.shape[1:]) != tuple(shape):
+            if not ok or tuple(ds.shape[1:]) != tuple(shape) or ds.ndim != 1 + len(shape):
                 raise TraceFormatError(
                     f"{self.path}: /{table}/{name} has dtype {ds.dtype} shape {ds.shape}, "
                     f"expected {want} with trailing shape {shape}"
@@ -182,7 +202,10 @@ class Trace:
 
     # -- plumbing ----------------------------------------------------------------------------
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except _UNREADABLE:  # closing a damaged file must not mask the real error
+            pass
 
     def __enter__(self) -> "Trace":
         return self
@@ -195,33 +218,55 @@ class Trace:
         n = self._lengths[table]
         stop = n if stop is None else max(start, min(stop, n))
         out = {}
-        for name, _, _ in columns:
+        for name, dt, shape in columns:
             if fields is not None and name not in fields:
                 continue
-            out[name] = self._f[f"{table}/{name}"][start:stop]
+            ds = self._dataset(f"{table}/{name}")
+            if ds is None:
+                if stop > start:
+                    raise TraceUnreadableError(f"{self.path}: /{table}/{name} is unreadable")
+                out[name] = np.zeros((0, *shape), dtype=np.dtype(dt))
+                continue
+            out[name] = read(ds, slice(start, stop), self.path)
         return out
 
     # -- metadata ----------------------------------------------------------------------------
     @cached_property
     def meta(self) -> dict[str, Any]:
         """environment, capture_options, status (absent: writer never closed), outcome."""
-        g = self._f.get("meta")
         out: dict[str, Any] = {}
-        if isinstance(g, h5py.Group):
-            for key in schema.META_KEYS:
-                if key in g.attrs:
-                    out[key] = _parse_json(g.attrs[key], f"{self.path}: /meta@{key}")
+        if "meta" in self._lost:
+            return out
+        try:
+            g = self._f.get("meta")
+            keys = [k for k in schema.META_KEYS if k in g.attrs]
+            raws = {k: g.attrs[k] for k in keys}
+        except _UNREADABLE as exc:
+            self.unreadable.append(f"/meta attributes ({exc})")
+            return out
+        for key, raw in raws.items():
+            out[key] = _parse_json(raw, f"{self.path}: /meta@{key}")
+        if "environment" not in out:
+            self.unreadable.append("/meta@environment is missing (every writer stores it)")
         return out
 
     @cached_property
     def modules(self) -> pd.DataFrame:
         cols = {}
         for col, _ in schema.MODULE_COLUMNS:
-            vals = self._f[f"modules/{col}"][:]
+            ds = self._dataset(f"modules/{col}")
+            if ds is None:
+                raise TraceUnreadableError(f"{self.path}: /modules/{col} is unreadable")
+            vals = read(ds, slice(None), self.path)
             cols[col] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
                          for v in vals]
         df = pd.DataFrame(cols)
         df.index.name = "module_id"
+        odd = ~df["kind"].isin(MODULE_KINDS)
+        if odd.any():
+            i = int(np.argmax(odd.to_numpy()))
+            self.unreadable.append(f"/modules/kind[{i}] is {df['kind'].iloc[i]!r:.40}, not a "
+                                   f"module kind ({', '.join(sorted(MODULE_KINDS))})")
         return df
 
     def module_info(self, module_id: int) -> dict[str, Any]:
@@ -236,18 +281,86 @@ class Trace:
     # -- steps -------------------------------------------------------------------------------
     @cached_property
     def _step_arrays(self) -> dict[str, np.ndarray]:
-        raw = self._read_table("steps", schema.STEP_COLUMNS)
-        # keep only steps whose records are fully on disk
-        end = raw["record_offset"] + raw["record_count"]
-        ok = (raw["record_offset"] >= 0) & (raw["record_count"] >= 0) & (
-            end <= self._lengths["records"])
-        tok_end = raw["token_offset"] + raw["token_count"]
-        ok &= (raw["token_offset"] >= 0) & (tok_end <= self._lengths["tokens/input_ids"])
+        """The /steps table as far as it is readable, cut at the first row whose records,
+        tokens or record health (NaN/Inf counts) cannot be read or point past the data."""
+        raw, bad_row = self._read_prefix_table("steps", schema.STEP_COLUMNS)
+        if bad_row is not None:
+            self.unreadable.append(f"/steps rows from {bad_row} on")
+        # a lost /records keeps the summaries usable; their spans are checked for sanity only
+        self._check_step_domains(raw)
+        n_rec = self._records_limit()
+        ok = valid_spans(raw["record_offset"], raw["record_count"], n_rec)
+        ok &= valid_spans(raw["token_offset"], raw["token_count"],
+                          self._lengths["tokens/input_ids"])
         if not ok.all():
-            bad = int(np.argmin(ok))
-            log.warning("%s: step rows from %d on point past the data; ignoring them", self.path, bad)
-            raw = {k: v[:bad] for k, v in raw.items()}
+            cut = int(np.argmin(ok))
+            self.unreadable.append(f"/steps rows from {cut} on point past the data they index")
+            raw = {k: v[:cut] for k, v in raw.items()}
+        n = len(raw["step"])
+        end = _span_end(raw)
+        # every record column is read (and decompressed) once, so damage anywhere in /records
+        # is seen; the NaN/Inf counts are kept for the cross-check with the summaries
+        table, bad_rec = self._read_prefix_table("records", schema.RECORD_COLUMNS, stop=end)
+        health = {k: table[k] for k in _HEALTH}
+        del table
+        self._health = health
+        self.records_readable = len(health["nan_count"]) if bad_rec is None else bad_rec
+        if bad_rec is not None:
+            keep = (raw["record_offset"] + raw["record_count"]) <= bad_rec  # both >= 0 here
+            cut = int(np.argmin(keep)) if not keep.all() else n
+            self.unreadable.append(f"/records rows from {bad_rec} on (the records of step rows "
+                                   f"from {cut} on; their per-step summaries remain)")
+        neg = (health["nan_count"] < 0) | (health["inf_count"] < 0)
+        if neg.any():
+            self.unreadable.append(f"/records row {int(np.argmax(neg))} has a negative NaN/Inf "
+                                   "count")
         return raw
+
+    def _check_step_domains(self, raw: dict[str, np.ndarray]) -> None:
+        """Counts are >= 0, 'first' indices are -1 (none) or >= 0, flags are 0 or 1: a value
+        outside its domain is damage the format itself can show."""
+        for col, lo, hi in _STEP_DOMAINS:
+            v = raw[col]
+            bad = (v < lo) | (v > hi) if hi is not None else (v < lo)
+            if bad.any():
+                i = int(np.argmax(bad))
+                self.unreadable.append(f"/steps/{col}[{i}] holds {v[i]}, outside its domain")
+
+    def _records_limit(self) -> int:
+        """Rows in /records; when a damaged file lost the table, the int64 maximum (the spans
+        are then checked for sanity only, and every read of them is refused as unreadable)."""
+        if any(c == "records" or c.startswith("records/") for c in self._lost):
+            return int(np.iinfo(np.int64).max)
+        return self._lengths["records"]
+
+    def _read_prefix_table(self, table: str, columns: list, stop: int | None = None
+                           ) -> tuple[dict[str, np.ndarray], int | None]:
+        n = self._lengths[table] if stop is None else min(stop, self._lengths[table])
+        out: dict[str, np.ndarray] = {}
+        first_bad: int | None = None
+        for name, dt, shape in columns:
+            ds = self._dataset(f"{table}/{name}")
+            if ds is None:
+                out[name], bad = np.zeros((0, *shape), dtype=np.dtype(dt)), 0
+            else:
+                out[name], bad = read_prefix(ds, 0, n)
+            if bad is not None:
+                first_bad = bad if first_bad is None else min(first_bad, bad)
+        m = min((len(v) for v in out.values()), default=0)
+        return {k: v[:m] for k, v in out.items()}, first_bad
+
+    def nonfinite_record_steps(self) -> np.ndarray:
+        """Steps (sorted, unique) holding any record with NaN or Inf, from a scan of every
+        record's counts (independent of the per-step summaries)."""
+        steps = self._step_arrays
+        h = self._health
+        end = min(self.records_end, len(h["nan_count"]))
+        bad = (h["nan_count"][:end] > 0) | (h["inf_count"][:end] > 0)
+        if not bad.any():
+            return np.zeros(0, dtype=np.int64)
+        rows = np.nonzero(bad)[0]
+        idx = np.searchsorted(steps["record_offset"], rows, side="right") - 1
+        return np.unique(steps["step"][idx[idx >= 0]].astype(np.int64))
 
     @cached_property
     def steps(self) -> pd.DataFrame:
@@ -271,24 +384,32 @@ class Trace:
 
     def input_ids(self, step: int) -> np.ndarray:
         r = self.step_row(step)
-        off = int(self._step_arrays["token_offset"][r])
-        n = int(self._step_arrays["token_count"][r])
-        return self._f["tokens/input_ids"][off:off + n]
+        lo, hi = checked_span(self._step_arrays["token_offset"][r],
+                              self._step_arrays["token_count"][r],
+                              self._lengths["tokens/input_ids"], f"{self.path}: step {step} tokens")
+        return read(self._ds("tokens/input_ids"), slice(lo, hi), self.path)
+
+    def _ds(self, path: str) -> h5py.Dataset:
+        ds = self._dataset(path)
+        if ds is None:
+            raise TraceUnreadableError(f"{self.path}: /{path} is unreadable")
+        return ds
 
     @cached_property
     def end(self) -> TraceEnd:
         status = self.meta.get("status")
         n = self.n_steps
         last = int(self._step_arrays["step"][-1]) if n else -1
+        if self.cut_short:
+            return TraceEnd(False, last, f"{self.cut_short}; the readable part ends after step "
+                            f"{last} ({n} steps)")
         if isinstance(status, dict) and status.get("state"):
             state = str(status.get("state"))
             if state == "complete":
                 return TraceEnd(True, last, f"complete: {n} steps")
             return TraceEnd(True, last, f"run ended with {state}: "
                             f"{status.get('error', '')}".rstrip(": "))
-        orphan = self._lengths["records"] - (
-            int(self._step_arrays["record_offset"][-1] + self._step_arrays["record_count"][-1])
-            if n else 0)
+        orphan = self._lengths["records"] - self.records_end
         return TraceEnd(False, last, "truncated: the writer never closed the file (the run "
                         f"crashed or was killed); trace ends after step {last}"
                         + (f", {orphan} records of a later step are incomplete" if orphan else ""))
@@ -299,13 +420,15 @@ class Trace:
         """Records of one step (or a row range, or everything), with a `row` column."""
         if step is not None:
             r = self.step_row(step)
-            start = int(self._step_arrays["record_offset"][r])
-            stop = start + int(self._step_arrays["record_count"][r])
+            start, stop = checked_span(self._step_arrays["record_offset"][r],
+                                       self._step_arrays["record_count"][r],
+                                       self._records_limit(), f"{self.path}: step {step}")
         start = 0 if start is None else int(start)
         if stop is None:
-            n = self.n_steps
-            stop = (int(self._step_arrays["record_offset"][-1] + self._step_arrays["record_count"][-1])
-                    if n else 0)
+            stop = self.records_end
+        if int(stop) > self.records_readable:
+            raise TraceUnreadableError(f"{self.path}: /records rows [{start}, {stop}) could not "
+                                       f"be read (readable up to row {self.records_readable})")
         data = self._read_table("records", schema.RECORD_COLUMNS, start, stop)
         df = pd.DataFrame(data)
         df.insert(0, "row", np.arange(start, start + len(df), dtype=np.int64))
@@ -323,122 +446,8 @@ class Trace:
 
     @property
     def records_end(self) -> int:
-        n = self.n_steps
-        if not n:
-            return 0
-        return int(self._step_arrays["record_offset"][-1] + self._step_arrays["record_count"][-1])
-
-    def channel_span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per-channel (min, max) values [lo, hi) of the flat arrays as float32, bounds-checked:
-        one read for the records of a whole step (their slices are contiguous)."""
-        lo, hi = int(lo), int(hi)
-        n = min(self._lengths["channels/min"], self._lengths["channels/max"])
-        if lo < 0 or hi < lo or hi > n:
-            raise TraceFormatError(f"{self.path}: channel range [{lo}, {hi}) out of bounds "
-                                   f"(/channels holds {n})")
-        return (self._f["channels/min"][lo:hi].astype(np.float32, copy=False),
-                self._f["channels/max"][lo:hi].astype(np.float32, copy=False))
-
-    def token_span(self, lo: int, hi: int) -> np.ndarray:
-        """Per-token absmax values [lo, hi) as float32, bounds-checked."""
-        lo, hi = int(lo), int(hi)
-        n = self._lengths["tokens/absmax"]
-        if lo < 0 or hi < lo or hi > n:
-            raise TraceFormatError(f"{self.path}: token range [{lo}, {hi}) out of bounds "
-                                   f"(/tokens/absmax holds {n})")
-        return self._f["tokens/absmax"][lo:hi].astype(np.float32, copy=False)
-
-    def channel_ranges(self, row: int | pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-channel (min, max) of one record as float32, or None when not stored."""
-        rec = self._record(row)
-        off, n = int(rec["chan_offset"]), int(rec["channels"])
-        if off < 0:
-            return None
-        if n < 0:
-            raise TraceFormatError(f"{self.path}: record {rec['row']} has {n} channels")
-        return self.channel_span(off, off + n)
-
-    def token_absmax(self, row: int | pd.Series) -> np.ndarray | None:
-        rec = self._record(row)
-        off, n = int(rec["tok_offset"]), int(rec["tok_count"])
-        if off < 0:
-            return None
-        if n < 0:
-            raise TraceFormatError(f"{self.path}: record {rec['row']} has {n} tokens")
-        return self.token_span(off, off + n)
-
-    def _record(self, row: int | pd.Series) -> dict[str, Any]:
-        if isinstance(row, pd.Series):
-            return {"row": row.get("row", -1), **{k: row[k] for k in
-                    ("chan_offset", "channels", "tok_offset", "tok_count")}}
-        row = int(row)
-        if not 0 <= row < self._lengths["records"]:
-            raise TraceFormatError(f"{self.path}: no record row {row}")
-        d = self._read_table("records", schema.RECORD_COLUMNS, row, row + 1,
-                             ["chan_offset", "channels", "tok_offset", "tok_count"])
-        return {"row": row, **{k: v[0] for k, v in d.items()}}
-
-    def channels_for(self, module: str, step: int, io: int = schema.IO_INPUT,
-                     slot: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-channel (min, max) of `module`'s input (or output) at `step` (first call)."""
-        df = self.records(step)
-        sel = df[(df["module"] == module) & (df["io"] == io) & (df["slot"] == slot)]
-        if sel.empty:
-            return None
-        return self.channel_ranges(int(sel["row"].iloc[0]))
-
-    # -- snapshots ---------------------------------------------------------------------------
-    @cached_property
-    def snapshots(self) -> pd.DataFrame:
-        data = self._read_table("snapshots/index", schema.SNAPSHOT_COLUMNS)
-        df = pd.DataFrame({k: v for k, v in data.items()})
-        for col in ("reason", "name", "dtype", "shape"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        mod = df["module_id"].to_numpy() if len(df) else np.zeros(0, int)
-        names = self.modules["name"].to_numpy()
-        ok = (mod >= 0) & (mod < self.n_modules)
-        df["module"] = [names[m] if k else f"<unknown {m}>" for m, k in zip(mod, ok)]
-        return df
-
-    def snapshot_tensors(self, call_index: int) -> dict[str, np.ndarray]:
-        """The tensors kept for one call, validated (dtype whitelist, shape vs byte count)."""
-        df = self.snapshots
-        sel = df[df["call_index"] == int(call_index)]
-        if sel.empty:
-            raise TraceFormatError(f"{self.path}: no snapshot for call {call_index}; calls with "
-                                   f"snapshots: {sorted(set(df['call_index'].tolist()))}")
-        out: dict[str, np.ndarray] = {}
-        data = self._f["snapshots/data"]
-        for _, r in sel.iterrows():
-            where = f"{self.path}: snapshot {r['name']!r} of call {call_index}"
-            if r["dtype"] not in schema.SNAPSHOT_DTYPES:
-                raise TraceFormatError(f"{where}: dtype {r['dtype']!r} not allowed")
-            shape = _parse_json(r["shape"], where)
-            if (not isinstance(shape, list) or len(shape) > 8
-                    or not all(isinstance(s, int) and s >= 0 for s in shape)):
-                raise TraceFormatError(f"{where}: bad shape {r['shape']!r}")
-            dt = np.dtype(r["dtype"]).newbyteorder("<")
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            off, nbytes = int(r["offset"]), int(r["nbytes"])
-            if count > MAX_SNAPSHOT_ELEMENTS or nbytes != count * dt.itemsize:
-                raise TraceFormatError(f"{where}: {nbytes} bytes do not hold shape {shape}")
-            if off < 0 or off + nbytes > self._lengths["snapshots/data"]:
-                raise TraceFormatError(f"{where}: data out of bounds")
-            raw = data[off:off + nbytes]
-            out[r["name"]] = np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
-        return out
-
-    @cached_property
-    def incidents(self) -> pd.DataFrame:
-        """Runtime-guard trips (qforensics.guard): step, call_index, module, action, counts."""
-        cols = [c for c, _, _ in schema.INCIDENT_COLUMNS]
-        if not self._has_incidents:
-            return pd.DataFrame({c: [] for c in cols})
-        data = self._read_table("incidents", schema.INCIDENT_COLUMNS)
-        df = pd.DataFrame(data)
-        for col in ("module", "action", "detail"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        return df
+        """One past the last record row any readable step points to."""
+        return _span_end(self._step_arrays)
 
     def iter_steps(self) -> Iterator[int]:
         yield from (int(s) for s in self._step_arrays["step"])

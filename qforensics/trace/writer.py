@@ -24,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from qforensics import __version__
+from qforensics.version import __version__
 from qforensics.trace import schema
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,13 @@ def _json_attr(obj: Any) -> str:
     return json.dumps(obj, default=str, allow_nan=True, sort_keys=True)
 
 
+class _Barrier:
+    """Queued by `TraceWriter.flush`: set once everything queued before it is on disk."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
 class TraceWriter:
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
@@ -104,7 +111,7 @@ class TraceWriter:
         self.channel_dtype = np.dtype(channel_dtype)
         if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
             raise ValueError("channel_dtype must be float32 or float16")
-        self._queue: queue.Queue[StepBatch | None] = queue.Queue()
+        self._queue: queue.Queue[StepBatch | _Barrier | None] = queue.Queue()
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -172,6 +179,15 @@ class TraceWriter:
             return
         self._queue.put(batch)
 
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Block until every batch submitted before this call is written and flushed to disk (a
+        barrier: no sleeping and hoping). False on timeout or when writing has failed."""
+        if self._closed:
+            return self._failed is None
+        barrier = _Barrier()
+        self._queue.put(barrier)
+        return barrier.done.wait(timeout) and self._failed is None
+
     @property
     def failed(self) -> str | None:
         return self._failed
@@ -179,29 +195,31 @@ class TraceWriter:
     # -- writer thread -----------------------------------------------------------------------
     def _run(self) -> None:
         pending: list[StepBatch] = []
+        barriers: list[_Barrier] = []
         last_flush = time.monotonic()
         stop = False
         while not stop:
             gap = max(0.01, self.flush_interval / 4)
             try:
                 item = self._queue.get(timeout=gap)
-                if item is None:
-                    stop = True
-                else:
-                    pending.append(item)
-                while True:  # drain whatever else is queued
-                    item = self._queue.get_nowait()
+                while True:  # take whatever else is queued
                     if item is None:
                         stop = True
+                    elif isinstance(item, _Barrier):
+                        barriers.append(item)
                     else:
                         pending.append(item)
+                    item = self._queue.get_nowait()
             except queue.Empty:
                 pass
             now = time.monotonic()
-            if pending and (stop or now - last_flush >= gap):
+            if pending and (stop or barriers or now - last_flush >= gap):
                 self._write(pending)
                 pending = []
                 last_flush = now
+            for b in barriers:
+                b.done.set()
+            barriers = []
 
     def _write(self, batches: list[StepBatch]) -> None:
         if self._failed:

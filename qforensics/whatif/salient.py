@@ -1,7 +1,7 @@
 """Salient input channels from a trace: per-input-channel activation absmax of every Linear.
 
 A trace stores, per call and for steps chosen at capture (``channel_steps``), the per-channel
-min and max of each hooked module's input (`Trace.channels_for` / `Trace.channel_ranges`).
+min and max of each hooked module's input (`Trace.channel_block`, one read per step).
 The absmax of channel c is ``max(|min_c|, |max_c|)``, maximised over every step that stored it.
 This is exactly what `qforensics.quant.select_salient_channels` ranks, so the what-if can pick
 the channels the failing run really saw instead of running a calibration pass.
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qforensics.formats import GEMM_KINDS
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
 __all__ = ["TraceAbsmax", "absmax_from_trace"]
 
-_GEMM_KINDS = ("linear", "quantized_linear")
 
 
 @dataclass
@@ -52,20 +52,22 @@ def absmax_from_trace(trace: Trace | str | os.PathLike[str],
             return absmax_from_trace(t, modules)
     kinds = trace.modules["kind"].to_numpy()
     names = trace.modules["name"].to_numpy()
-    gemm = {int(i) for i, k in enumerate(kinds) if k in _GEMM_KINDS}
+    gemm = {int(i) for i, k in enumerate(kinds) if k in GEMM_KINDS}
     want = set(modules) if modules is not None else None
     out = TraceAbsmax()
     for step in trace.iter_steps():
         df = trace.records(step)
-        sel = df[(df["io"] == schema.IO_INPUT) & (df["slot"] == 0) & (df["chan_offset"] >= 0)
-                 & df["module_id"].isin(gemm)]
+        sel = df[(df["io"] == schema.IO_INPUT) & (df["slot"] == 0) & df["module_id"].isin(gemm)]
         if want is not None:
             sel = sel[sel["module"].isin(want)]
         if sel.empty:
             continue
+        block = trace.channel_block(sel, tokens=False)  # one read for the whole step
+        if not block.rows:
+            continue
         out.steps.append(step)
         for _, rec in sel.iterrows():
-            rng = trace.channel_ranges(rec)
+            rng = block.channels(int(rec["row"]))
             if rng is None:
                 continue
             lo, hi = rng

@@ -241,6 +241,8 @@ def write_trace(path: str, batches: list[StepBatch], n_layers: int, *, close: bo
         w.submit(b)
     if close:
         w.close(status)
+    else:
+        assert w.flush(), w.failed  # everything on disk before the caller simulates a kill
     return path
 
 

@@ -75,8 +75,10 @@ def test_help_shows_defaults_and_example(runner):
         r = runner.invoke(main, [cmd, "--help"])
         assert r.exit_code == 0
         assert "[default:" in r.output
-        assert r.output.rstrip().splitlines()[-3].strip() == "Example:" or "Example:" in \
-            r.output.rstrip().splitlines()[-4]
+        lines = r.output.rstrip().splitlines()
+        last = max(i for i, ln in enumerate(lines) if ln.strip() == "Example:")
+        examples = lines[last + 1:]  # the help ends with the example, nothing after it
+        assert examples and all(ln.strip().startswith(f"qforensics {cmd} ") for ln in examples)
     r = runner.invoke(main, ["analyze", "--help"])
     flat = " ".join(r.output.split())
     assert "[default: 20.0" in flat and "[default: 100.0" in flat

@@ -33,7 +33,8 @@ from qforensics.reports import (
     render_report,
     write_report,
 )
-from qforensics.reports.plots import bin_heatmap, plot_heatmap
+from qforensics.analyze.grid import bin_heatmap
+from qforensics.reports.plots import plot_heatmap
 from qforensics.reports.report import CSP_SCRIPT
 
 
@@ -112,9 +113,10 @@ def test_hostile_strings_are_escaped(reports):
 def test_passed_trace_and_generated_text(tmp_path):
     path = write_synthetic_trace(tmp_path / "ok.h5", fail=False, text="Paris.\n<end>")
     html, f = render_report(path)
-    assert f.verdict.status in ("PASSED", "SUSPECT")
+    # finite everywhere, but the synthetic outcome records 25% top-1 agreement: SUSPECT by it alone
+    assert f.verdict.status == "SUSPECT" and [p.kind for p in f.precursors] == ["outcome"]
     assert "Paris.\n&lt;end&gt;" in html
-    assert 'id="plot-channels"' in html or not f.outliers
+    assert ('id="plot-channels"' in html) == bool(f.outliers)
 
 
 def test_gap_producer_from_constructed_findings(tmp_path):

@@ -420,3 +420,11 @@ def test_every_check_is_documented():
 
     for check, (severity, _) in CHECKS.items():
         assert f"| `{check}` | {severity} |" in doc, check
+
+
+def test_deeply_nested_header_is_malformed_not_a_crash(tmp_path):
+    raw = ("[" * 100_000 + "]" * 100_000).encode()
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(ScanError, match="header is not valid UTF-8 JSON"):
+        SafetensorsFile(path)

@@ -16,10 +16,10 @@ from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter, compact_trace
 
 
-def _write(path, n_steps=3, close=True):
+def _write(path, n_steps=3, close=True, flush_interval=0.05):
     w = TraceWriter(path, modules=[{"name": "lin", "type": "Linear", "kind": "linear",
                                     "info": "{}"}], environment={"torch": "x"},
-                    capture_options={}, flush_interval=0.05)
+                    capture_options={}, flush_interval=flush_interval)
     for s in range(n_steps):
         rec = np.zeros(2, schema.record_dtype())
         rec["call_index"] = [2 * s, 2 * s]
@@ -152,12 +152,12 @@ def test_killed_writer_leaves_a_readable_truncated_trace(tmp_path):
     """A real SIGKILL of a process in the middle of writing."""
     p = tmp_path / "k.h5"
     code = textwrap.dedent(f"""
-        import os, signal, sys, time
+        import os, signal, sys
         sys.path.insert(0, {str(tmp_path)!r})
         import numpy as np
         from test_helpers_kill import _write
         w = _write({str(p)!r}, n_steps=5, close=False)
-        time.sleep(0.5)   # > 4 flush gaps: the 5 steps are on disk
+        assert w.flush()  # barrier: the 5 steps are on disk
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     src = open(__file__).read()
@@ -169,6 +169,21 @@ def test_killed_writer_leaves_a_readable_truncated_trace(tmp_path):
         assert not t.end.complete
         assert "never closed" in t.end.reason and "after step 4" in t.end.reason
         assert len(t.records(4)) == 2
+
+
+def test_flush_is_a_barrier(tmp_path):
+    """With a periodic flush far away, `flush()` alone puts every submitted step on disk, where
+    a second reader (SWMR) sees them while the writer is still open."""
+    p = tmp_path / "b.h5"
+    w = _write(p, n_steps=4, close=False, flush_interval=3600.0)
+    try:
+        assert w.flush(timeout=60)
+        with h5py.File(p, "r", swmr=True) as f:
+            assert f["steps/step"][:].tolist() == [0, 1, 2, 3]
+            assert f["records/step"].shape[0] == 2 * 4
+    finally:
+        w.close({"state": "complete"})
+    assert w.flush()  # after close: nothing left to wait for
 
 
 def test_compact_copy_reads_the_same(tmp_path):

@@ -1,0 +1,90 @@
+"""Reading the snapshots (full tensors kept for calls that matter) and the runtime-guard
+incidents of a trace, validated: a dtype whitelist, shapes from bounded JSON checked against the
+byte count with Python ints, every read bounds-checked and guarded. Nothing is unpickled; no
+torch import."""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from qforensics.errors import TraceFormatError
+from qforensics.trace import schema
+from qforensics.trace.validate import checked_span, parse_json, read
+
+__all__ = ["MAX_SNAPSHOT_ELEMENTS", "SnapshotAccess"]
+
+MAX_SNAPSHOT_ELEMENTS = 1 << 31
+
+
+class SnapshotAccess:
+    """The snapshot and incident reads of `Trace` (a mixin: `Trace` provides the file, the
+    array lengths and the module table)."""
+
+    path: str
+    _lengths: dict[str, int]
+    _has_incidents: bool
+    n_modules: int
+    modules: pd.DataFrame
+
+    def _ds(self, path: str) -> h5py.Dataset:  # provided by Trace
+        raise NotImplementedError
+
+    def _read_table(self, table: str, columns: list, start: int = 0, stop: int | None = None,
+                    fields: list[str] | None = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError  # provided by Trace
+
+    @cached_property
+    def snapshots(self) -> pd.DataFrame:
+        data = self._read_table("snapshots/index", schema.SNAPSHOT_COLUMNS)
+        df = pd.DataFrame({k: v for k, v in data.items()})
+        for col in ("reason", "name", "dtype", "shape"):
+            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
+        mod = df["module_id"].to_numpy() if len(df) else np.zeros(0, int)
+        names = self.modules["name"].to_numpy()
+        ok = (mod >= 0) & (mod < self.n_modules)
+        df["module"] = [names[m] if k else f"<unknown {m}>" for m, k in zip(mod, ok)]
+        return df
+
+    def snapshot_tensors(self, call_index: int) -> dict[str, np.ndarray]:
+        """The tensors kept for one call, validated (dtype whitelist, shape vs byte count)."""
+        df = self.snapshots
+        sel = df[df["call_index"] == int(call_index)]
+        if sel.empty:
+            raise TraceFormatError(f"{self.path}: no snapshot for call {call_index}; calls with "
+                                   f"snapshots: {sorted(set(df['call_index'].tolist()))}")
+        out: dict[str, np.ndarray] = {}
+        data = self._ds("snapshots/data")
+        for _, r in sel.iterrows():
+            where = f"{self.path}: snapshot {r['name']!r} of call {call_index}"
+            if r["dtype"] not in schema.SNAPSHOT_DTYPES:
+                raise TraceFormatError(f"{where}: dtype {r['dtype']!r} not allowed")
+            shape = parse_json(r["shape"], where)
+            if (not isinstance(shape, list) or len(shape) > 8
+                    or not all(isinstance(s, int) and s >= 0 for s in shape)):
+                raise TraceFormatError(f"{where}: bad shape {r['shape']!r}")
+            dt = np.dtype(r["dtype"]).newbyteorder("<")
+            count = math.prod(shape)  # Python ints: no wrap
+            off, nbytes = int(r["offset"]), int(r["nbytes"])
+            if count > MAX_SNAPSHOT_ELEMENTS or nbytes != count * dt.itemsize:
+                raise TraceFormatError(f"{where}: {nbytes} bytes do not hold shape {shape}")
+            lo, hi = checked_span(off, nbytes, self._lengths["snapshots/data"], where)
+            raw = read(data, slice(lo, hi), where)
+            out[r["name"]] = np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
+        return out
+
+    @cached_property
+    def incidents(self) -> pd.DataFrame:
+        """Runtime-guard trips (qforensics.guard): step, call_index, module, action, counts."""
+        cols = [c for c, _, _ in schema.INCIDENT_COLUMNS]
+        if not self._has_incidents:
+            return pd.DataFrame({c: [] for c in cols})
+        data = self._read_table("incidents", schema.INCIDENT_COLUMNS)
+        df = pd.DataFrame(data)
+        for col in ("module", "action", "detail"):
+            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
+        return df

@@ -1,0 +1,334 @@
+"""The one validator for untrusted HDF5 input: traces (trace/reader.py) and replay bundles.
+
+Every check a reader needs before it trusts a file's structure or numbers lives here:
+
+- `open_hdf5`: opens a file read-only; a file left open by a killed writer (SWMR consistency
+  flags) is opened for SWMR reading, and a file cut short (shorter than the end address its
+  superblock records, e.g. copied while written or truncated by a crash) is opened through a
+  wrapper that fails every read past the real end, so the intact part stays readable;
+- `check_self_contained`: refuses soft and external links, virtual datasets and datasets with
+  external storage anywhere in the file (each would make the reader open other files);
+- `parse_json`: bounded size and nesting depth (no RecursionError, no memory blow-up);
+- `checked_int`, `checked_span`, `valid_spans`: integer fields and offset + count bounds with
+  Python ints (or an overflow-free vectorized form), refusing negative counts, non-finite values
+  and anything past the end;
+- `read` and `read_prefix`: every data read, with OSError (a damaged chunk, a cut-short file)
+  turned into `TraceUnreadableError` naming the dataset and rows, or read as far as it goes.
+
+Nothing here unpickles, and nothing imports torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import struct
+from typing import Any
+
+import h5py
+import numpy as np
+
+from qforensics.errors import TraceFormatError, TraceUnreadableError
+
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "CutShortFile",
+    "check_self_contained",
+    "checked_int",
+    "checked_span",
+    "open_hdf5",
+    "parse_json",
+    "read",
+    "read_prefix",
+    "valid_spans",
+]
+
+MAX_JSON_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_UNREADABLE = (OSError, RuntimeError)  # h5py reports damaged chunks and headers as these
+
+
+# -- opening -----------------------------------------------------------------------------------
+class CutShortFile(io.RawIOBase):
+    """A read-only view of a file that is shorter than its HDF5 superblock says: it reports the
+    recorded size, and any read reaching past the real end raises OSError (HDF5 then fails that
+    one object's read instead of parsing bytes that are not there)."""
+
+    def __init__(self, path: str, recorded_size: int) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self.real_size = os.fstat(self._f.fileno()).st_size
+        self.recorded_size = max(int(recorded_size), self.real_size)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.recorded_size}[whence]
+        self._pos = base + int(offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = len(buf)
+        if self._pos + n > self.real_size:
+            raise OSError(f"bytes [{self._pos}, {self._pos + n}) lie past the end of the "
+                          f"cut-short file ({self.real_size} of {self.recorded_size} bytes)")
+        self._f.seek(self._pos)
+        got = self._f.readinto(buf)
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def recorded_size(path: str) -> int | None:
+    """The end-of-file address the HDF5 superblock (at offset 0) records, or None."""
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    if not head.startswith(_HDF5_SIGNATURE) or len(head) < 56:
+        return None
+    version = head[8]
+    if version in (0, 1):
+        size_off = head[13]
+        if size_off != 8:
+            return None
+        pos = 24 + (4 if version == 1 else 0) + 16  # base, free-space addresses, then EOF
+    elif version in (2, 3):
+        if head[9] != 8:
+            return None
+        pos = 12 + 16  # base, superblock-extension addresses, then EOF
+    else:
+        return None
+    return int(struct.unpack_from("<Q", head, pos)[0])
+
+
+def open_hdf5(path: str, what: str = "trace") -> tuple[h5py.File, str | None]:
+    """Open `path` read-only. Returns (file, cut_note): cut_note is None for a whole file, or a
+    sentence saying how many bytes of the recorded size are missing. Raises TraceFormatError."""
+    if not os.path.exists(path):
+        raise TraceFormatError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise TraceFormatError(f"{path}: is a directory, not a {what} file")
+    try:
+        with open(path, "rb") as fh:
+            sig = fh.read(8)
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if sig != _HDF5_SIGNATURE:
+        raise TraceFormatError(f"{path}: not an HDF5 file (is this a qforensics {what}?)")
+    try:
+        return h5py.File(path, "r"), None
+    except _UNREADABLE as exc:
+        msg = str(exc)
+    if "truncated file" in msg:
+        return _open_cut_short(path, what)
+    if "already open for write" in msg or "consistency flags" in msg:
+        try:  # left behind by a killed writer: SWMR read still works
+            return h5py.File(path, "r", swmr=True), None
+        except _UNREADABLE as exc:
+            msg = str(exc)
+            if "truncated file" in msg:
+                return _open_cut_short(path, what)
+            raise TraceFormatError(f"{path}: cannot open (the writer did not close it): "
+                                   f"{_short(exc)}") from None
+    raise TraceFormatError(f"{path}: cannot open as HDF5: {_short(msg)}") from None
+
+
+def _open_cut_short(path: str, what: str) -> tuple[h5py.File, str]:
+    size = recorded_size(path)
+    if size is None:
+        raise TraceFormatError(f"{path}: the {what} is cut short and its superblock is "
+                               "unreadable") from None
+    view = CutShortFile(path, size)
+    try:
+        f = h5py.File(view, "r")
+    except Exception as exc:  # noqa: BLE001 - h5py raises several types for a broken header
+        view.close()
+        raise TraceFormatError(f"{path}: the {what} is cut short ({view.real_size} of {size} "
+                               f"bytes) and its header is gone: {_short(exc)}") from None
+    note = (f"the file is cut short: {view.real_size:,} of {size:,} bytes "
+            f"({size - view.real_size:,} missing at the end)")
+    return f, note
+
+
+def _short(exc: object, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# -- structure ---------------------------------------------------------------------------------
+def check_self_contained(f: h5py.File, path: str) -> list[str]:
+    """Refuse soft/external links, virtual datasets and external storage anywhere in the file.
+    Returns the groups that could not be listed (a damaged or cut-short file), which the caller
+    reports as unreadable."""
+    bad: list[str] = []
+    unreadable: list[str] = []
+    stack: list[h5py.Group] = [f]
+    seen = 0
+    while stack:
+        grp = stack.pop()
+        gname = grp.name.rstrip("/")
+        try:
+            keys = list(grp.keys())
+        except _UNREADABLE:
+            unreadable.append(gname or "/")
+            continue
+        for key in keys:
+            seen += 1
+            if seen > 100_000:
+                raise TraceFormatError(f"{path}: more than 100,000 objects; not a qforensics file")
+            full = f"{gname}/{key}"
+            try:
+                link = grp.get(key, getlink=True)
+                if not isinstance(link, h5py.HardLink):
+                    bad.append(full + f" ({type(link).__name__})")
+                    continue
+                obj = grp.get(key)
+            except _UNREADABLE:
+                unreadable.append(full)
+                continue
+            if isinstance(obj, h5py.Group):
+                stack.append(obj)
+            elif isinstance(obj, h5py.Dataset):
+                try:
+                    if obj.is_virtual:
+                        bad.append(full + " (virtual dataset)")
+                    elif obj.external:
+                        bad.append(full + " (external storage)")
+                except _UNREADABLE:
+                    unreadable.append(full)
+    if bad:
+        raise TraceFormatError(
+            f"{path}: refusing links, virtual datasets or external storage at "
+            f"{', '.join(sorted(bad)[:5])}; a qforensics file must be self-contained"
+        )
+    return sorted(unreadable)
+
+
+# -- JSON --------------------------------------------------------------------------------------
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def json_depth(raw: str) -> int:
+    """Maximum nesting depth of brackets outside strings (no recursion)."""
+    data = _STRING.sub(b'""', raw.encode("utf-8", "replace"))
+    a = np.frombuffer(data, dtype=np.uint8)
+    step = (np.isin(a, (ord("["), ord("{"))).astype(np.int64)
+            - np.isin(a, (ord("]"), ord("}"))).astype(np.int64))
+    return int(np.cumsum(step).max()) if len(step) else 0
+
+
+def parse_json(raw: Any, where: str, *, max_bytes: int = MAX_JSON_BYTES,
+               max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a JSON attribute or string cell, bounded in size and nesting."""
+    if isinstance(raw, np.ndarray) and raw.shape == ():
+        raw = raw[()]
+    if isinstance(raw, bytes):
+        if len(raw) > max_bytes:
+            raise TraceFormatError(f"{where}: JSON larger than {max_bytes} bytes")
+        raw = raw.decode("utf-8", errors="replace")
+    if not isinstance(raw, str):
+        raise TraceFormatError(f"{where}: expected a JSON string, found {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise TraceFormatError(f"{where}: JSON larger than {max_bytes} bytes")
+    if json_depth(raw) > max_depth:
+        raise TraceFormatError(f"{where}: JSON nested deeper than {max_depth} levels")
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise TraceFormatError(f"{where}: invalid JSON ({_short(exc, 120)})") from None
+
+
+def _no_constant(name: str) -> float:
+    return float("nan")  # NaN/Infinity literals stay floats; integer fields refuse them
+
+
+# -- numbers -----------------------------------------------------------------------------------
+def checked_int(value: Any, where: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer field as a Python int: refuses NaN/Inf, fractions, bools-as-strings, out of
+    [lo, hi]."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TraceFormatError(f"{where}: expected an integer, found {value!r:.60}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise TraceFormatError(f"{where}: expected an integer, found {value!r}")
+        value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise TraceFormatError(f"{where}: {value} outside [{lo}, {hi}]")
+    return int(value)
+
+
+def checked_span(offset: Any, count: Any, limit: int, where: str) -> tuple[int, int]:
+    """[offset, offset + count) as Python ints, inside [0, limit); negative counts refused."""
+    off = checked_int(offset, f"{where}: offset")
+    n = checked_int(count, f"{where}: count")
+    if off < 0 or n < 0 or off + n > int(limit):
+        raise TraceFormatError(f"{where}: span [{off}, {off} + {n}) out of bounds "
+                               f"(the array holds {int(limit)})")
+    return off, off + n
+
+
+def valid_spans(offsets: np.ndarray, counts: np.ndarray, limit: int) -> np.ndarray:
+    """Vectorized `checked_span`: True where 0 <= offset, 0 <= count and offset + count <= limit,
+    computed as count <= limit - offset so no int64 sum can wrap."""
+    off = np.asarray(offsets, dtype=np.int64)
+    n = np.asarray(counts, dtype=np.int64)
+    lim = np.int64(int(limit))
+    ok = (off >= 0) & (n >= 0) & (off <= lim)
+    room = np.where(ok, lim - np.where(ok, off, 0), -1)
+    return ok & (n <= room)
+
+
+# -- reads -------------------------------------------------------------------------------------
+def read(ds: h5py.Dataset, sel: Any, where: str) -> np.ndarray:
+    """`ds[sel]`, with a damaged chunk or a cut-short file reported as TraceUnreadableError."""
+    try:
+        return ds[sel]
+    except _UNREADABLE as exc:
+        raise TraceUnreadableError(f"{where}: unreadable {_describe(ds, sel)} "
+                                   f"({_short(exc, 160)})") from None
+
+
+def read_prefix(ds: h5py.Dataset, start: int, stop: int) -> tuple[np.ndarray, int | None]:
+    """Rows [start, stop) of `ds` as far as they can be read: (rows, first_unreadable_row or
+    None). On a read error, reads chunk by chunk and stops at the first damaged chunk."""
+    try:
+        return ds[start:stop], None
+    except _UNREADABLE:
+        pass
+    block = int(ds.chunks[0]) if ds.chunks else max(1, stop - start)
+    parts = []
+    pos = start
+    while pos < stop:
+        end = min(stop, (pos // block + 1) * block)
+        try:
+            parts.append(ds[pos:end])
+        except _UNREADABLE:
+            break
+        pos = end
+    empty = np.zeros((0,) + tuple(ds.shape[1:]), dtype=ds.dtype)
+    rows = np.concatenate(parts) if parts else empty
+    return rows, (pos if pos < stop else None)
+
+
+def _describe(ds: h5py.Dataset, sel: Any) -> str:
+    name = ds.name or "?"
+    if isinstance(sel, slice):
+        return f"{name}[{sel.start or 0}:{'' if sel.stop is None else sel.stop}]"
+    return name
