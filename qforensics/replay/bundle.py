@@ -18,8 +18,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from qforensics.errors import ReplayError
+from qforensics.errors import QForensicsError, ReplayError
 from qforensics.replay import awq, layouts
+from qforensics.trace import validate
 
 FORMAT_NAME = "qforensics-replay-bundle"
 FORMAT_VERSION = "2.0"
@@ -65,7 +66,7 @@ class Bundle:
 
 def write_bundle(bundle: Bundle, path: str | Path) -> Path:
     """Write `bundle` to `path` (HDF5, format in docs/replay.md); returns the path."""
-    from qforensics import __version__
+    from qforensics.version import __version__
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,19 +86,6 @@ def write_bundle(bundle: Bundle, path: str | Path) -> Path:
     tmp.replace(path)
     bundle.path = path
     return path
-
-
-def _check_links(group: h5py.Group, where: str, path: Path) -> None:
-    for name in group:
-        link = group.get(name, getlink=True)
-        if not isinstance(link, h5py.HardLink):
-            raise ReplayError(f"{path}: {where}{name} is a {type(link).__name__}; bundles may hold only hard links")
-        obj = group[name]
-        if isinstance(obj, h5py.Group):
-            _check_links(obj, f"{where}{name}/", path)
-        elif isinstance(obj, h5py.Dataset):
-            if obj.external or obj.is_virtual:
-                raise ReplayError(f"{path}: {where}{name} stores data outside the file; refused")
 
 
 def is_bundle(path: str | Path) -> bool:
@@ -125,10 +113,12 @@ def read_bundle(path: str | Path) -> Bundle:
 
 def _read_bundle(path: Path) -> Bundle:
     try:
-        f = h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        raise ReplayError(f"{path}: not a readable HDF5 file ({exc})") from exc
+        f, cut = validate.open_hdf5(str(path), "replay bundle")
+    except QForensicsError as exc:
+        raise ReplayError(str(exc)) from exc
     with f:
+        if cut:
+            raise ReplayError(f"{path}: cut short ({cut}); a bundle must be whole")
         if f.attrs.get("format") != FORMAT_NAME:
             raise ReplayError(f"{path}: not a replay bundle (root attribute format != {FORMAT_NAME!r})")
         version = str(f.attrs.get("format_version", ""))
@@ -138,11 +128,15 @@ def _read_bundle(path: Path) -> Bundle:
                 f"{path}: bundle format version {version!r}; this qforensics reads {FORMAT_VERSION.split('.')[0]}.x; "
                 "upgrade qforensics to read it"
             )
-        _check_links(f, "/", path)
         try:
-            meta = json.loads(f.attrs["meta"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ReplayError(f"{path}: root attribute 'meta' is missing or not JSON") from exc
+            unreadable = validate.check_self_contained(f, str(path))
+            if unreadable:
+                raise ReplayError(f"{path}: damaged: cannot list {', '.join(unreadable[:3])}")
+            if "meta" not in f.attrs:
+                raise ReplayError(f"{path}: root attribute 'meta' is missing")
+            meta = validate.parse_json(f.attrs["meta"], f"{path}: root attribute 'meta'")
+        except QForensicsError as exc:
+            raise ReplayError(str(exc)) from exc
         if not isinstance(meta, dict):
             raise ReplayError(f"{path}: root attribute 'meta' is not a JSON object")
         if "tensors" not in f:

@@ -112,7 +112,7 @@ def inconclusive(path: str, reason: str, summary: str) -> ReplayResult:
 
 def result_document(results: list[ReplayResult], *, bundle_path: str | None, meta: dict[str, Any]) -> dict[str, Any]:
     """The versioned JSON document written by `--json` (schema in docs/replay.md)."""
-    from qforensics import __version__
+    from qforensics.version import __version__
 
     return {
         "schema": RESULT_SCHEMA,

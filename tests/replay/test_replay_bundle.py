@@ -149,7 +149,7 @@ def test_reader_refuses_soft_link_and_external_storage(tmp_path):
         del f["tensors/x"]
         f["tensors"].create_dataset("x", shape=(4, 64), dtype=np.float16,
                                     external=[(str(tmp_path / "raw.bin"), 0, 4 * 64 * 2)])
-    with pytest.raises(ReplayError, match="outside the file"):
+    with pytest.raises(ReplayError, match="external storage"):
         read_bundle(p2)
 
 
@@ -159,7 +159,8 @@ def test_reader_refuses_soft_link_and_external_storage(tmp_path):
     (lambda f: (f["tensors"].__delitem__("qweight"), f["tensors"].create_dataset("qweight", data=np.zeros((64, 8), np.float32))), "dtype"),
     (lambda f: (f["tensors"].__delitem__("x"), f["tensors"].create_dataset("x", data=np.zeros((3, 64), np.float16))), "tensors/x"),
     (lambda f: f["tensors"].create_dataset("evil", data=np.zeros(3)), "unknown dataset"),
-    (lambda f: f.attrs.__setitem__("meta", "not json"), "not JSON"),
+    (lambda f: f.attrs.__setitem__("meta", "not json"), "invalid JSON"),
+    (lambda f: f.attrs.__setitem__("meta", "[" * 100 + "]" * 100), "nested deeper"),
 ])
 def test_reader_validates(tmp_path, mutate, match):
     p = _write_ok(tmp_path)
@@ -172,7 +173,7 @@ def test_reader_validates(tmp_path, mutate, match):
 def test_reader_refuses_non_hdf5(tmp_path):
     p = tmp_path / "x.h5"
     p.write_bytes(b"not hdf5")
-    with pytest.raises(ReplayError, match="not a readable HDF5"):
+    with pytest.raises(ReplayError, match="not an HDF5 file"):
         read_bundle(p)
 
 

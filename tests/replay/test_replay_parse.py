@@ -1,8 +1,8 @@
-"""Every block of ../shared/reference/compute-sanitizer-samples.txt parses with exact fields."""
+"""compute-sanitizer report formats (memcheck, racecheck, API errors, no GPU) parse with exact fields.
+
+Real output measured on an H200 is parsed in test_replay_gpu_fixtures.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from qforensics.replay.parse import (
     attribute_buffers,
@@ -136,19 +136,3 @@ def test_host_lines_and_buffer_attribution():
     assert r.records[0].buffer == "x"
     assert r.records[0].describe() == ("kernel compress(const unsigned int *, const unsigned int *, uint2 *, int), "
                                        "block (5,0,0), thread (1,0,0), reads 4 bytes at 1 bytes past the end of `x`")
-
-
-SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "reference" / "compute-sanitizer-samples.txt"
-
-
-def test_every_block_of_the_reference_file_parses_to_something():
-    assert SAMPLES.is_file(), f"{SAMPLES} missing: the shared reference folder must sit beside the repo"
-    blocks = SAMPLES.read_text().split("\n## ")[1:]
-    assert len(blocks) == 6
-    for block in blocks:
-        r = parse_sanitizer_output(block.split("\n", 1)[1])
-        assert r.records or r.terminated_before_instrumentation, block.splitlines()[0]
-    embedded = [DEMO, HECBENCH, PYTORCH, QUICKSILVER, UNKNOWN_DIR, NO_GPU]
-    for block, mine in zip(blocks, embedded):
-        body = [ln for ln in block.split("\n", 1)[1].splitlines() if ln.strip()]
-        assert body == [ln for ln in mine.splitlines() if ln.strip()]
