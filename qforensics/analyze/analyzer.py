@@ -18,8 +18,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.damage import predict_damage, rank_unsafe
+from qforensics.analyze.evidence import collect_evidence, flag_parameters
 from qforensics.analyze.findings import (
+    Cause,
+    Evidence,
     Incident,
     FAILED,
     PASSED,
@@ -45,9 +49,10 @@ from qforensics.analyze.outliers import (
     top_ratio_rows,
 )
 from qforensics.analyze.precursors import find_precursors
-from qforensics.analyze.thresholds import Thresholds
+from qforensics.analyze.thresholds import RATIONALE, Thresholds
 from qforensics.errors import UsageError
 from qforensics.trace import schema
+from qforensics.trace.moduleinfo import read_module_infos
 from qforensics.trace.reader import Trace, open_trace
 
 __all__ = ["analyze_open_trace", "analyze_trace", "analyze_traces", "verdict_for"]
@@ -198,6 +203,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
 
     outliers, persistent, damage, unsafe = [], [], [], []
     vocab = None
+    sc = None
     if recs is not None and focus_step is not None:
         sc = load_step_channels(trace, focus_step, recs, focus)
         index = RecordIndex(trace)
@@ -230,6 +236,15 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
             vocab = int(root["channels"].iloc[0])
     precursors = find_precursors(steps, meta, th, fail_row=fail_row, vocab=vocab) \
         if len(steps) else []
+    infos = read_module_infos(trace)
+    if infos.invalid:
+        notes.append(f"{infos.invalid} malformed module info values ignored")
+    cause = nonfinite_logits = None
+    if first is not None and recs is not None:
+        cause = classify_cause(trace, recs, first, infos, outliers)
+        nonfinite_logits = describe_nonfinite_logits(trace, steps)
+    evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
+                                precursors, th)
 
     snaps: list[SnapshotRef] = []
     sdf = trace.snapshots
@@ -243,7 +258,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                  int(r.inf_count), str(r.detail))
         for r in trace.incidents.itertuples(index=False)
     ]
-    verdict = verdict_for(first, precursors, len(steps), end)
+    verdict = verdict_for(first, precursors, len(steps), end, cause=cause, evidence=evidence)
     if incidents:
         acts = sorted({i.action for i in incidents})
         verdict = Verdict(verdict.status, verdict.line + f" (runtime guard: {len(incidents)} "
@@ -255,29 +270,41 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         environment=env, verdict=verdict, first_nonfinite=first, outliers=outliers,
         outlier_step=focus_step, persistent=persistent, damage=damage, unsafe=unsafe,
         damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
-        thresholds=th.to_dict(), notes=notes, incidents=incidents,
+        thresholds=th.to_dict(), notes=notes, incidents=incidents, cause=cause,
+        nonfinite_logits=nonfinite_logits, evidence=evidence,
+        parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
+        thresholds_rationale=dict(RATIONALE),
     )
 
 
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
-                end: Any) -> Verdict:
+                end: Any, *, cause: Cause | None = None,
+                evidence: list[Evidence] | None = None) -> Verdict:
+    """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
+    (parameters and activations first, then the output), else PASSED."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
     if first is not None:
         word = kind_word(first.kind)
         head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
+        why = f"; {cause.line}" if cause is not None and cause.kind != "unhooked_op" else ""
         if first.producer_module is not None:
             return Verdict(FAILED, head + f"{first.module} produced {word} from finite input"
-                           + tail)
+                           + why + tail)
         gap = first.producer
         where = (f"after call {gap.last_finite_call} ({gap.last_finite_module})"  # type: ignore
                  if gap.last_finite_call is not None else "before it")  # type: ignore
         return Verdict(FAILED, head + f"{word} already in the input of {first.module}; "
                        f"produced by an unhooked op {where}" + tail)
-    silent = [p for p in precursors if p.silent]
+    if evidence is None:
+        from qforensics.analyze.evidence import output_evidence
+        from qforensics.analyze.thresholds import Thresholds as _T
+        evidence = output_evidence(precursors, _T())
+    silent = [e for e in evidence if e.suspect]
     if silent:
         more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
         return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
-    return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)
+    return Verdict(PASSED, f"{PASSED} | no non-finite values and no sign of damage in {n_steps} "
+                   "steps" + tail)
