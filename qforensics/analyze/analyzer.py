@@ -286,7 +286,8 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if first is not None:
         word = kind_word(first.kind)
         head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
-        why = f"; {cause.line}" if cause is not None and cause.kind != "unhooked_op" else ""
+        why = f"; {cause.line}" if cause is not None and cause.kind not in (
+            "unhooked_op", "undetermined") else ""
         if first.producer_module is not None:
             return Verdict(FAILED, head + f"{first.module} produced {word} from finite input"
                            + why + tail)
@@ -306,5 +307,4 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
-    return Verdict(PASSED, f"{PASSED} | no non-finite values and no sign of damage in {n_steps} "
-                   "steps" + tail)
+    return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)

@@ -104,16 +104,16 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                 and o.absmax > lim[1]]
         if over:
             chans = ", ".join(f"{o.channel} ({o.absmax:.4g})" for o in over[:4])
-            return Cause("activation_outlier", f"cause: input channels {chans} of {module} "
-                         f"exceed its {lim[0]} limit {lim[1]:.4g}", module,
+            return Cause("activation_outlier", f"cause: input channels {chans} exceed the "
+                         f"{lim[0]} limit {lim[1]:.4g}", module,
                          channels=[o.channel for o in over], format=lim[0], limit=lim[1])
     over = [o for o in outliers if o.module == module and {"fp8-e4m3", "fp8-e5m2", "fp16"}
             & set(o.limits)]
     if over:
         fmt = next(f for f in ("fp16", "fp8-e5m2", "fp8-e4m3") if f in over[0].limits)
         chans = ", ".join(f"{o.channel} ({o.absmax:.4g})" for o in over[:4])
-        return Cause("activation_outlier", f"cause: input channels {chans} of {module} exceed "
-                     f"the {fmt} limit {FORMAT_LIMITS[fmt]:g}", module,
+        return Cause("activation_outlier", f"cause: input channels {chans} exceed the {fmt} "
+                     f"limit {FORMAT_LIMITS[fmt]:g}", module,
                      channels=[o.channel for o in over], format=fmt, limit=FORMAT_LIMITS[fmt])
     return Cause("undetermined", f"cause undetermined: {module}'s parameters are finite and "
                  "no input channel exceeds a format limit; replay its GEMM to look inside",

@@ -9,8 +9,11 @@ from qforensics.analyze import FAILED, PASSED, SUSPECT, analyze_trace, diff_trac
 def test_fp8_e4m3_nosat_act(sample):
     f = analyze_trace(sample("fp8-e4m3-nosat-act"))
     assert f.verdict.status == FAILED
-    assert f.verdict.line == ("FAILED | first non-finite at step 0, call 94: "
-                              "model.layers.11.mlp.down_proj produced NaN from finite input")
+    assert f.verdict.line.startswith("FAILED | first non-finite at step 0, call 94: "
+                                     "model.layers.11.mlp.down_proj produced NaN from finite "
+                                     "input; cause: input channels 1229 (")
+    assert f.cause.kind == "activation_outlier" and f.cause.format == "fp8-e4m3"
+    assert f.cause.limit == 448 and f.cause.channels[:2] == [1229, 1487]
     fn = f.first_nonfinite
     assert fn.producer == "model.layers.11.mlp.down_proj" and fn.tensor == "output"
     assert fn.input_absmax > 448
