@@ -82,6 +82,15 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
     module = first.module
     if first.is_gap:
         gap = first.producer
+        hooked = set(trace.modules["name"].tolist())
+        # a corrupt tensor tied to a module capture does not hook (lm_head -> embedding)
+        elsewhere = [h for h in infos.health if _corrupt(h) and any(
+            n.rsplit(".", 1)[0] not in hooked for n in infos.tied_with(h.module, h.param))]
+        if elsewhere:
+            tensors = [_tensor(h, infos) for h in elsewhere]
+            return Cause("corrupted_parameters", "cause: corrupted parameters read by an "
+                         f"unhooked op before {module}: "
+                         + "; ".join(t["words"] for t in tensors), module, tensors)
         return Cause("unhooked_op", f"cause: an unhooked op between "
                      f"{gap.last_finite_module or 'the step start'} and {module} produced the "  # type: ignore[union-attr]
                      "value; no hooked module's parameters or inputs explain it", module)
@@ -152,8 +161,11 @@ def describe_nonfinite_logits(trace: Trace, steps: pd.DataFrame) -> NonfiniteLog
                              | ~np.isfinite(np.asarray(hi, np.float64)))[0]
         tok = trace.token_absmax(rec) if int(rec["tok_offset"]) >= 0 else None
         no_finite = int(np.sum(~np.isfinite(np.asarray(tok, np.float64)))) if tok is not None \
-            else 0
-        per_row = len(ids) if len(ids) and len(ids) * rows == nan + inf else None
+            else (rows if nan + inf == rows * vocab else -1)  # -1: not recorded
+        per_row = nan + inf if rows == 1 else (
+            len(ids) if len(ids) and len(ids) * rows == nan + inf else None)
+        if not len(ids) and nan + inf == rows * vocab:
+            ids = np.arange(vocab)  # every logit is non-finite
         nxt = None
         try:
             following = trace.input_ids(step + 1)

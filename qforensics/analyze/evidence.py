@@ -23,6 +23,14 @@ __all__ = ["activation_scheme_evidence", "collect_evidence", "flag_parameters", 
 _CAP = 16
 
 
+def _n(n: int, noun: str, verbs: tuple[str, str] | None = None) -> str:
+    """'1 layer gets' / '3 layers get' (no verb when `verbs` is None)."""
+    s = f"{n} {noun}" + ("" if n == 1 else "s")
+    return s if verbs is None else f"{s} {verbs[0] if n == 1 else verbs[1]}"
+
+
+
+
 def _corrupt(h: ParamHealth) -> bool:
     return bool(h.nan or h.inf or (h.is_scale and h.zero) or h.zero_point_out_of_range)
 
@@ -77,7 +85,7 @@ def parameter_evidence(infos: ModuleInfos, th: Thresholds) -> list[Evidence]:
             what.append(f"{first.zero_point_out_of_range} zero points out of range")
         where = first.first_nonfinite or first.first_zero or first.first_out_of_range
         tied = infos.tied_with(first.module, first.param)
-        line = (f"{len(bad)} parameter tensors are corrupt, first {first.module}.{first.param}: "
+        line = (f"{_n(len(bad), 'parameter tensor', ('is', 'are'))} corrupt, first {first.module}.{first.param}: "
                 f"{', '.join(what)}" + (f" from {where.words()}" if where else "")
                 + (f" (tied to {', '.join(tied)})" if tied else ""))
         out.append(Evidence("parameters_corrupt", "parameters", True, line, float(len(bad)), 1.0,
@@ -89,7 +97,7 @@ def parameter_evidence(infos: ModuleInfos, th: Thresholds) -> list[Evidence]:
         worst = max(zeros, key=lambda h: h.zero_share)
         out.append(Evidence(
             "parameters_mostly_zero", "parameters", True,
-            f"{len(zeros)} weight tensors are more than {th.param_zero_share:.0%} exact zeros "
+            f"{_n(len(zeros), 'weight tensor', ('is', 'are'))} more than {th.param_zero_share:.0%} exact zeros "
             f"(worst {worst.module}.{worst.param}: {worst.zero_share:.1%}): a quantization "
             "scale far too coarse for the weights", float(len(zeros)), th.param_zero_share,
             "param_zero_share", [h.module for h in sorted(zeros, key=lambda h: -h.zero_share)
@@ -100,7 +108,7 @@ def parameter_evidence(infos: ModuleInfos, th: Thresholds) -> list[Evidence]:
     if few:
         out.append(Evidence(
             "parameters_few_levels", "parameters", True,
-            f"{len(few)} weight tensors hold at most {th.param_levels:g} distinct values in the "
+            f"{_n(len(few), 'weight tensor', ('holds', 'hold'))} at most {th.param_levels:g} distinct values in the "
             f"median group (e.g. {few[0].module}.{few[0].param}: "
             f"{few[0].levels.levels_median:g} levels per {few[0].levels.group_size} weights)",  # type: ignore[union-attr]
             float(len(few)), th.param_levels, "param_levels",
@@ -113,7 +121,7 @@ def parameter_evidence(infos: ModuleInfos, th: Thresholds) -> list[Evidence]:
     if dom:
         out.append(Evidence(
             "scales_dominated", "parameters", True,
-            f"in {len(dom)} weight tensors at least {th.param_dominated:.0%} of the groups have "
+            f"in {_n(len(dom), 'weight tensor')} at least {th.param_dominated:.0%} of the groups have "
             f"one weight at >= 2x every other (e.g. {dom[0].module}.{dom[0].param}: "
             f"{dom[0].levels.dominated_share:.0%}): that weight sets the group's scale",  # type: ignore[union-attr]
             float(len(dom)), th.param_dominated, "param_dominated",
@@ -165,7 +173,7 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         chans = w.get("channels_over") or []
         cw = ", ".join(f"{c['channel']} ({c['absmax']:.4g}, x{c['times_range']:.3g})"
                        for c in chans[:3])
-        line = (f"{len(over)} layers get inputs beyond what their static input_scale can "
+        line = (f"{_n(len(over), 'layer', ('gets', 'get'))} inputs beyond what their static input_scale can "
                 f"represent; worst {w['module']}: input_scale {w['input_scale']:.4g} x "
                 f"{st_qmax(w)} = {w['range']:.4g}, recorded |input| up to "
                 f"{w['recorded_absmax']:.4g} (x{w['overrun']:.3g})"
@@ -180,7 +188,7 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         z = max(zero, key=lambda d: d["channels_zero_share"])
         out.append(Evidence(
             "static_range_underflow", "activations", True,
-            f"{len(zero)} layers have a static input_scale so large that most input channels "
+            f"{_n(len(zero), 'layer', ('has', 'have'))} a static input_scale so large that most input channels "
             f"round to zero (worst {z['module']}: {z['channels_zero_share']:.0%} of channels)",
             float(z["channels_zero_share"]), th.unsafe_fraction, "unsafe_fraction",
             [d["module"] for d in zero][:_CAP], zero[:_CAP]))
@@ -217,7 +225,7 @@ def activation_scheme_evidence(infos: ModuleInfos, damage: list[SchemeDamage],
     w = hit[0]
     return [Evidence(
         "activation_scheme_zeroes", "activations", True,
-        f"{len(hit)} modules quantize their input with {w.scheme}, which on the recorded inputs "
+        f"{_n(len(hit), 'module', ('quantizes', 'quantize'))} their input with {w.scheme}, which on the recorded inputs "
         f"rounds at least {th.unsafe_fraction:.0%} of the channels to zero (worst {w.module}: "
         f"{w.channels_zeroed} of {w.channels_total})", float(w.fraction), th.unsafe_fraction,
         "unsafe_fraction", [d.module for d in hit][:_CAP],

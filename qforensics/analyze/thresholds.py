@@ -41,7 +41,7 @@ class Thresholds:
     param_zero_share: float = 0.5  # a weight with more than this share of exact zeros
     param_levels: float = 3.0  # median distinct values per weight group at most this
     param_dominated: float = 0.5  # share of a weight's groups whose scale one weight sets
-    static_overrun: float = 2.0  # recorded |input| / (input_scale x format max)
+    static_overrun: float = 4.0  # recorded |input| / (input_scale x format max)
     degenerate_steps: int = 4  # steps whose argmax is vocab id 0
 
     def __post_init__(self) -> None:
@@ -75,9 +75,10 @@ RATIONALE: dict[str, str] = {
     "param_dominated": "a group whose largest |weight| is at least twice every other is scaled "
                        "for that one weight; the rest use at most half the grid. Unquantized "
                        "and group-wise weights show this in about 1% of groups",
-    "static_overrun": "an input at twice what input_scale x format max can represent loses at "
-                      "least half its magnitude when it saturates; small overruns of a "
-                      "calibrated scale on new tokens are normal",
+    "static_overrun": "an input at 4x what input_scale x format max can represent keeps at "
+                      "most a quarter of its magnitude when it saturates; a scale calibrated on "
+                      "the prompt sees decode tokens overrun it by up to ~2.3x harmlessly "
+                      "(measured on SmolLM2 FP8, text identical to the reference)",
     "degenerate_steps": "vocab id 0 is a special token; greedy decoding lands on it repeatedly "
                         "when the logits are flat or NaN (the '!!!!!!' / <|endoftext|> output)",
     "repeat_tokens": "a greedy loop of at most 4 tokens covering 8 tokens is a repetition loop, "

@@ -137,7 +137,9 @@ _HEALTH_CACHE: dict[tuple, dict[str, Any]] = {}
 
 
 def _health_cached(t: torch.Tensor, pname: str, **kw: Any) -> dict[str, Any]:
-    """Tied weights (lm_head / embedding) and re-attached captures count once."""
+    """Tied weights (lm_head / embedding) count once per attach. Cleared when the root (always
+    described last) is: a weight changed through `.data` between captures keeps its `_version`,
+    so a cache across attaches could serve stale counts."""
     if t.is_meta or t.device.type != "cpu":
         return param_health(t, pname, **kw)
     key = (t.data_ptr(), t._version, tuple(t.shape), id(t), pname, tuple(sorted(kw.items())))
@@ -178,6 +180,7 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
         if st is not None:
             info["static_input"] = st
     elif kind == "root":
+        _HEALTH_CACHE.clear()  # the root comes last: the cache serves one attach (tied weights)
         try:
             info["tied"] = tied_groups(module)[:64]
         except Exception as exc:  # noqa: BLE001
