@@ -49,6 +49,7 @@ from qforensics.analyze.outliers import (
     top_ratio_rows,
 )
 from qforensics.analyze.precursors import find_precursors
+from qforensics.analyze.reference import compare_to_reference
 from qforensics.analyze.thresholds import RATIONALE, Thresholds
 from qforensics.errors import UsageError
 from qforensics.trace import schema
@@ -61,14 +62,17 @@ _ENV_KEYS = ("qforensics", "torch", "transformers", "python", "model_class", "de
              "compiled", "rank", "world_size", "host", "scenario", "prompt")
 
 
-def analyze_trace(path: str | os.PathLike[str], **thresholds: Any) -> Findings:
+def analyze_trace(path: str | os.PathLike[str], *,
+                  reference: str | os.PathLike[str] | None = None, **thresholds: Any
+                  ) -> Findings:
     """Analyze one trace. Keyword arguments are `Thresholds` fields (ratio=20.0, absolute=100.0,
-    top=10, ...). Raises TraceFormatError (a QForensicsError) when the file is unusable; a NaN in
-    the trace is a finding, not an error."""
+    top=10, ...); `reference`: a trace of the same prompt from a reference run, compared in
+    `Findings.reference`. Raises TraceFormatError (a QForensicsError) when a file is unusable; a
+    NaN in the trace is a finding, not an error."""
     th = Thresholds.from_kwargs(**thresholds)
     t0 = time.perf_counter()
     with open_trace(path) as trace:
-        f = analyze_open_trace(trace, th)
+        f = analyze_open_trace(trace, th, reference=reference)
     f.seconds = round(time.perf_counter() - t0, 4)
     return f
 
@@ -174,7 +178,8 @@ def _focus_rows(recs: pd.DataFrame, first: FirstNonfinite) -> list[int]:
     return rows
 
 
-def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
+def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
+                       reference: str | os.PathLike[str] | None = None) -> Findings:
     """The analysis on an already open trace (the report and replay reuse it)."""
     th = th or Thresholds()
     steps = trace.steps
@@ -258,6 +263,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                  int(r.inf_count), str(r.detail))
         for r in trace.incidents.itertuples(index=False)
     ]
+    ref = compare_to_reference(reference, trace, infos) if reference is not None else None
     verdict = verdict_for(first, precursors, len(steps), end, cause=cause, evidence=evidence)
     if incidents:
         acts = sorted({i.action for i in incidents})
@@ -273,7 +279,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         thresholds=th.to_dict(), notes=notes, incidents=incidents, cause=cause,
         nonfinite_logits=nonfinite_logits, evidence=evidence,
         parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
-        thresholds_rationale=dict(RATIONALE),
+        thresholds_rationale=dict(RATIONALE), reference=ref,
     )
 
 
