@@ -20,7 +20,7 @@ import pandas as pd
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.damage import predict_damage, rank_unsafe
-from qforensics.analyze.evidence import collect_evidence, flag_parameters
+from qforensics.analyze.evidence import collect_evidence, flag_parameters, summarize_parameters
 from qforensics.analyze.findings import (
     Cause,
     Evidence,
@@ -279,6 +279,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         thresholds=th.to_dict(), notes=notes, incidents=incidents, cause=cause,
         nonfinite_logits=nonfinite_logits, evidence=evidence,
         parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
+        parameter_summary=summarize_parameters(infos, th),
         thresholds_rationale=dict(RATIONALE), reference=ref,
     )
 

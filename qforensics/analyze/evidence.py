@@ -17,7 +17,7 @@ from qforensics.trace import schema
 from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth, StaticInput
 from qforensics.trace.reader import Trace
 
-__all__ = ["activation_scheme_evidence", "collect_evidence", "flag_parameters", "output_evidence",
+__all__ = ["activation_scheme_evidence", "collect_evidence", "summarize_parameters", "flag_parameters", "output_evidence",
            "parameter_evidence", "static_range_evidence"]
 
 _CAP = 16
@@ -59,6 +59,23 @@ def flag_parameters(infos: ModuleInfos, th: Thresholds) -> list[ParamHealth]:
     flagged = [kv for kv in flagged if kv[0][0] < 9]
     flagged.sort(key=lambda kv: (kv[0], kv[1].module, kv[1].param))
     return [h for _, h in flagged]
+
+
+def summarize_parameters(infos: ModuleInfos, th: Thresholds) -> dict[str, int]:
+    """Counts over every parameter tensor capture checked."""
+    hs = [h for h in infos.health if not h.error]
+    return {
+        "checked": len(hs),
+        "unreadable": infos.invalid + sum(1 for h in infos.health if h.error),
+        "nonfinite": sum(1 for h in hs if h.nan or h.inf),
+        "zero_scales": sum(1 for h in hs if h.is_scale and h.zero),
+        "zero_points_out_of_range": sum(1 for h in hs if h.zero_point_out_of_range),
+        "mostly_zero": sum(1 for h in hs if not h.is_scale and h.zero_share > th.param_zero_share),
+        "few_levels": sum(1 for h in hs if h.levels and h.levels.levels_median <= th.param_levels),
+        "dominated": sum(1 for h in hs if h.levels
+                         and h.levels.dominated_share >= th.param_dominated),
+        "static_input_scales": len(infos.static_inputs),
+    }
 
 
 def _where(h: ParamHealth) -> dict:

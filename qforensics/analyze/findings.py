@@ -409,6 +409,7 @@ class Findings:
     nonfinite_logits: NonfiniteLogits | None = None
     evidence: list[Evidence] = field(default_factory=list)  # silent-failure evidence
     parameters: list[Any] = field(default_factory=list)  # flagged ParamHealth, worst first
+    parameter_summary: dict[str, int] = field(default_factory=dict)  # counts over all checked
     tied: list[list[str]] = field(default_factory=list)  # parameter names sharing storage
     reference: ReferenceComparison | None = None
     thresholds_rationale: dict[str, str] = field(default_factory=dict)

@@ -148,6 +148,23 @@ def causal_chain(findings: Findings, quant: dict[str, ModuleQuant], health: Heal
                   _c(g.last_finite_module or "the start of the step"), _t(" and "),
                   _c(g.first_bad_module), _t(", produced it; "), _c(g.first_bad_module),
                   _t(" only passed it on. ")]
+        cause = findings.cause
+        if cause is not None and cause.kind == "corrupted_parameters":
+            if not fn.is_gap:
+                s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), call "),
+                      _n(str(fn.call_index)), _t(", "), _c(fn.module),
+                      _t(" turned finite input into "), Segment(kind, "bad"), _t(" ("),
+                      _n(bad_n), _t(" of "), _n(fn.numel), _t(" output values). ")]
+            s += [_t("The cause is corrupted parameters, not the input: ")] + _join(
+                [[_c(t.get("words", t.get("param", "?")))] for t in cause.tensors]) + [_t(". ")]
+        elif fn.is_gap:
+            pass
+        elif cause is not None and cause.kind == "compute_overflow":
+            s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), call "), _n(str(fn.call_index)),
+                  _t(", "), _c(fn.module), _t(" turned finite input into "),
+                  Segment(kind, "bad"), _t(". Its parameters are finite and its input stays "
+                                           "below "), _n(cause.limit), _t(": the "),
+                  _c(cause.format or "fp16"), _t(" compute dtype overflowed inside it. ")]
         else:
             s += [_t(f"At step {fn.step} ({_step_word(fn.step)}), call "), _n(str(fn.call_index)),
                   _t(", "), _c(fn.module), _t(" turned finite input into "),
@@ -172,16 +189,27 @@ def causal_chain(findings: Findings, quant: dict[str, ModuleQuant], health: Heal
         s += [_t(f"The {kind} then reached "), _n(sp.n_modules), _t(" of "),
               _n(sp.n_modules_total), _t(" modules and the logits of "),
               _n(sp.logits_nonfinite_steps), _t(" of "), _n(sp.n_steps_after), _t(" steps. ")]
+        nl = findings.nonfinite_logits
+        if nl is not None:
+            s += [_t(f"At step {nl.step} the logits held "), _n(nl.nan_count + nl.inf_count),
+                  _t(" non-finite values"), _t(f" ({fmt_num(nl.per_row)} per row)")
+                  if nl.per_row is not None else _t(""), _t("; " + nl.symptom + ". ")]
     else:
-        silent = [p for p in findings.precursors if p.silent]
+        lead = [e for e in findings.evidence if e.suspect]
         if findings.verdict.status == PASSED:
-            s += [_t(f"No NaN or Inf and no warning sign in {findings.n_steps} steps. ")]
+            s += [_t(f"No NaN or Inf and no sign of damage in {findings.n_steps} steps. ")]
         else:
             s += [_t(f"No NaN or Inf in {findings.n_steps} steps, yet the run looks broken: ")]
-            s += [_t(silent[0].line + ". ") if silent else _t(findings.verdict.line + ". ")]
-        s += _silent_causes(findings, quant, health, outcome, th_ratio)
+            s += [_t(lead[0].line + ". ") if lead else _t(findings.verdict.line + ". ")]
+            for e in lead[1:3]:
+                s += [_t(e.line[0].upper() + e.line[1:] + ". ")]
+        said = {e.kind for e in lead[:3]}
+        s += _silent_causes(findings, quant, health, outcome, th_ratio, said)
     s += _output_sentence(outcome, findings)
-    if diff is not None and diff.first_jump is not None:
+    ref = findings.reference
+    if ref is not None:
+        s += [_t("Against the reference trace: " + ref.line.split(": ", 1)[-1] + ". ")]
+    elif diff is not None and diff.first_jump is not None:
         j = diff.first_jump
         s += [_t("Against the reference trace, the first jump in divergence is at "), _c(j.module),
               _t(f" (step {j.step}, score "), _n(j.score), _t("). ")]
@@ -236,9 +264,11 @@ def _why_scheme(findings: Findings, module: str, mine: list, quant: dict[str, Mo
 
 
 def _silent_causes(findings: Findings, quant: dict[str, ModuleQuant], health: Health,
-                   outcome: Outcome, th_ratio: float) -> list[Segment]:
+                   outcome: Outcome, th_ratio: float, said: set[str] = frozenset()
+                   ) -> list[Segment]:
     out: list[Segment] = []
-    zero_rows = [r for r in health.rows if r.problem.endswith("exact zeros")]
+    zero_rows = [r for r in health.rows if r.problem.endswith("exact zeros")
+                 ] if "parameters_mostly_zero" not in said else []
     wfmt = active_scheme(quant, outcome, "weights")
     if zero_rows:
         worst = zero_rows[0]
@@ -250,7 +280,7 @@ def _silent_causes(findings: Findings, quant: dict[str, ModuleQuant], health: He
         if wfmt:
             out += [_c(wfmt), _t("). ")]
     afmt = active_scheme(quant, outcome, "activations")
-    if afmt:
+    if afmt and "activation_scheme_zeroes" not in said and "static_range_overrun" not in said:
         u = _unsafe_for(findings, _scheme_key(afmt))
         n_act = sum(1 for q in quant.values() if q.target == "activations")
         out += [_t("Activations run through "), _c(afmt)]

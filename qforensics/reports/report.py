@@ -174,7 +174,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     meta = trace.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
     quant = facts.read_quant(trace)
-    health = facts.read_health(trace)
+    health = facts.health_from_findings(findings)
     outcome = facts.read_outcome(meta)
     view = facts.read_channels(trace, findings)
     div = _divergence_view(diff)
@@ -210,6 +210,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
         "first": fn,
         "chain": chain,
         "precursors": findings.precursors,
+        "evidence": findings.evidence,
         "outcome": outcome,
         "figures": figures,
         "recommendations": recs,
