@@ -40,7 +40,6 @@ __all__ = [
 MAX_TEXT = 20000
 MAX_FIELD = 400
 ZERO_FRACTION_FLAG = 0.5  # a parameter with more than this share of exact zeros is flagged
-SCALE_PARAMS = ("scales", "weight_scale", "input_scale", "SCB", "scale")
 
 
 def fmt_num(v: Any, digits: int = 3) -> str:
@@ -142,12 +141,6 @@ class Health:
     unreadable: int = 0
     rows: list[HealthRow] = field(default_factory=list)  # flagged rows, worst first
     rows_total: int = 0  # flagged rows before the cap
-
-
-def _count(d: dict[str, Any], key: str) -> int:
-    v = d.get(key, 0)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return int(v) if ok else 0
 
 
 def _problem(h: Any, th: dict[str, Any]) -> str:

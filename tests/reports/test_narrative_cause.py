@@ -1,0 +1,64 @@
+"""The report's first sentence never contradicts its evidence, and never blames an outlier when
+the producer's own parameters are corrupt."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+import qforensics
+from qforensics.analyze import analyze_trace
+from qforensics.reports import facts, narrative
+from qforensics.trace.reader import open_trace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hooks"))
+from capture_models import Tiny, ids  # noqa: E402
+
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces"
+
+
+def _chain(path) -> tuple[str, object]:
+    f = analyze_trace(path)
+    with open_trace(path) as t:
+        segs = narrative.causal_chain(f, facts.read_quant(t), facts.health_from_findings(f),
+                                      facts.read_outcome(t.meta), {})
+    return "".join(s.text for s in segs), f
+
+
+@pytest.mark.parametrize("name", ["fp16-reference", "int4-g128-weights", "int4-per-tensor-weights",
+                                  "int4-per-tensor-act", "fp8-e4m3-nosat-act"])
+def test_first_sentence_agrees_with_the_verdict(name, tmp_path):
+    path = tmp_path / "t.h5"
+    shutil.copy(SAMPLES / f"{name}.h5", path)
+    with h5py.File(path, "r+") as h:  # judge the trace alone, not the demo's metadata
+        del h["meta"].attrs["outcome"]
+    text, f = _chain(path)
+    first = text.split(". ")[0]
+    if f.status == "PASSED":
+        assert first.startswith("No NaN or Inf and no sign of damage")
+    elif f.status == "SUSPECT":
+        lead = next(e for e in f.evidence if e.suspect)
+        assert first.startswith("No NaN or Inf in") and "looks broken" in first
+        assert lead.line[:40] in text
+    else:
+        assert first.startswith("At step") and "NaN" in first
+
+
+def test_corrupt_producer_is_never_blamed_on_an_outlier(tmp_path):
+    m = Tiny()
+    with torch.no_grad():
+        m.emb.weight[1, 5] = 9000.0  # an outlier the old story would have blamed
+        m.layers[1].down.weight[6, 3] = float("nan")
+    with qforensics.capture(m, str(tmp_path / "c.h5")), torch.no_grad():
+        m(ids())
+    text, f = _chain(tmp_path / "c.h5")
+    assert f.cause.kind == "corrupted_parameters"
+    assert "The cause is corrupted parameters, not the input: layers.1.down.weight: 1 NaN" in text
+    assert "row 6, column 3" in text
+    assert "outside the rest" not in text and "would wreck" not in text
