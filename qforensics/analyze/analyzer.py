@@ -179,8 +179,10 @@ def _focus_rows(recs: pd.DataFrame, first: FirstNonfinite) -> list[int]:
 
 
 def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
-                       reference: str | os.PathLike[str] | None = None) -> Findings:
-    """The analysis on an already open trace (the report and replay reuse it)."""
+                       reference: str | os.PathLike[str] | None = None,
+                       reference_diff: Any = None) -> Findings:
+    """The analysis on an already open trace (the report and replay reuse it).
+    `reference_diff`: `diff_traces(reference, trace, top=100000)` when already computed."""
     th = th or Thresholds()
     steps = trace.steps
     end = trace.end
@@ -263,7 +265,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
                  int(r.inf_count), str(r.detail))
         for r in trace.incidents.itertuples(index=False)
     ]
-    ref = compare_to_reference(reference, trace, infos) if reference is not None else None
+    ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)
+           if reference is not None else None)
     verdict = verdict_for(first, precursors, len(steps), end, cause=cause, evidence=evidence)
     if incidents:
         acts = sorted({i.action for i in incidents})

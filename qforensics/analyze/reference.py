@@ -14,7 +14,7 @@ import math
 import os
 
 from qforensics.analyze.diff import diff_traces
-from qforensics.analyze.findings import Divergence, ReferenceComparison
+from qforensics.analyze.findings import DiffFindings, Divergence, ReferenceComparison
 from qforensics.trace.moduleinfo import ModuleInfos, read_module_infos
 from qforensics.trace.reader import Trace, open_trace
 
@@ -44,13 +44,16 @@ def _block_of(module: str, blocks: list[str]) -> str | None:
 
 
 def compare_to_reference(reference: str | os.PathLike[str], trace: Trace,
-                         infos: ModuleInfos) -> ReferenceComparison:
-    """Compare `trace` with `reference` (both of the same prompt). Raises a QForensicsError
-    (TraceFormatError / UsageError) when the reference cannot be read."""
+                         infos: ModuleInfos, *, diff: DiffFindings | None = None
+                         ) -> ReferenceComparison:
+    """Compare `trace` with `reference` (both of the same prompt); `diff`: that comparison's
+    `diff_traces(reference, trace, top=100000)` when already computed. Raises a
+    QForensicsError (TraceFormatError / UsageError) when the reference cannot be read."""
     ref_path = os.fspath(reference)
     with open_trace(ref_path) as ref:
         ref_infos = read_module_infos(ref)
-    diff = diff_traces(ref_path, trace.path, top=100_000)
+    if diff is None:
+        diff = diff_traces(ref_path, trace.path, top=100_000)
     kinds = dict(zip(trace.modules["name"], trace.modules["kind"]))
     blocks = [n for n, k in kinds.items() if k == "block"]
     quant = quantized_modules(infos, ref_infos)

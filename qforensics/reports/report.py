@@ -243,10 +243,13 @@ def _quant_summary(quant: dict[str, facts.ModuleQuant]) -> list[tuple[str, str, 
     return sorted(((f, t, n) for (f, t), n in counts.items()), key=lambda r: -r[2])
 
 
-def _analyze(path: str) -> Findings:
-    from qforensics.analyze import analyze_trace
+def _analyze(trace: Trace, ref: str | None, diff: DiffFindings | None) -> Findings:
+    from qforensics.analyze.analyzer import analyze_open_trace
 
-    return analyze_trace(path)
+    t0 = time.perf_counter()
+    f = analyze_open_trace(trace, reference=ref, reference_diff=diff)
+    f.seconds = round(time.perf_counter() - t0, 4)
+    return f
 
 
 def _diff(reference: str, suspect: str) -> DiffFindings:
@@ -272,12 +275,12 @@ def render_report(trace_path: str | os.PathLike[str], *,
     replay_summary = (replay if isinstance(replay, ReplaySummary) or replay is None
                       else load_replay_result(replay))
     with open_trace(path) as trace:
-        if findings is None:
-            findings = _analyze(path)
         if ref is not None and diff is None:
             with open_trace(ref):
                 pass  # validate first: a bad reference is a user error, said clearly
             diff = _diff(ref, path)
+        if findings is None:
+            findings = _analyze(trace, ref, diff)
         ctx = build_context(trace, findings, trace_arg=path, diff=diff,
                             replay=replay_summary, reference_arg=ref)
     html = _env().get_template(TEMPLATE).render(**ctx)
