@@ -20,16 +20,20 @@ import pandas as pd
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.damage import predict_damage, rank_unsafe
-from qforensics.analyze.evidence import collect_evidence, flag_parameters, summarize_parameters
+from qforensics.analyze.evidence import (
+    collect_evidence,
+    flag_parameters,
+    summarize_parameters,
+)
 from qforensics.analyze.findings import (
-    Cause,
-    Evidence,
-    Incident,
     FAILED,
     PASSED,
     SUSPECT,
+    Cause,
+    Evidence,
     Findings,
     FirstNonfinite,
+    Incident,
     MultiRankFindings,
     SnapshotRef,
     TraceEndInfo,

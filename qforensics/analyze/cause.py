@@ -21,7 +21,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qforensics.analyze.findings import Cause, FirstNonfinite, NonfiniteLogits, OutlierChannel
+from qforensics.analyze.findings import (
+    Cause,
+    FirstNonfinite,
+    NonfiniteLogits,
+    OutlierChannel,
+)
 from qforensics.analyze.thresholds import FORMAT_LIMITS
 from qforensics.trace import schema
 from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth
@@ -92,7 +97,8 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                          f"unhooked op before {module}: "
                          + "; ".join(t["words"] for t in tensors), module, tensors)
         return Cause("unhooked_op", f"cause: an unhooked op between "
-                     f"{gap.last_finite_module or 'the step start'} and {module} produced the "  # type: ignore[union-attr]
+                     f"{gap.last_finite_module or 'the step start'} and {module} "  # type: ignore
+                     "produced the "
                      "value; no hooked module's parameters or inputs explain it", module)
     bad = [h for h in infos.health if h.module == module and _corrupt(h)]
     if bad:
@@ -101,7 +107,8 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                      + "; ".join(t["words"] for t in tensors), module, tensors)
     out = recs[recs["row"] == first.record_row] if first.record_row >= 0 else recs.iloc[:0]
     dtype = int(out["dtype"].iloc[0]) if len(out) else -1
-    if dtype == _FP16 and first.inf_count > 0 and (first.input_absmax or 0.0) < FORMAT_LIMITS["fp16"]:
+    small = (first.input_absmax or 0.0) < FORMAT_LIMITS["fp16"]
+    if dtype == _FP16 and first.inf_count > 0 and small:
         return Cause("compute_overflow", f"cause: float16 overflow inside {module}: finite "
                      f"input (|x| <= {first.input_absmax:.4g}) and finite parameters, but "
                      f"{first.inf_count} output values passed 65,504", module,
@@ -185,5 +192,5 @@ def describe_nonfinite_logits(trace: Trace, steps: pd.DataFrame) -> NonfiniteLog
         else:
             symptom = f"the next token fed back was vocab id {nxt}"
         return NonfiniteLogits(step, rows, vocab, nan, inf, per_row, last, no_finite,
-                               [int(i) for i in ids[:32]], int(len(ids)), argmax, nxt, symptom)
+                               [int(i) for i in ids[:32]], len(ids), argmax, nxt, symptom)
     return None

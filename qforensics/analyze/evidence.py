@@ -17,8 +17,8 @@ from qforensics.trace import schema
 from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth, StaticInput
 from qforensics.trace.reader import Trace
 
-__all__ = ["activation_scheme_evidence", "collect_evidence", "summarize_parameters", "flag_parameters", "output_evidence",
-           "parameter_evidence", "static_range_evidence"]
+__all__ = ["activation_scheme_evidence", "collect_evidence", "flag_parameters", "output_evidence",
+           "parameter_evidence", "static_range_evidence", "summarize_parameters"]
 
 _CAP = 16
 
@@ -102,50 +102,50 @@ def parameter_evidence(infos: ModuleInfos, th: Thresholds) -> list[Evidence]:
             what.append(f"{first.zero_point_out_of_range} zero points out of range")
         where = first.first_nonfinite or first.first_zero or first.first_out_of_range
         tied = infos.tied_with(first.module, first.param)
-        line = (f"{_n(len(bad), 'parameter tensor', ('is', 'are'))} corrupt, first {first.module}.{first.param}: "
-                f"{', '.join(what)}" + (f" from {where.words()}" if where else "")
+        head = _n(len(bad), "parameter tensor", ("is", "are"))
+        line = (f"{head} corrupt, first {first.module}.{first.param}: {', '.join(what)}"
+                + (f" from {where.words()}" if where else "")
                 + (f" (tied to {', '.join(tied)})" if tied else ""))
         out.append(Evidence("parameters_corrupt", "parameters", True, line, float(len(bad)), 1.0,
                             "(any)", sorted({h.module for h in bad})[:_CAP],
                             [_where(h) for h in bad[:_CAP]]))
-    zeros = [h for h in infos.health if not h.is_scale and h.numel and not _corrupt(h)
-             and h.zero_share > th.param_zero_share]
+    zeros = sorted((h for h in infos.health if not h.is_scale and h.numel and not _corrupt(h)
+                    and h.zero_share > th.param_zero_share), key=lambda h: -h.zero_share)
     if zeros:
-        worst = max(zeros, key=lambda h: h.zero_share)
+        w = zeros[0]
+        head = _n(len(zeros), "weight tensor", ("is", "are"))
         out.append(Evidence(
             "parameters_mostly_zero", "parameters", True,
-            f"{_n(len(zeros), 'weight tensor', ('is', 'are'))} more than {th.param_zero_share:.0%} exact zeros "
-            f"(worst {worst.module}.{worst.param}: {worst.zero_share:.1%}): a quantization "
-            "scale far too coarse for the weights", float(len(zeros)), th.param_zero_share,
-            "param_zero_share", [h.module for h in sorted(zeros, key=lambda h: -h.zero_share)
-                                 ][:_CAP],
+            f"{head} more than {th.param_zero_share:.0%} exact zeros (worst {w.module}."
+            f"{w.param}: {w.zero_share:.1%}): a quantization scale far too coarse for the "
+            "weights", float(len(zeros)), th.param_zero_share, "param_zero_share",
+            [h.module for h in zeros][:_CAP],
             [{"module": h.module, "param": h.param, "zero_share": round(h.zero_share, 4)}
-             for h in sorted(zeros, key=lambda h: -h.zero_share)[:_CAP]]))
-    few = [h for h in infos.health if h.levels and h.levels.levels_median <= th.param_levels]
+             for h in zeros[:_CAP]]))
+    lv = [(h, h.levels) for h in infos.health if h.levels is not None]
+    few = [(h, g) for h, g in lv if g.levels_median <= th.param_levels]
     if few:
+        h0, g0 = few[0]
+        head = _n(len(few), "weight tensor", ("holds", "hold"))
         out.append(Evidence(
             "parameters_few_levels", "parameters", True,
-            f"{_n(len(few), 'weight tensor', ('holds', 'hold'))} at most {th.param_levels:g} distinct values in the "
-            f"median group (e.g. {few[0].module}.{few[0].param}: "
-            f"{few[0].levels.levels_median:g} levels per {few[0].levels.group_size} weights)",  # type: ignore[union-attr]
-            float(len(few)), th.param_levels, "param_levels",
-            [h.module for h in few][:_CAP],
-            [{"module": h.module, "param": h.param,
-              "levels_median": h.levels.levels_median,  # type: ignore[union-attr]
-              "levels_min": h.levels.levels_min,  # type: ignore[union-attr]
-              "group_size": h.levels.group_size} for h in few[:_CAP]]))  # type: ignore[union-attr]
-    dom = [h for h in infos.health if h.levels and h.levels.dominated_share >= th.param_dominated]
+            f"{head} at most {th.param_levels:g} distinct values in the median group (e.g. "
+            f"{h0.module}.{h0.param}: {g0.levels_median:g} per {g0.group_size} weights)",
+            float(len(few)), th.param_levels, "param_levels", [h.module for h, _ in few][:_CAP],
+            [{"module": h.module, "param": h.param, "levels_median": g.levels_median,
+              "levels_min": g.levels_min, "group_size": g.group_size} for h, g in few[:_CAP]]))
+    dom = [(h, g) for h, g in lv if g.dominated_share >= th.param_dominated]
     if dom:
+        h0, g0 = dom[0]
         out.append(Evidence(
             "scales_dominated", "parameters", True,
-            f"in {_n(len(dom), 'weight tensor')} at least {th.param_dominated:.0%} of the groups have "
-            f"one weight at >= 2x every other (e.g. {dom[0].module}.{dom[0].param}: "
-            f"{dom[0].levels.dominated_share:.0%}): that weight sets the group's scale",  # type: ignore[union-attr]
+            f"in {_n(len(dom), 'weight tensor')} at least {th.param_dominated:.0%} of the groups "
+            f"have one weight at >= 2x every other (e.g. {h0.module}.{h0.param}: "
+            f"{g0.dominated_share:.0%}): that weight sets the group's scale",
             float(len(dom)), th.param_dominated, "param_dominated",
-            [h.module for h in dom][:_CAP],
-            [{"module": h.module, "param": h.param,
-              "dominated_share": h.levels.dominated_share}  # type: ignore[union-attr]
-             for h in dom[:_CAP]]))
+            [h.module for h, _ in dom][:_CAP],
+            [{"module": h.module, "param": h.param, "dominated_share": g.dominated_share}
+             for h, g in dom[:_CAP]]))
     return out
 
 
@@ -190,7 +190,8 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         chans = w.get("channels_over") or []
         cw = ", ".join(f"{c['channel']} ({c['absmax']:.4g}, x{c['times_range']:.3g})"
                        for c in chans[:3])
-        line = (f"{_n(len(over), 'layer', ('gets', 'get'))} inputs beyond what their static input_scale can "
+        head = _n(len(over), "layer", ("gets", "get"))
+        line = (f"{head} inputs beyond what their static input_scale can "
                 f"represent; worst {w['module']}: input_scale {w['input_scale']:.4g} x "
                 f"{st_qmax(w)} = {w['range']:.4g}, recorded |input| up to "
                 f"{w['recorded_absmax']:.4g} (x{w['overrun']:.3g})"
@@ -205,7 +206,8 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         z = max(zero, key=lambda d: d["channels_zero_share"])
         out.append(Evidence(
             "static_range_underflow", "activations", True,
-            f"{_n(len(zero), 'layer', ('has', 'have'))} a static input_scale so large that most input channels "
+            f"{_n(len(zero), 'layer', ('has', 'have'))} a static input_scale so large that most "
+            "input channels "
             f"round to zero (worst {z['module']}: {z['channels_zero_share']:.0%} of channels)",
             float(z["channels_zero_share"]), th.unsafe_fraction, "unsafe_fraction",
             [d["module"] for d in zero][:_CAP], zero[:_CAP]))
@@ -242,7 +244,8 @@ def activation_scheme_evidence(infos: ModuleInfos, damage: list[SchemeDamage],
     w = hit[0]
     return [Evidence(
         "activation_scheme_zeroes", "activations", True,
-        f"{_n(len(hit), 'module', ('quantizes', 'quantize'))} their input with {w.scheme}, which on the recorded inputs "
+        f"{_n(len(hit), 'module', ('quantizes', 'quantize'))} their input with {w.scheme}, "
+        "which on the recorded inputs "
         f"rounds at least {th.unsafe_fraction:.0%} of the channels to zero (worst {w.module}: "
         f"{w.channels_zeroed} of {w.channels_total})", float(w.fraction), th.unsafe_fraction,
         "unsafe_fraction", [d.module for d in hit][:_CAP],

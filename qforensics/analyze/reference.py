@@ -1,7 +1,7 @@
 """A run against a reference trace of the same prompt (`analyze --reference`, `report
---reference`): the first module whose output error reaches the diff's jump threshold, the error level
-of each decoder layer and its growth, and whether the error starts at a quantized layer or after
-the quantized layers. No torch import.
+--reference`): the first module whose output error reaches the diff's jump threshold, the error
+level of each decoder layer and its growth, and whether the error starts at a quantized layer or
+after the quantized layers. No torch import.
 
 A module counts as quantized when its info records a quantization, or when its parameter
 health differs from the reference's (the weights were changed in place: exact-zero count or
@@ -35,12 +35,8 @@ def quantized_modules(infos: ModuleInfos, ref: ModuleInfos | None) -> set[str]:
 
 
 def _block_of(module: str, blocks: list[str]) -> str | None:
-    best = None
-    for b in blocks:
-        if module == b or module.startswith(b + "."):
-            if best is None or len(b) > len(best):
-                best = b
-    return best
+    inside = [b for b in blocks if module == b or module.startswith(b + ".")]
+    return max(inside, key=len) if inside else None
 
 
 def compare_to_reference(reference: str | os.PathLike[str], trace: Trace,
@@ -86,11 +82,12 @@ def compare_to_reference(reference: str | os.PathLike[str], trace: Trace,
         if first.module in quant:
             starts, where = "quantized", f"the error starts at a quantized layer, {first.module}"
         elif any(m in quant for m in before):
-            starts, where = ("after_quantized", f"the error starts at {first.module}, after the "
-                             "quantized layers before it (which add less than the threshold)")
+            starts = "after_quantized"
+            where = (f"the error starts at {first.module}, after the quantized layers before it "
+                     "(which add less than the threshold)")
         else:
-            starts, where = ("unquantized", f"the error starts at {first.module}, before any "
-                             "quantized layer")
+            starts = "unquantized"
+            where = f"the error starts at {first.module}, before any quantized layer"
     grow = [r for r in rows if r["growth"] is not None]
     tail = ""
     if rows:

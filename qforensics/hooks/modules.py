@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SAMPLE_ROWS", "DOMINANCE_RATIO", "param_health", "static_input", "tied_groups"]
+__all__ = ["DOMINANCE_RATIO", "SAMPLE_ROWS", "param_health", "static_input", "tied_groups"]
 
 SAMPLE_ROWS = 32  # rows read for the per-group summaries (levels, dominance)
 DEFAULT_GROUP = 128  # quantization group along the input dim when the module names none

@@ -14,7 +14,8 @@ attribute, which capture reads to know the range the layer can represent).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ class StaticFP8Linear(nn.Linear):
         self.qforensics_quant = {"format": f"fp8-{fmt}-static", "target": "activations",
                                  "bits": 8, "act_format": f"fp8-{fmt}"}
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         q = fake_quant_fp8(input, self.fmt, saturate=True, scale=self._scale)  # type: ignore
         return nn.functional.linear(q, self.weight, self.bias)
 
@@ -91,7 +92,7 @@ class StaticFP8Linears:
         self.model, self.scales, self.fmt = model, dict(scales), fmt
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
 
-    def __enter__(self) -> "StaticFP8Linears":
+    def __enter__(self) -> Self:
         named = dict(self.model.named_modules())
         missing = [n for n in self.scales if not isinstance(named.get(n), nn.Linear)]
         if missing:

@@ -135,7 +135,8 @@ def _bad_index(d: Any, numel: int) -> BadIndex | None:
 def _levels(d: Any) -> GroupLevels | None:
     if not isinstance(d, dict):
         return None
-    gs, n, rows = _count(d.get("group_size")), _count(d.get("groups")), _count(d.get("rows_sampled"))
+    gs, n = _count(d.get("group_size")), _count(d.get("groups"))
+    rows = _count(d.get("rows_sampled"))
     lmin, lmed, dom = _count(d.get("levels_min")), _num(d.get("levels_median")), _num(
         d.get("dominated_share"))
     if None in (gs, n, rows, lmin, lmed, dom) or not (0.0 <= dom <= 1.0) or not math.isfinite(

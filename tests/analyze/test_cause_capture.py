@@ -15,7 +15,7 @@ import qforensics
 from qforensics.analyze import FAILED, PASSED, SUSPECT, analyze_trace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hooks"))
-from capture_models import Tiny, ids  # noqa: E402
+from capture_models import Tiny, ids
 
 
 def _run(model: nn.Module, path, x: torch.Tensor, steps: int = 1) -> None:

@@ -23,7 +23,8 @@ def test_nan_row_and_inf_scale_group_are_located():
     scales[2, 99] = float("inf")
     scales[3, 7] = 0.0
     hs = param_health(scales, "scales")
-    assert hs["inf"] == 1 and hs["first_nonfinite"]["row"] == 2 and hs["first_nonfinite"]["col"] == 99
+    assert hs["inf"] == 1
+    assert (hs["first_nonfinite"]["row"], hs["first_nonfinite"]["col"]) == (2, 99)
     assert hs["zero"] == 1 and hs["first_zero"]["row"] == 3 and hs["first_zero"]["col"] == 7
     assert "group" not in hs["first_nonfinite"]  # a scale's own (row, col) is its group
 
@@ -93,7 +94,7 @@ def test_tied_weights_are_named_on_the_root_row():
 
 def test_weight_changed_through_data_between_attaches_is_recounted():
     m = _Tied()
-    describe = lambda: {r["name"]: json.loads(r["info"]) for r in  # noqa: E731
+    describe = lambda: {r["name"]: json.loads(r["info"]) for r in
                         (describe_module(n, mod, k) for n, mod, k in select_modules(m))}
     assert describe()["body"]["health"]["weight"]["nan"] == 0
     m.body.weight.data[3, 1] = float("nan")  # .data does not bump the version counter

@@ -18,7 +18,7 @@ from qforensics.reports import facts, narrative
 from qforensics.trace.reader import open_trace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hooks"))
-from capture_models import Tiny, ids  # noqa: E402
+from capture_models import Tiny, ids
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces"
 
