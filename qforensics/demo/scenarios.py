@@ -168,14 +168,14 @@ class DemoModel:
             return
         if setup == "corrupt-weight":
             w = dict(self.model.named_modules())[CORRUPT_MODULE].weight
-            saved = w.data[CORRUPT_ROW].clone()
+            saved = w.detach()[CORRUPT_ROW].clone()
             try:
                 with torch.no_grad():
-                    w.data[CORRUPT_ROW, 7] = float("nan")
+                    w[CORRUPT_ROW, 7] = float("nan")
                 yield
             finally:
                 with torch.no_grad():
-                    w.data[CORRUPT_ROW].copy_(saved)
+                    w[CORRUPT_ROW].copy_(saved)
             return
         raise UsageError(f"unknown scenario set-up {setup!r}")
 
