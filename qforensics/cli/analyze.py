@@ -135,7 +135,8 @@ def render(f: Findings) -> list[str]:
         ids = (", ".join(map(str, nl.vocab_ids[:12])) + (" ..." if nl.n_vocab_ids > 12 else "")
                if nl.n_vocab_ids < nl.vocab else "all of them")
         L += ["", f"Non-finite logits (step {nl.step})"]
-        L.append(_wrap(f"{nl.nan_count:,} NaN, {nl.inf_count:,} Inf over {nl.rows} rows x "
+        L.append(_wrap(f"{nl.nan_count:,} NaN, {nl.inf_count:,} Inf over {nl.rows} row"
+                       f"{'' if nl.rows == 1 else 's'} x "
                        f"{nl.vocab:,} vocab ids ({per}); vocab ids with no finite logit: "
                        f"{nl.n_vocab_ids:,} ({ids}); {nl.symptom}"))
     if f.evidence:

@@ -58,9 +58,9 @@ def _group_stats(x: torch.Tensor, group: int) -> dict[str, Any] | None:
         return None
     s = v.sort(dim=1).values
     levels = (s[:, 1:] != s[:, :-1]).sum(dim=1) + 1
-    a = v.abs()
-    if g >= 2:
-        top2 = a.topk(2, dim=1).values
+    if g >= 2:  # the two largest |values| are among the two smallest and two largest values
+        ends = torch.cat([s[:, :2], s[:, -2:]], dim=1).abs()
+        top2 = ends.topk(2, dim=1).values
         dom = (top2[:, 0] > 0) & (top2[:, 0] >= DOMINANCE_RATIO * top2[:, 1])
     else:
         dom = torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
