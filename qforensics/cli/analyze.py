@@ -67,6 +67,17 @@ def threshold_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True,
                      help="Top-1 agreement with the reference (outcome metadata) below this "
                           "is suspect."),
+        click.option("--param-zero-share", type=click.FloatRange(0, 1),
+                     default=_D.param_zero_share, show_default=True,
+                     help="A weight with more than this share of exact zeros is suspect."),
+        click.option("--param-levels", type=click.FloatRange(0), default=_D.param_levels,
+                     show_default=True,
+                     help="A weight whose median group holds at most this many distinct values "
+                          "is suspect (raise it for ternary models only if you must)."),
+        click.option("--static-overrun", type=click.FloatRange(1), default=_D.static_overrun,
+                     show_default=True,
+                     help="A recorded input this many times beyond a static input_scale's range "
+                          "is suspect."),
     ]
     for o in reversed(opts):
         fn = o(fn)
