@@ -361,8 +361,18 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
     chans = sorted({o.channel for o in mine})
     total = mine[0].channels_total if mine else 0
 
-    fp8_over = (pq is not None and pq.format.startswith("fp8")) or any(
-        lim.startswith("fp8") for o in mine for lim in o.limits)
+    corrupt = findings.cause is not None and findings.cause.kind == "corrupted_parameters"
+    if corrupt:
+        names = [t.get("words", "?") for t in findings.cause.tensors][:3]  # type: ignore[union-attr]
+        recs.append(Recommendation(
+            "rec-params", "Replace the corrupted parameters",
+            [_t("The producer's own parameters hold non-finite values or zero scales: ")]
+            + _join([[_c(n)] for n in names])
+            + [_t(". No scheme or outlier protection fixes that: reload or re-quantize the "
+                  "checkpoint, and scan it for other broken tensors before loading.")],
+            ["qforensics scan path/to/checkpoint", f"qforensics analyze {T}"]))
+    fp8_over = not corrupt and ((pq is not None and pq.format.startswith("fp8")) or any(
+        lim.startswith("fp8") for o in mine for lim in o.limits))
     if fn is not None and fp8_over:
         name, limit = format_limit(pq.format if pq else "fp8-e4m3")
         recs.append(Recommendation(
@@ -373,7 +383,7 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
                 "cast turns them into NaN. The what-if predicts the damage of the dynamic-scale "
                 "scheme on the recorded ranges.")],
             [f"qforensics whatif {T} --scheme fp8-e4m3-dynamic"]))
-    if chans and focus:
+    if chans and focus and not corrupt:
         scheme = afmt or wfmt or "int4-g128"
         pct = _salient_pct(len(chans), total)
         recs.append(Recommendation(
@@ -388,8 +398,8 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
     weights_zeroed = health.mostly_zero > 0
     int_active = any(f and f.startswith("int") for f in (afmt, wfmt))
     no_active = not afmt and not wfmt
-    if weights_zeroed or (int_active and any(f and "per-tensor" in f for f in (afmt, wfmt))) or (
-            no_active and per_tensor):
+    if not corrupt and (weights_zeroed or (int_active and any(
+            f and "per-tensor" in f for f in (afmt, wfmt))) or (no_active and per_tensor)):
         g = _best_group(findings)
         gname = g.scheme if g is not None else "int4-g128"
         why = [_t("One scale per tensor is set by the largest value, so everything small rounds "

@@ -62,3 +62,19 @@ def test_corrupt_producer_is_never_blamed_on_an_outlier(tmp_path):
     assert "The cause is corrupted parameters, not the input: layers.1.down.weight: 1 NaN" in text
     assert "row 6, column 3" in text
     assert "outside the rest" not in text and "would wreck" not in text
+
+
+def test_corrupt_producer_recommendations_replace_the_tensor(tmp_path):
+    m = Tiny()
+    with torch.no_grad():
+        m.layers[0].up.weight[2, 1] = float("inf")
+    with qforensics.capture(m, str(tmp_path / "c.h5")), torch.no_grad():
+        m(ids())
+    f = analyze_trace(tmp_path / "c.h5")
+    with open_trace(tmp_path / "c.h5") as t:
+        recs = narrative.recommendations(f, facts.read_quant(t), facts.health_from_findings(f),
+                                         facts.read_outcome(t.meta), {}, trace_arg="c.h5")
+    ids_ = [r.id for r in recs]
+    assert ids_[0] == "rec-params" and "rec-group" not in ids_ and "rec-salient" not in ids_
+    assert "layers.0.up.weight: 1 Inf, first at row 2, column 1" in "".join(
+        s.text for s in recs[0].why)
