@@ -5,8 +5,8 @@ corrupt."""
 
 from __future__ import annotations
 
-import os
-import sys
+import importlib.util
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,8 +14,11 @@ from torch import nn
 import qforensics
 from qforensics.analyze import FAILED, PASSED, SUSPECT, analyze_trace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hooks"))
-from capture_models import Tiny, ids
+_spec = importlib.util.spec_from_file_location(  # the small models of tests/hooks, by path:
+    "qf_test_capture_models", Path(__file__).resolve().parents[1] / "hooks" / "capture_models.py")
+_models = importlib.util.module_from_spec(_spec)  # (no sys.path change: conftest names clash)
+_spec.loader.exec_module(_models)  # type: ignore[union-attr]
+Tiny, ids = _models.Tiny, _models.ids
 
 
 def _run(model: nn.Module, path, x: torch.Tensor, steps: int = 1) -> None:

@@ -3,9 +3,8 @@ the producer's own parameters are corrupt."""
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import h5py
@@ -17,8 +16,11 @@ from qforensics.analyze import analyze_trace
 from qforensics.reports import facts, narrative
 from qforensics.trace.reader import open_trace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hooks"))
-from capture_models import Tiny, ids
+_spec = importlib.util.spec_from_file_location(  # the small models of tests/hooks, by path:
+    "qf_test_capture_models", Path(__file__).resolve().parents[1] / "hooks" / "capture_models.py")
+_models = importlib.util.module_from_spec(_spec)  # (no sys.path change: conftest names clash)
+_spec.loader.exec_module(_models)  # type: ignore[union-attr]
+Tiny, ids = _models.Tiny, _models.ids
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces"
 
