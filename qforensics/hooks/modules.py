@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qforensics.hooks.params import param_health, static_input, tied_groups
+from qforensics.hooks.params import packed_levels, param_health, static_input, tied_groups
 
 # Class names of quantized / special linears from common libraries (matched on type name so we
 # never import those libraries): AutoAWQ WQLinear_*, GPTQ/AutoGPTQ/GPTQModel QuantLinear,
@@ -174,6 +174,16 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
                         summarize=pname == "weight")
                 except Exception as exc:  # odd tensor subclass: note it, go on
                     health[pname] = {"error": str(exc)[:200]}
+        q = quant or {}
+        if "qweight" in health and q.get("format") in ("awq", "gptq") and "error" not in health[
+                "qweight"]:
+            try:
+                lv = packed_levels(module.qweight, int(q.get("bits", 4)),
+                                   int(q.get("group_size", 128)), str(q["format"]))
+                if lv is not None:  # a copy: the cached dict stays as counted
+                    health["qweight"] = {**health["qweight"], "levels": lv}
+            except Exception as exc:  # noqa: BLE001 - an odd packing: note it, go on
+                health["qweight"]["levels_error"] = str(exc)[:200]
         try:
             st = static_input(module, quant)
         except Exception as exc:  # noqa: BLE001 - never break the host run

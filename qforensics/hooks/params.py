@@ -71,6 +71,34 @@ def _group_stats(x: torch.Tensor, group: int) -> dict[str, Any] | None:
             "dominated_share": round(float(dshare), 4)}
 
 
+def packed_levels(qweight: torch.Tensor, bits: int, group: int, layout: str
+                  ) -> dict[str, Any] | None:
+    """Distinct codes per quantization group of a packed int32 `qweight` (GPTQ: [K * bits / 32,
+    N], packed along K; AWQ: [K, N * bits / 32], packed along N), on at most `SAMPLE_ROWS`
+    sampled packed columns. Codes map one-to-one onto a group's dequantized levels."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or bits not in (2, 4, 8):
+        return None
+    per = 32 // bits
+    idx = torch.linspace(0, qweight.shape[1] - 1, steps=min(qweight.shape[1], SAMPLE_ROWS),
+                         device=qweight.device).round().long()
+    q = qweight.index_select(1, idx)
+    shifts = torch.arange(0, 32, bits, device=q.device, dtype=torch.int32)
+    codes = (q.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, cols, per]
+    if layout == "gptq":  # K runs along the packed rows: [K/per, cols, per] -> [K, cols]
+        codes = codes.permute(0, 2, 1).reshape(-1, q.shape[1])
+    else:  # awq: K runs along rows already; the packed values are output channels
+        codes = codes.reshape(q.shape[0], -1)
+    k = codes.shape[0]
+    g = group if 0 < group <= k and k % group == 0 else k
+    v = codes.t().reshape(-1, g)
+    srt = v.sort(dim=1).values
+    levels = (srt[:, 1:] != srt[:, :-1]).sum(dim=1) + 1
+    lmin, lmed = torch.stack([levels.min().float(), levels.float().median()]).tolist()
+    return {"group_size": g, "groups": int(v.shape[0]), "rows_sampled": int(idx.numel()),
+            "levels_min": int(lmin), "levels_median": float(lmed), "dominated_share": 0.0,
+            "packed": True}
+
+
 def param_health(t: torch.Tensor, pname: str, *, group: int | None = None,
                  bits: int | None = None, summarize: bool = False) -> dict[str, Any]:
     """Counts over the whole tensor (`numel`, `nan`, `inf`, `zero`, `subnormal`), where the first

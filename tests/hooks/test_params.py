@@ -100,3 +100,48 @@ def test_weight_changed_through_data_between_attaches_is_recounted():
     m.body.weight.data[3, 1] = float("nan")  # .data does not bump the version counter
     h = describe()["body"]["health"]["weight"]
     assert h["nan"] == 1 and h["first_nonfinite"]["row"] == 3
+
+
+def _pack_gptq(codes: torch.Tensor) -> torch.Tensor:
+    """[K, N] 4-bit codes -> GPTQ qweight [K / 8, N] (8 codes per int32 along K)."""
+    k, n = codes.shape
+    c = codes.reshape(k // 8, 8, n).to(torch.int64)
+    packed = sum(c[:, j] << (4 * j) for j in range(8))
+    return (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+
+
+def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """[K, N] 4-bit codes -> AWQ-style qweight [K, N / 8] (8 codes per int32 along N)."""
+    k, n = codes.shape
+    c = codes.reshape(k, n // 8, 8).to(torch.int64)
+    packed = sum(c[..., j] << (4 * j) for j in range(8))
+    return (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+
+
+class QuantLinear(nn.Module):  # GPTQ's class name
+    def __init__(self, codes: torch.Tensor, group: int) -> None:
+        super().__init__()
+        self.register_buffer("qweight", _pack_gptq(codes))
+        self.register_buffer("scales", torch.ones(codes.shape[0] // group, codes.shape[1]))
+
+
+class WQLinear_GEMM(nn.Module):  # noqa: N801 - AutoAWQ's class name
+    def __init__(self, codes: torch.Tensor, group: int) -> None:
+        super().__init__()
+        self.register_buffer("qweight", _pack_awq(codes))
+        self.register_buffer("scales", torch.ones(codes.shape[0] // group, codes.shape[1]))
+
+
+def test_levels_of_packed_gptq_and_awq_weights():
+    torch.manual_seed(0)
+    k, n, g = 256, 64, 128
+    healthy = torch.randint(0, 16, (k, n))
+    two = torch.where(torch.rand(k, n) < 0.5, 7, 8)  # only two codes in every group
+    for cls in (QuantLinear, WQLinear_GEMM):
+        for codes, want in ((healthy, 16), (two, 2)):
+            info = json.loads(describe_module("m", cls(codes, g), "quantized_linear")["info"])
+            assert info["quant"]["group_size"] == g
+            lv = info["health"]["qweight"]["levels"]
+            # independent: distinct codes per (group, column) of the sampled columns
+            exp = [len(set(codes[i:i + g, j].tolist())) for i in range(0, k, g) for j in range(n)]
+            assert lv["levels_median"] == want == sorted(exp)[len(exp) // 2], cls.__name__
