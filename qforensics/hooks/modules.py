@@ -11,7 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from qforensics.hooks.params import packed_levels, param_health, static_input, tied_groups
+from qforensics.hooks.params import (
+    packed_levels,
+    param_health,
+    static_input,
+    tied_groups,
+)
 
 # Class names of quantized / special linears from common libraries (matched on type name so we
 # never import those libraries): AutoAWQ WQLinear_*, GPTQ/AutoGPTQ/GPTQModel QuantLinear,
@@ -172,7 +177,7 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
                         t, pname, group=group if isinstance(group, int) else None,
                         bits=bits if isinstance(bits, int) else None,
                         summarize=pname == "weight")
-                except Exception as exc:  # odd tensor subclass: note it, go on
+                except Exception as exc:  # noqa: BLE001 - odd tensor subclass: note it, go on
                     health[pname] = {"error": str(exc)[:200]}
         q = quant or {}
         if "qweight" in health and q.get("format") in ("awq", "gptq") and "error" not in health[

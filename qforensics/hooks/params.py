@@ -78,7 +78,6 @@ def packed_levels(qweight: torch.Tensor, bits: int, group: int, layout: str
     sampled packed columns. Codes map one-to-one onto a group's dequantized levels."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or bits not in (2, 4, 8):
         return None
-    per = 32 // bits
     idx = torch.linspace(0, qweight.shape[1] - 1, steps=min(qweight.shape[1], SAMPLE_ROWS),
                          device=qweight.device).round().long()
     q = qweight.index_select(1, idx)

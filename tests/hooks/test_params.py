@@ -125,7 +125,7 @@ class QuantLinear(nn.Module):  # GPTQ's class name
         self.register_buffer("scales", torch.ones(codes.shape[0] // group, codes.shape[1]))
 
 
-class WQLinear_GEMM(nn.Module):  # noqa: N801 - AutoAWQ's class name
+class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
     def __init__(self, codes: torch.Tensor, group: int) -> None:
         super().__init__()
         self.register_buffer("qweight", _pack_awq(codes))
