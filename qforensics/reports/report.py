@@ -35,7 +35,7 @@ from qforensics.analyze.findings import (
     Verdict,
 )
 from qforensics.errors import QForensicsError
-from qforensics.reports import facts, narrative, plots
+from qforensics.reports import facts, narrative, plots, recommendations
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
 from qforensics.trace.reader import Trace, open_trace
 
@@ -183,8 +183,9 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     if div is not None and div["figure"] is not None:
         figures.append(div["figure"])
     chain = narrative.causal_chain(findings, quant, health, outcome, env, diff)
-    recs = narrative.recommendations(findings, quant, health, outcome, env, trace_arg=trace_arg,
-                                     reference_arg=reference_arg, replay=replay)
+    recs = recommendations.recommendations(findings, quant, health, outcome, env,
+                                           trace_arg=trace_arg, reference_arg=reference_arg,
+                                           replay=replay)
     fn = findings.first_nonfinite
     producer_damage = []
     if fn is not None or findings.outliers:

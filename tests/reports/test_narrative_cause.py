@@ -13,7 +13,7 @@ import torch
 
 import qforensics
 from qforensics.analyze import analyze_trace
-from qforensics.reports import facts, narrative
+from qforensics.reports import facts, narrative, recommendations
 from qforensics.trace.reader import open_trace
 
 _spec = importlib.util.spec_from_file_location(  # the small models of tests/hooks, by path:
@@ -74,7 +74,7 @@ def test_corrupt_producer_recommendations_replace_the_tensor(tmp_path):
         m(ids())
     f = analyze_trace(tmp_path / "c.h5")
     with open_trace(tmp_path / "c.h5") as t:
-        recs = narrative.recommendations(f, facts.read_quant(t), facts.health_from_findings(f),
+        recs = recommendations.recommendations(f, facts.read_quant(t), facts.health_from_findings(f),
                                          facts.read_outcome(t.meta), {}, trace_arg="c.h5")
     ids_ = [r.id for r in recs]
     assert ids_[0] == "rec-params" and "rec-group" not in ids_ and "rec-salient" not in ids_
