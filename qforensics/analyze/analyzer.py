@@ -23,6 +23,7 @@ from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.evidence import (
     collect_evidence,
     flag_parameters,
+    output_evidence,
     summarize_parameters,
 )
 from qforensics.analyze.findings import (
@@ -309,11 +310,9 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
         where = (f"after call {gap.last_finite_call} ({gap.last_finite_module})"  # type: ignore
                  if gap.last_finite_call is not None else "before it")  # type: ignore
         return Verdict(FAILED, head + f"{word} already in the input of {first.module}; "
-                       f"produced by an unhooked op {where}" + tail)
-    if evidence is None:
-        from qforensics.analyze.evidence import output_evidence
-        from qforensics.analyze.thresholds import Thresholds as _T
-        evidence = output_evidence(precursors, _T())
+                       f"produced by an unhooked op {where}" + why + tail)
+    if evidence is None:  # callers that only have the precursors
+        evidence = output_evidence(precursors, Thresholds())
     silent = [e for e in evidence if e.suspect]
     if silent:
         more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
