@@ -193,7 +193,7 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         head = _n(len(over), "layer", ("gets", "get"))
         line = (f"{head} inputs beyond what their static input_scale can "
                 f"represent; worst {w['module']}: input_scale {w['input_scale']:.4g} x "
-                f"{st_qmax(w)} = {w['range']:.4g}, recorded |input| up to "
+                f"{_qmax_text(w)} = {w['range']:.4g}, recorded |input| up to "
                 f"{w['recorded_absmax']:.4g} (x{w['overrun']:.3g})"
                 + (f"; channels {cw}" if cw else "")
                 + (f"; {w['tokens_saturating_share']:.0%} of tokens saturate"
@@ -214,7 +214,7 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
     return out
 
 
-def st_qmax(d: dict) -> str:
+def _qmax_text(d: dict) -> str:
     r, s = d["range"], d["input_scale"]
     return f"{r / s:g}" if s else "?"
 

@@ -176,6 +176,8 @@ def _static(module: str, d: Any) -> StaticInput | None:
     fmt = d.get("format")
     if None in (scale, smin, qmax, rng) or not isinstance(fmt, str):
         return None
+    if not all(math.isfinite(v) and v > 0 for v in (scale, smin, qmax, rng)):  # type: ignore
+        return None  # a zero, negative or non-finite scale is not a range to compare with
     return StaticInput(module, scale, smin, fmt[:40], qmax, rng)  # type: ignore[arg-type]
 
 
