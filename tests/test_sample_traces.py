@@ -9,7 +9,8 @@ import qforensics
 HERE = Path(__file__).resolve().parents[1] / "sample_traces"
 NAMES = ["fp16-reference", "fp8-e4m3-nosat-act", "int4-per-tensor-weights",
          "int4-per-tensor-act", "int8-per-tensor-act", "int4-g128-weights",
-         "int4-g128-salient1pct"]
+         "int4-g128-salient1pct", "fp8-e4m3-static-act", "fp8-e4m3-static-lowscale-act",
+         "corrupt-weight-nan-row"]
 
 
 def test_sizes_and_readme():
@@ -30,4 +31,4 @@ def test_each_sample_opens_and_carries_its_outcome():
             assert t.meta["environment"]["scenario"] == n
             assert t.n_steps >= 8
             nonfinite = (t.steps.first_nonfinite_call >= 0).any()
-            assert nonfinite == (n == "fp8-e4m3-nosat-act")
+            assert nonfinite == (n in ("fp8-e4m3-nosat-act", "corrupt-weight-nan-row"))

@@ -18,14 +18,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.damage import predict_damage, rank_unsafe
+from qforensics.analyze.evidence import (
+    collect_evidence,
+    flag_parameters,
+    output_evidence,
+    summarize_parameters,
+)
 from qforensics.analyze.findings import (
-    Incident,
     FAILED,
     PASSED,
     SUSPECT,
+    Cause,
+    Evidence,
     Findings,
     FirstNonfinite,
+    Incident,
     MultiRankFindings,
     SnapshotRef,
     TraceEndInfo,
@@ -44,10 +53,12 @@ from qforensics.analyze.outliers import (
     top_ratio_rows,
 )
 from qforensics.analyze.precursors import find_precursors
-from qforensics.analyze.thresholds import Thresholds
+from qforensics.analyze.reference import compare_to_reference
+from qforensics.analyze.thresholds import RATIONALE, Thresholds
 from qforensics.errors import TraceUnreadableError, UsageError
 from qforensics.formats import GEMM_KINDS, KIND_ROOT
 from qforensics.trace import schema
+from qforensics.trace.moduleinfo import read_module_infos
 from qforensics.trace.reader import Trace, open_trace
 
 __all__ = ["analyze_open_trace", "analyze_trace", "analyze_traces", "verdict_for"]
@@ -56,14 +67,17 @@ _ENV_KEYS = ("qforensics", "torch", "transformers", "python", "model_class", "de
              "compiled", "rank", "world_size", "host", "scenario", "prompt")
 
 
-def analyze_trace(path: str | os.PathLike[str], **thresholds: Any) -> Findings:
+def analyze_trace(path: str | os.PathLike[str], *,
+                  reference: str | os.PathLike[str] | None = None, **thresholds: Any
+                  ) -> Findings:
     """Analyze one trace. Keyword arguments are `Thresholds` fields (ratio=20.0, absolute=100.0,
-    top=10, ...). Raises TraceFormatError (a QForensicsError) when the file is unusable; a NaN in
-    the trace is a finding, not an error."""
+    top=10, ...); `reference`: a trace of the same prompt from a reference run, compared in
+    `Findings.reference`. Raises TraceFormatError (a QForensicsError) when a file is unusable; a
+    NaN in the trace is a finding, not an error."""
     th = Thresholds.from_kwargs(**thresholds)
     t0 = time.perf_counter()
     with open_trace(path) as trace:
-        f = analyze_open_trace(trace, th)
+        f = analyze_open_trace(trace, th, reference=reference)
     f.seconds = round(time.perf_counter() - t0, 4)
     return f
 
@@ -169,8 +183,11 @@ def _focus_rows(recs: pd.DataFrame, first: FirstNonfinite) -> list[int]:
     return rows
 
 
-def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
-    """The analysis on an already open trace (the report and replay reuse it)."""
+def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
+                       reference: str | os.PathLike[str] | None = None,
+                       reference_diff: Any = None) -> Findings:
+    """The analysis on an already open trace (the report and replay reuse it).
+    `reference_diff`: `diff_traces(reference, trace, top=100000)` when already computed."""
     th = th or Thresholds()
     steps = trace.steps
     end = trace.end
@@ -207,6 +224,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
 
     outliers, persistent, damage, unsafe = [], [], [], []
     vocab = None
+    sc = None
     try:
         if recs is not None and focus_step is not None:
             sc = load_step_channels(trace, focus_step, recs, focus)
@@ -243,6 +261,15 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         notes.append(f"outlier channels and damage left out: {exc}")
     precursors = find_precursors(steps, meta, th, fail_row=fail_row, vocab=vocab) \
         if len(steps) else []
+    infos = read_module_infos(trace)
+    if infos.invalid:
+        notes.append(f"{infos.invalid} malformed module info values ignored")
+    cause = nonfinite_logits = None
+    if first is not None and recs is not None:
+        cause = classify_cause(trace, recs, first, infos, outliers)
+        nonfinite_logits = describe_nonfinite_logits(trace, steps)
+    evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
+                                precursors, th)
 
     snaps: list[SnapshotRef] = []
     sdf = _guarded(trace, lambda: trace.snapshots, None)
@@ -256,7 +283,10 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                  int(r.inf_count), str(r.detail))
         for r in _guarded(trace, lambda: trace.incidents, pd.DataFrame()).itertuples(index=False)
     ]
-    verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable)
+    ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)
+           if reference is not None else None)
+    verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable, cause=cause,
+                          evidence=evidence)
     if summary_only is not None:
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
@@ -275,7 +305,11 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         environment=env, verdict=verdict, first_nonfinite=first, outliers=outliers,
         outlier_step=focus_step, persistent=persistent, damage=damage, unsafe=unsafe,
         damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
-        thresholds=th.to_dict(), notes=notes, incidents=incidents,
+        thresholds=th.to_dict(), notes=notes, incidents=incidents, cause=cause,
+        nonfinite_logits=nonfinite_logits, evidence=evidence,
+        parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
+        parameter_summary=summarize_parameters(infos, th),
+        thresholds_rationale=dict(RATIONALE), reference=ref,
     )
 
 
@@ -306,21 +340,28 @@ def _cross_check(trace: Trace, steps: pd.DataFrame, fail_row: int | None,
 
 
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
-                end: Any, unreadable: list[str] | None = None) -> Verdict:
-    """FAILED, SUSPECT or PASSED. A trace with anything `unreadable` is never PASSED."""
+                end: Any, unreadable: list[str] | None = None, *, cause: Cause | None = None,
+                evidence: list[Evidence] | None = None) -> Verdict:
+    """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
+    (parameters and activations first, then the output) or when anything was `unreadable`,
+    else PASSED."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
     if first is not None:
         word = kind_word(first.kind)
         head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
+        why = f"; {cause.line}" if cause is not None and cause.kind not in (
+            "unhooked_op", "undetermined") else ""
         if first.producer_module is not None:
             return Verdict(FAILED, head + f"{first.module} produced {word} from finite input"
-                           + tail)
+                           + why + tail)
         gap = first.producer
         where = (f"after call {gap.last_finite_call} ({gap.last_finite_module})"  # type: ignore
                  if gap.last_finite_call is not None else "before it")  # type: ignore
         return Verdict(FAILED, head + f"{word} already in the input of {first.module}; "
-                       f"produced by an unhooked op {where}" + tail)
-    silent = [p for p in precursors if p.silent]
+                       f"produced by an unhooked op {where}" + why + tail)
+    if evidence is None:  # callers that only have the precursors
+        evidence = output_evidence(precursors, Thresholds())
+    silent = [e for e in evidence if e.suspect]
     if silent:
         more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
         return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)

@@ -16,6 +16,13 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from qforensics.analyze.diagnosis import (
+    Cause,
+    Evidence,
+    NonfiniteLogits,
+    ReferenceComparison,
+)
+
 __all__ = [
     "DIFF_SCHEMA_NAME",
     "FAILED",
@@ -23,15 +30,19 @@ __all__ = [
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
     "SUSPECT",
+    "Cause",
     "DiffFindings",
     "Divergence",
+    "Evidence",
     "Findings",
     "FirstNonfinite",
     "Gap",
     "MultiRankFindings",
+    "NonfiniteLogits",
     "OutlierChannel",
     "PersistentOutlier",
     "Precursor",
+    "ReferenceComparison",
     "SchemeDamage",
     "SnapshotRef",
     "Spread",
@@ -322,6 +333,14 @@ class Findings:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     incidents: list[Incident] = field(default_factory=list)  # runtime-guard trips, in order
+    cause: Cause | None = None  # why the producer went non-finite (with a failure)
+    nonfinite_logits: NonfiniteLogits | None = None
+    evidence: list[Evidence] = field(default_factory=list)  # silent-failure evidence
+    parameters: list[Any] = field(default_factory=list)  # flagged ParamHealth, worst first
+    parameter_summary: dict[str, int] = field(default_factory=dict)  # counts over all checked
+    tied: list[list[str]] = field(default_factory=list)  # parameter names sharing storage
+    reference: ReferenceComparison | None = None
+    thresholds_rationale: dict[str, str] = field(default_factory=dict)
 
     @property
     def status(self) -> str:

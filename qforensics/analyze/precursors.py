@@ -139,6 +139,19 @@ def _extreme(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool
                      [float(v) for v in a[i][:64]])
 
 
+def _degenerate(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | None:
+    """Greedy decoding stuck on vocab id 0 (a special token; "!!!!!!" in some vocabularies)."""
+    ids = steps["logits_argmax"].to_numpy(np.int64)
+    hot = ids == 0
+    if int(hot.sum()) < max(1, int(th.degenerate_steps)):
+        return None
+    st = steps["step"].to_numpy()
+    i = np.nonzero(hot)[0]
+    return Precursor("degenerate_ids", int(st[i[0]]), int(st[i[-1]]), float(len(i)), silent,
+                     f"the argmax is vocab id 0 in {len(i)} of {len(ids)} steps (first at step "
+                     f"{int(st[i[0]])}): degenerate output")
+
+
 def _outcome(meta: dict[str, Any], th: Thresholds, silent: bool, last_step: int
              ) -> Precursor | None:
     oc = meta.get("outcome")
@@ -172,6 +185,7 @@ def find_precursors(steps: pd.DataFrame, meta: dict[str, Any], th: Thresholds, *
         _repeat(view, th, silent),
         _uniform(view, th, silent, vocab),
         _extreme(view, a, th, silent),
+        _degenerate(view, th, silent),
         _outcome(meta, th, silent, last) if silent else None,
     ]
     return [p for p in items if p is not None]

@@ -67,6 +67,17 @@ def threshold_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True,
                      help="Top-1 agreement with the reference (outcome metadata) below this "
                           "is suspect."),
+        click.option("--param-zero-share", type=click.FloatRange(0, 1),
+                     default=_D.param_zero_share, show_default=True,
+                     help="A weight with more than this share of exact zeros is suspect."),
+        click.option("--param-levels", type=click.FloatRange(0), default=_D.param_levels,
+                     show_default=True,
+                     help="A weight whose median group holds at most this many distinct values "
+                          "is suspect (raise it for ternary models only if you must)."),
+        click.option("--static-overrun", type=click.FloatRange(1), default=_D.static_overrun,
+                     show_default=True,
+                     help="A recorded input this many times beyond a static input_scale's range "
+                          "is suspect."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -125,6 +136,32 @@ def render(f: Findings) -> list[str]:
                        f"NaN/Inf ({sp.n_records:,} records in step {fn.step}); logits "
                        f"non-finite in {sp.logits_nonfinite_steps} steps"))
 
+    if f.cause is not None:
+        L += ["", "Cause"]
+        L.append(_wrap(f.cause.line.removeprefix("cause: ")))
+    nl = f.nonfinite_logits
+    if nl is not None:
+        per = (f"{nl.per_row:,} per row" if nl.per_row is not None else
+               f"{nl.last_row_count:,} at the last position of row 0")
+        ids = (", ".join(map(str, nl.vocab_ids[:12])) + (" ..." if nl.n_vocab_ids > 12 else "")
+               if nl.n_vocab_ids < nl.vocab else "all of them")
+        L += ["", f"Non-finite logits (step {nl.step})"]
+        L.append(_wrap(f"{nl.nan_count:,} NaN, {nl.inf_count:,} Inf over {nl.rows} row"
+                       f"{'' if nl.rows == 1 else 's'} x "
+                       f"{nl.vocab:,} vocab ids ({per}); vocab ids with no finite logit: "
+                       f"{nl.n_vocab_ids:,} ({ids}); {nl.symptom}"))
+    if f.evidence:
+        title = "Evidence" if fn is None else "Evidence besides the failure"
+        L += ["", title + " (thresholds and why: --json)"]
+        for e in f.evidence:
+            L.append(_wrap(f"{e.source}: {e.line}"))
+    if f.reference is not None:
+        r = f.reference
+        L += ["", "Against the reference"]
+        L.append(_wrap(r.line))
+        if r.per_layer:
+            L.append(_wrap("error per layer: " + " ".join(
+                f"{x['layer'].rsplit('.', 1)[-1]}:{_num(x['score'])}" for x in r.per_layer)))
     if f.outliers:
         where = (f"input of {f.first_nonfinite.module}" if fn is not None and
                  fn.producer_module is not None else "module inputs with the largest ratios")
@@ -201,6 +238,7 @@ Example:
     qforensics analyze trace.h5
     qforensics analyze trace-*.h5 --json > findings.json
     qforensics analyze trace.h5 --ratio 50 --top 20
+    qforensics analyze int4.h5 --reference fp16.h5
 """
 
 
@@ -208,8 +246,13 @@ Example:
 @click.argument("traces", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the findings as JSON (schema qforensics.analyze, docs/analyze-json.md).")
+@click.option("--reference", type=click.Path(dir_okay=False), default=None,
+              help="A trace of the same prompt from a reference (e.g. unquantized) run: adds the "
+                   "first diverging module, the error per layer and whether it starts at the "
+                   "quantized layers (one trace only).")
 @threshold_options
-def command(traces: tuple[str, ...], as_json: bool, **thresholds: Any) -> None:
+def command(traces: tuple[str, ...], as_json: bool, reference: str | None,
+            **thresholds: Any) -> None:
     """Find the first NaN/Inf in a trace, the module (or unhooked op) that produced it, the
     outlier channels responsible and the damage each quantization scheme would do.
 
@@ -222,8 +265,10 @@ def command(traces: tuple[str, ...], as_json: bool, **thresholds: Any) -> None:
     """
     paths = expand_paths(traces)
     ctx = click.get_current_context()
+    if reference is not None and len(paths) != 1:
+        raise UsageError("--reference compares one trace; give exactly one TRACE with it")
     if len(paths) == 1:
-        f = analyze_trace(paths[0], **thresholds)
+        f = analyze_trace(paths[0], reference=reference, **thresholds)
         click.echo(json.dumps(f.to_dict(), indent=2) if as_json else "\n".join(render(f)))
         ctx.exit(f.exit_code)
     m = analyze_traces(paths, **thresholds)

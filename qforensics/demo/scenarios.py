@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 PROMPT = "What is the capital of France? Answer in one short sentence."
 MAX_NEW_TOKENS = 32
+CORRUPT_MODULE = "model.layers.5.self_attn.o_proj"  # the corrupt-weight-nan-row scenario
+CORRUPT_ROW = 100
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Scenario:
     weights: str | None = None  # weight scheme spec
     activations: str | None = None  # activation scheme spec (inside each Linear)
     expect: str = ""
+    setup: str | None = None  # a named special set-up (static FP8 scales, corrupted parameter)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
@@ -51,6 +54,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("int4-g128-salient1pct", "INT4 g128 weights with the 1% most salient input "
              "channels (by recorded activation absmax) kept in FP16: the second fix",
              weights="int4-g128-salient1pct", expect="near the reference"),
+    Scenario("fp8-e4m3-static-act", "FP8 e4m3 activations with a static per-tensor "
+             "input_scale per Linear, calibrated on the prompt (absmax / 448), saturating: FP8 "
+             "with correct scales", setup="fp8-static", expect="near the reference"),
+    Scenario("fp8-e4m3-static-lowscale-act", "FP8 e4m3 activations with a static input_scale "
+             "calibrated without the first token (the attention sink's massive activations "
+             "never seen), saturating", setup="fp8-static-lowscale",
+             expect="no NaN, garbage text"),
+    Scenario("corrupt-weight-nan-row", f"one NaN in row {CORRUPT_ROW} of "
+             f"{CORRUPT_MODULE}.weight (a corrupted checkpoint)", setup="corrupt-weight",
+             expect="NaN from the prefill, caused by the weight"),
 ]}
 
 
@@ -131,11 +144,40 @@ class DemoModel:
                 scheme = parse_scheme(sc.weights, "weights")
                 act = self.activation_absmax() if "salient" in sc.weights else None
                 stack.enter_context(quantize_weights(self.model, scheme, act_absmax=act))
+            if sc.setup:
+                stack.enter_context(self._special(sc.setup))
             if sc.activations:
                 # lm_head stays unquantized, like the weight schemes (tied to the embedding)
                 stack.enter_context(emulate_quantized_linears(self.model, sc.activations,
                                                               exclude=("lm_head",)))
             yield
+
+
+    @contextlib.contextmanager
+    def _special(self, setup: str) -> Iterator[None]:
+        import torch
+
+        from qforensics.quant.static import calibrate_input_scales, emulate_static_fp8
+
+        if setup in ("fp8-static", "fp8-static-lowscale"):
+            scales = calibrate_input_scales(
+                self.model, lambda: self.model(self.input_ids),
+                skip_tokens=1 if setup == "fp8-static-lowscale" else 0)
+            with emulate_static_fp8(self.model, scales):
+                yield
+            return
+        if setup == "corrupt-weight":
+            w = dict(self.model.named_modules())[CORRUPT_MODULE].weight
+            saved = w.detach()[CORRUPT_ROW].clone()
+            try:
+                with torch.no_grad():
+                    w[CORRUPT_ROW, 7] = float("nan")
+                yield
+            finally:
+                with torch.no_grad():
+                    w[CORRUPT_ROW].copy_(saved)
+            return
+        raise UsageError(f"unknown scenario set-up {setup!r}")
 
 
 def first_nonfinite_step(trace_path: str) -> int | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,12 @@ from qforensics.formats import (
     KIND_QUANTIZED_LINEAR,
     KIND_ROOT,
 )
+from qforensics.hooks.params import (
+    packed_levels,
+    param_health,
+    static_input,
+    tied_groups,
+)
 
 # Class names of quantized / special linears from common libraries (matched on type name so we
 # never import those libraries): AutoAWQ WQLinear_*, GPTQ/AutoGPTQ/GPTQModel QuantLinear,
@@ -28,6 +35,9 @@ _LINEAR_NAME = re.compile(
 )
 _QUANT_ATTRS = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale",
                 "weight_zero_point", "SCB")
+_HEALTH_PARAMS = ("weight", "bias", "qweight", "qzeros", "scales", "weight_scale",
+                  "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point",
+                  "zeros", "SCB")
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -126,60 +136,78 @@ def _quant_meta(module: nn.Module) -> dict[str, Any]:
     w = getattr(module, "weight", None)
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         meta.update(format=f"fp8-{str(w.dtype).split('_')[1]}", bits=8)
+    if isinstance(w, torch.Tensor) and w.dtype == torch.int8 and "format" not in meta:
+        meta.update(format="int8", bits=8)
+    sc = getattr(module, "input_scale", None)
+    if isinstance(sc, (torch.Tensor, float)) and not isinstance(sc, bool):
+        meta["activations"] = "static"  # quantizes its input with a fixed scale
     extra = getattr(module, "qforensics_quant", None)  # set by our own fake-quant wrappers
     if isinstance(extra, dict):
         meta.update({k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))})
     return meta
 
 
-def _health(t: torch.Tensor) -> dict[str, int]:
-    if t.is_meta or t.numel() == 0:
-        return {"numel": int(t.numel())}
-    if not (t.is_floating_point()):
-        return {"numel": int(t.numel())}
-    x = t.detach()
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        x = x.float()
-    tiny = torch.finfo(x.dtype).tiny
-    with torch.no_grad():  # count_nonzero on bool masks: ~3x faster than sum over 4 masks
-        nan, fin, zero, small = torch.stack([
-            torch.isnan(x).count_nonzero(), torch.isfinite(x).count_nonzero(),
-            (x == 0).count_nonzero(), (x.abs() < tiny).count_nonzero(),
-        ]).tolist()
-    return {"numel": int(x.numel()), "nan": nan, "inf": int(x.numel()) - fin - nan,
-            "zero": zero, "subnormal": small - zero}
+_HEALTH_CACHE: dict[tuple, dict[str, Any]] = {}
 
 
-_HEALTH_CACHE: dict[tuple[int, int, tuple[int, ...], int], dict[str, int]] = {}
-
-
-def _health_cached(t: torch.Tensor) -> dict[str, int]:
-    """Tied weights (lm_head / embedding) and re-attached captures count once."""
+def _health_cached(t: torch.Tensor, pname: str, **kw: Any) -> dict[str, Any]:
+    """Tied weights (lm_head / embedding) count once per attach. Cleared when the root (always
+    described last) is: a weight changed through `.data` between captures keeps its `_version`,
+    so a cache across attaches could serve stale counts."""
     if t.is_meta or t.device.type != "cpu":
-        return _health(t)
-    key = (t.data_ptr(), t._version, tuple(t.shape), id(t))
+        return param_health(t, pname, **kw)
+    key = (t.data_ptr(), t._version, tuple(t.shape), id(t), pname, tuple(sorted(kw.items())))
     hit = _HEALTH_CACHE.get(key)
     if hit is None:
         if len(_HEALTH_CACHE) > 4096:
             _HEALTH_CACHE.clear()
-        hit = _HEALTH_CACHE[key] = _health(t)
+        hit = _HEALTH_CACHE[key] = param_health(t, pname, **kw)
     return hit
 
 
 def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
+    """One /modules row: type, kind and the `info` JSON (params, quant, health, static_input;
+    for the root, `tied`). Never raises for an odd tensor: the error is noted instead."""
     params: dict[str, Any] = {}
     health: dict[str, Any] = {}
     tensors = list(module.named_parameters(recurse=False)) + list(
         module.named_buffers(recurse=False))
+    quant = _quant_meta(module) or None
+    info: dict[str, Any] = {"params": params, "quant": quant, "health": health}
     if kind in GEMM_KINDS:
+        group = (quant or {}).get("group_size")
+        bits = (quant or {}).get("bits")
         for pname, t in tensors:
             params[pname] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-            if pname in ("weight", "bias", "scales", "weight_scale", "input_scale") or (
-                    pname in _QUANT_ATTRS):
+            if pname in _HEALTH_PARAMS:
                 try:
-                    health[pname] = _health_cached(t)
-                except Exception as exc:  # odd tensor subclass: note it, go on
+                    health[pname] = _health_cached(
+                        t, pname, group=group if isinstance(group, int) else None,
+                        bits=bits if isinstance(bits, int) else None,
+                        summarize=pname == "weight")
+                except Exception as exc:  # noqa: BLE001 - odd tensor subclass: note it, go on
                     health[pname] = {"error": str(exc)[:200]}
-    info = {"params": params, "quant": _quant_meta(module) or None, "health": health}
+        q = quant or {}
+        if "qweight" in health and q.get("format") in ("awq", "gptq") and "error" not in health[
+                "qweight"]:
+            try:
+                lv = packed_levels(module.qweight, int(q.get("bits", 4)),
+                                   int(q.get("group_size", 128)), str(q["format"]))
+                if lv is not None:  # a copy: the cached dict stays as counted
+                    health["qweight"] = {**health["qweight"], "levels": lv}
+            except Exception as exc:  # noqa: BLE001 - an odd packing: note it, go on
+                health["qweight"]["levels_error"] = str(exc)[:200]
+        try:
+            st = static_input(module, quant)
+        except Exception as exc:  # noqa: BLE001 - never break the host run
+            st = {"error": str(exc)[:200]}
+        if st is not None:
+            info["static_input"] = st
+    elif kind == "root":
+        _HEALTH_CACHE.clear()  # the root comes last: the cache serves one attach (tied weights)
+        try:
+            info["tied"] = tied_groups(module)[:64]
+        except Exception as exc:  # noqa: BLE001
+            info["tied_error"] = str(exc)[:200]
     return {"name": name, "type": type(module).__name__, "kind": kind,
             "info": json.dumps(info, sort_keys=True)}

@@ -29,8 +29,8 @@ __all__ = [
     "Outcome",
     "environment_rows",
     "fmt_num",
+    "health_from_findings",
     "read_channels",
-    "read_health",
     "read_outcome",
     "text_value",
 ]
@@ -38,7 +38,6 @@ __all__ = [
 MAX_TEXT = 20000
 MAX_FIELD = 400
 ZERO_FRACTION_FLAG = 0.5  # a parameter with more than this share of exact zeros is flagged
-SCALE_PARAMS = ("scales", "weight_scale", "input_scale", "SCB", "scale")
 
 
 def fmt_num(v: Any, digits: int = 3) -> str:
@@ -109,56 +108,35 @@ class Health:
     rows_total: int = 0  # flagged rows before the cap
 
 
-def _count(d: dict[str, Any], key: str) -> int:
-    v = d.get(key, 0)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return int(v) if ok else 0
+def _problem(h: Any, th: dict[str, Any]) -> str:
+    if h.nan or h.inf:
+        where = f" from {h.first_nonfinite.words()}" if h.first_nonfinite else ""
+        return ("NaN/Inf scales" if h.is_scale else "NaN/Inf values") + where
+    if h.is_scale and h.zero:
+        return "zero scales (every value in their group dequantizes to 0)"
+    if h.zero_point_out_of_range:
+        return f"{h.zero_point_out_of_range} zero points out of range"
+    if h.zero_share > float(th.get("param_zero_share", ZERO_FRACTION_FLAG)):
+        return f"{h.zero_share:.1%} exact zeros"
+    if h.levels and h.levels.levels_median <= float(th.get("param_levels", 3)):
+        return (f"{h.levels.levels_median:g} distinct values per group of "
+                f"{h.levels.group_size} (median)")
+    if h.levels:
+        return f"{h.levels.dominated_share:.0%} of groups scaled by one weight"
+    return "not checked: " + text_value(h.error or "", 160)
 
 
-def read_health(trace: Trace, limit: int = 25) -> Health:
-    """Flagged parameters: NaN/Inf, zero or NaN scales, mostly-zero weights, unreadable info."""
-    h = Health(modules=trace.n_modules)
-    rows: list[tuple[tuple, HealthRow]] = []
-    for name, raw in zip(trace.modules["name"], trace.modules["info"]):
-        info = _module_info(raw)
-        if info is None:
-            h.unreadable += 1
-            rows.append(((0, 0.0), HealthRow(name, "-", 0, 0, 0, 0, 0, "info JSON unreadable")))
-            continue
-        health = info.get("health")
-        if not isinstance(health, dict):
-            continue
-        for pname, d in health.items():
-            pname = str(pname)[:80]
-            if not isinstance(d, dict):
-                continue
-            if "error" in d:
-                rows.append(((1, 0.0), HealthRow(name, pname, 0, 0, 0, 0, 0,
-                                                 "not checked: " + text_value(d["error"], 160))))
-                continue
-            h.params_checked += 1
-            numel, nan, inf = _count(d, "numel"), _count(d, "nan"), _count(d, "inf")
-            zero, sub = _count(d, "zero"), _count(d, "subnormal")
-            frac = zero / numel if numel else 0.0
-            is_scale = pname.split(".")[-1] in SCALE_PARAMS
-            problem = ""
-            if nan or inf:
-                h.with_nonfinite += 1
-                problem = "NaN/Inf " + ("scales" if is_scale else "values")
-                key = (0, -float(nan + inf))
-            elif is_scale and zero:
-                problem = "zero scales (every value in their group dequantizes to 0)"
-                key = (1, -frac)
-            elif frac > ZERO_FRACTION_FLAG:
-                h.mostly_zero += 1
-                problem = f"{frac:.1%} exact zeros"
-                key = (2, -frac)
-            else:
-                continue
-            rows.append((key, HealthRow(name, pname, numel, nan, inf, zero, sub, problem)))
-    rows.sort(key=lambda kv: kv[0])
+def health_from_findings(findings: Findings, limit: int = 25) -> Health:
+    """The Module health table from the analysis (`Findings.parameters`, worst first)."""
+    summ = findings.parameter_summary or {}
+    h = Health(modules=findings.n_modules, params_checked=int(summ.get("checked", 0)),
+               with_nonfinite=int(summ.get("nonfinite", 0)),
+               mostly_zero=int(summ.get("mostly_zero", 0)),
+               unreadable=int(summ.get("unreadable", 0)))
+    rows = [HealthRow(p.module, p.param, p.numel, p.nan, p.inf, p.zero, p.subnormal,
+                      _problem(p, findings.thresholds)) for p in findings.parameters]
     h.rows_total = len(rows)
-    h.rows = [r for _, r in rows[:limit]]
+    h.rows = rows[:limit]
     return h
 
 

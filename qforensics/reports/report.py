@@ -25,7 +25,6 @@ import jinja2
 import numpy as np
 from markupsafe import Markup
 
-from qforensics.version import __version__
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,
@@ -37,9 +36,10 @@ from qforensics.analyze.findings import (
 from qforensics.analyze.grid import bin_heatmap, read_grid
 from qforensics.analyze.quantization import read_quant
 from qforensics.errors import QForensicsError
-from qforensics.reports import facts, narrative, plots
+from qforensics.reports import facts, narrative, plots, recommendations
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
 from qforensics.trace.reader import Trace, open_trace
+from qforensics.version import __version__
 
 __all__ = ["CSP_SCRIPT", "ReportResult", "content_security_policy", "render_report", "write_report"]
 
@@ -176,7 +176,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     meta = trace.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
     quant = read_quant(trace)
-    health = facts.read_health(trace)
+    health = facts.health_from_findings(findings)
     outcome = facts.read_outcome(meta)
     view = facts.read_channels(trace, findings)
     div = _divergence_view(diff)
@@ -185,8 +185,9 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     if div is not None and div["figure"] is not None:
         figures.append(div["figure"])
     chain = narrative.causal_chain(findings, quant, health, outcome, env, diff)
-    recs = narrative.recommendations(findings, quant, health, outcome, env, trace_arg=trace_arg,
-                                     reference_arg=reference_arg, replay=replay)
+    recs = recommendations.recommendations(findings, quant, health, outcome, env,
+                                           trace_arg=trace_arg, reference_arg=reference_arg,
+                                           replay=replay)
     fn = findings.first_nonfinite
     producer_damage = []
     if fn is not None or findings.outliers:
@@ -212,6 +213,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
         "first": fn,
         "chain": chain,
         "precursors": findings.precursors,
+        "evidence": findings.evidence,
         "outcome": outcome,
         "figures": figures,
         "recommendations": recs,
@@ -244,10 +246,13 @@ def _quant_summary(quant: dict[str, facts.ModuleQuant]) -> list[tuple[str, str, 
     return sorted(((f, t, n) for (f, t), n in counts.items()), key=lambda r: -r[2])
 
 
-def _analyze(path: str) -> Findings:
-    from qforensics.analyze import analyze_trace
+def _analyze(trace: Trace, ref: str | None, diff: DiffFindings | None) -> Findings:
+    from qforensics.analyze.analyzer import analyze_open_trace
 
-    return analyze_trace(path)
+    t0 = time.perf_counter()
+    f = analyze_open_trace(trace, reference=ref, reference_diff=diff)
+    f.seconds = round(time.perf_counter() - t0, 4)
+    return f
 
 
 def _diff(reference: str, suspect: str) -> DiffFindings:
@@ -273,12 +278,12 @@ def render_report(trace_path: str | os.PathLike[str], *,
     replay_summary = (replay if isinstance(replay, ReplaySummary) or replay is None
                       else load_replay_result(replay))
     with open_trace(path) as trace:
-        if findings is None:
-            findings = _analyze(path)
         if ref is not None and diff is None:
             with open_trace(ref):
                 pass  # validate first: a bad reference is a user error, said clearly
             diff = _diff(ref, path)
+        if findings is None:
+            findings = _analyze(trace, ref, diff)
         ctx = build_context(trace, findings, trace_arg=path, diff=diff,
                             replay=replay_summary, reference_arg=ref)
     html = _env().get_template(TEMPLATE).render(**ctx)

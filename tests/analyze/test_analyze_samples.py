@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 from raw_trace import first_nonfinite_output, input_absmax, most_persistent_dim
 
-from qforensics.analyze import FAILED, PASSED, SUSPECT, Thresholds, analyze_trace, diff_traces
+from qforensics.analyze import (
+    FAILED,
+    PASSED,
+    SUSPECT,
+    Thresholds,
+    analyze_trace,
+    diff_traces,
+)
 from qforensics.formats import E4M3_MAX
 
 
@@ -16,8 +23,12 @@ def test_fp8_e4m3_nosat_act(sample):
     assert module == "model.layers.11.mlp.down_proj"  # the documented massive-activation layer
     f = analyze_trace(path)
     assert f.verdict.status == FAILED
-    assert f.verdict.line == (f"FAILED | first non-finite at step {step}, call {call}: "
-                              f"{module} produced NaN from finite input")
+    assert f.verdict.line.startswith(f"FAILED | first non-finite at step {step}, call {call}: "
+                                     f"{module} produced NaN from finite input; cause: input channels ")
+    a0 = input_absmax(path, module, step)
+    worst = int(np.argmax(a0))  # the channel furthest beyond e4m3's range, from plain h5py
+    assert f.cause.kind == "activation_outlier" and f.cause.format == "fp8-e4m3"
+    assert f.cause.limit == E4M3_MAX and f.cause.channels[0] == worst
     fn = f.first_nonfinite
     assert fn.producer == module and fn.tensor == "output"
     a = input_absmax(path, module, step)
@@ -79,3 +90,24 @@ def test_diff_int4_per_tensor_weights_points_at_modules(sample):
 def test_diff_good_fix_passes(sample):
     d = diff_traces(sample("fp16-reference"), sample("int4-g128-salient1pct"))
     assert d.verdict.status == PASSED
+
+
+def test_corrupt_weight_sample_names_the_row(sample):
+    from qforensics.demo.scenarios import CORRUPT_MODULE, CORRUPT_ROW
+
+    f = analyze_trace(sample("corrupt-weight-nan-row"))
+    assert f.status == FAILED and f.first_nonfinite.producer == CORRUPT_MODULE
+    assert f.cause.kind == "corrupted_parameters"
+    t = f.cause.tensors[0]
+    assert (t["param"], t["row"], t["nan"]) == ("weight", CORRUPT_ROW, 1)
+    assert f.nonfinite_logits.next_token == 0  # all-NaN logits: greedy argmax is vocab id 0
+
+
+def test_static_fp8_samples(sample):
+    low = analyze_trace(sample("fp8-e4m3-static-lowscale-act"))
+    assert low.status == SUSPECT
+    ev = {e.kind: e for e in low.evidence}["static_range_overrun"]
+    top = {d["module"]: d for d in ev.details}["model.layers.11.mlp.down_proj"]
+    assert top["channels_over"][0]["channel"] == 1229 and top["overrun"] > 100
+    ok = analyze_trace(sample("fp8-e4m3-static-act"))
+    assert ok.status == PASSED, ok.verdict.line

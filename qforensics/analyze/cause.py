@@ -1,0 +1,196 @@
+"""Why the producer of the first NaN/Inf went non-finite, and what non-finite logits did to
+decoding.
+
+Causes, checked in this order (the first that the trace shows wins, so an outlier is never
+blamed when the producer's own parameters are corrupt):
+
+(d) unhooked op: the value was already in a hooked call's input;
+(a) corrupted parameters: the producer's weight, scale or zero point holds NaN/Inf, a scale is
+    zero, or a zero point is out of range (from the health capture records at attach);
+(c) compute-dtype overflow: finite input and parameters, an Inf in a float16 output whose input
+    stayed below 65,504 (the product overflowed, not the input);
+(b) activation outlier against a format's range: input channels beyond the limit of the format
+    the producer records for its activations (FP8 448 / 57344, a static input_scale x max), or
+    beyond FP8 / FP16 limits the outlier scan flagged.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from qforensics.analyze.findings import (
+    Cause,
+    FirstNonfinite,
+    NonfiniteLogits,
+    OutlierChannel,
+)
+from qforensics.formats import FORMAT_LIMITS
+from qforensics.trace import schema
+from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth
+from qforensics.trace.reader import Trace
+
+__all__ = ["classify_cause", "describe_nonfinite_logits"]
+
+_FP16 = schema.DTYPE_CODES["float16"]
+
+
+def _corrupt(h: ParamHealth) -> bool:
+    return bool(h.nan or h.inf or (h.is_scale and h.zero) or h.zero_point_out_of_range)
+
+
+def _tensor(h: ParamHealth, infos: ModuleInfos) -> dict:
+    d: dict = {"param": h.param, "nan": h.nan, "inf": h.inf, "numel": h.numel}
+    words = []
+    if h.nan or h.inf:
+        words.append(f"{h.nan} NaN" if h.nan else "")
+        words.append(f"{h.inf} Inf" if h.inf else "")
+        if h.first_nonfinite is not None:
+            d["first_nonfinite"] = h.first_nonfinite.words()
+            d["row"] = h.first_nonfinite.row
+            if h.first_nonfinite.group is not None:
+                d["group"] = h.first_nonfinite.group
+    if h.is_scale and h.zero:
+        d["zero_scales"] = h.zero
+        words.append(f"{h.zero} zero scales")
+        if h.first_zero is not None:
+            d["first_zero"] = h.first_zero.words()
+    if h.zero_point_out_of_range:
+        d["zero_points_out_of_range"] = h.zero_point_out_of_range
+        words.append(f"{h.zero_point_out_of_range} zero points out of range")
+    tied = infos.tied_with(h.module, h.param)
+    if tied:
+        d["tied_with"] = tied
+    where = h.first_nonfinite or h.first_zero or h.first_out_of_range
+    d["words"] = (f"{h.module}.{h.param}" + (f" (tied to {', '.join(tied)})" if tied else "")
+                  + f": {' and '.join(w for w in words if w)}"
+                  + (f", first at {where.words()}" if where else ""))
+    return d
+
+
+def _format_limit(q: dict, static_range: float | None) -> tuple[str, float] | None:
+    if static_range is not None:
+        return ("static input_scale range", static_range)
+    if q.get("target") != "activations":
+        return None
+    fmt = str(q.get("format", ""))
+    for name in ("fp8-e4m3", "fp8-e5m2"):
+        if fmt.startswith(name) and "dynamic" not in fmt:
+            return (name, FORMAT_LIMITS[name])
+    return None
+
+
+def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, infos: ModuleInfos,
+                   outliers: list[OutlierChannel]) -> Cause:
+    module = first.module
+    if first.is_gap:
+        gap = first.producer
+        hooked = set(trace.modules["name"].tolist())
+        # a corrupt tensor tied to a module capture does not hook (lm_head -> embedding)
+        elsewhere = [h for h in infos.health if _corrupt(h) and any(
+            n.rsplit(".", 1)[0] not in hooked for n in infos.tied_with(h.module, h.param))]
+        if elsewhere:
+            tensors = [_tensor(h, infos) for h in elsewhere]
+            return Cause("corrupted_parameters", "cause: corrupted parameters read by an "
+                         f"unhooked op before {module}: "
+                         + "; ".join(t["words"] for t in tensors), module, tensors)
+        return Cause("unhooked_op", f"cause: an unhooked op between "
+                     f"{gap.last_finite_module or 'the step start'} and {module} "  # type: ignore
+                     "produced the "
+                     "value; no hooked module's parameters or inputs explain it", module)
+    bad = [h for h in infos.health if h.module == module and _corrupt(h)]
+    if bad:
+        tensors = [_tensor(h, infos) for h in bad]
+        return Cause("corrupted_parameters", "cause: corrupted parameters of "
+                     + "; ".join(t["words"] for t in tensors), module, tensors)
+    out = recs[recs["row"] == first.record_row] if first.record_row >= 0 else recs.iloc[:0]
+    dtype = int(out["dtype"].iloc[0]) if len(out) else -1
+    small = (first.input_absmax or 0.0) < FORMAT_LIMITS["fp16"]
+    if dtype == _FP16 and first.inf_count > 0 and small:
+        return Cause("compute_overflow", f"cause: float16 overflow inside {module}: finite "
+                     f"input (|x| <= {first.input_absmax:.4g}) and finite parameters, but "
+                     f"{first.inf_count} output values passed 65,504", module,
+                     format="fp16", limit=FORMAT_LIMITS["fp16"])
+    st = infos.static_inputs.get(module)
+    lim = _format_limit(infos.quant.get(module, {}), st.range if st else None)
+    if lim is not None:
+        over = [o for o in outliers if o.module == module and o.io == schema.IO_INPUT
+                and o.absmax > lim[1]]
+        if over:
+            chans = ", ".join(f"{o.channel} ({o.absmax:.4g})" for o in over[:4])
+            return Cause("activation_outlier", f"cause: input channels {chans} exceed the "
+                         f"{lim[0]} limit {lim[1]:.4g}", module,
+                         channels=[o.channel for o in over], format=lim[0], limit=lim[1])
+    over = [o for o in outliers if o.module == module and {"fp8-e4m3", "fp8-e5m2", "fp16"}
+            & set(o.limits)]
+    if over:
+        fmt = next(f for f in ("fp16", "fp8-e5m2", "fp8-e4m3") if f in over[0].limits)
+        chans = ", ".join(f"{o.channel} ({o.absmax:.4g})" for o in over[:4])
+        return Cause("activation_outlier", f"cause: input channels {chans} exceed the {fmt} "
+                     f"limit {FORMAT_LIMITS[fmt]:g}", module,
+                     channels=[o.channel for o in over], format=fmt, limit=FORMAT_LIMITS[fmt])
+    return Cause("undetermined", f"cause undetermined: {module}'s parameters are finite and "
+                 "no input channel exceeds a format limit; replay its GEMM to look inside",
+                 module)
+
+
+def describe_nonfinite_logits(trace: Trace, steps: pd.DataFrame) -> NonfiniteLogits | None:
+    """The first step whose logits (the root module's output) hold NaN/Inf."""
+    kinds = trace.modules["kind"].to_numpy()
+    roots = np.nonzero(kinds == "root")[0]
+    if not len(roots) or steps.empty:
+        return None
+    bad = steps[(steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)]
+    cand = [int(s) for s in bad["step"]]
+    if not cand:
+        fnc = steps[steps["first_nonfinite_call"] >= 0]["step"].tolist()
+        cand = [int(s) for s in fnc[:1]]
+    for step in cand[:2]:
+        recs = trace.records(step)
+        r = recs[(recs["module_id"] == int(roots[0])) & (recs["io"] == schema.IO_OUTPUT)
+                 & (recs["slot"] == 0)]
+        if not len(r):
+            continue
+        rec = r.iloc[0]
+        nan, inf = int(rec["nan_count"]), int(rec["inf_count"])
+        if nan + inf == 0:
+            continue
+        rows, vocab = int(rec["rows"]), int(rec["channels"])
+        srow = steps[steps["step"] == step].iloc[0]
+        last = int(srow["logits_nan"]) + int(srow["logits_inf"])
+        ids: np.ndarray = np.zeros(0, np.int64)
+        cr = trace.channel_ranges(rec) if int(rec["chan_offset"]) >= 0 else None
+        if cr is not None:
+            lo, hi = cr
+            ids = np.nonzero(~np.isfinite(np.asarray(lo, np.float64))
+                             | ~np.isfinite(np.asarray(hi, np.float64)))[0]
+        tok = trace.token_absmax(rec) if int(rec["tok_offset"]) >= 0 else None
+        no_finite = int(np.sum(~np.isfinite(np.asarray(tok, np.float64)))) if tok is not None \
+            else (rows if nan + inf == rows * vocab else -1)  # -1: not recorded
+        per_row = nan + inf if rows == 1 else (
+            len(ids) if len(ids) and len(ids) * rows == nan + inf else None)
+        if not len(ids) and nan + inf == rows * vocab:
+            ids = np.arange(vocab)  # every logit is non-finite
+        nxt = None
+        try:
+            following = trace.input_ids(step + 1)
+            if len(following):
+                nxt = int(following[0])
+        except Exception:  # noqa: BLE001 - no next step recorded
+            nxt = None
+        argmax = int(srow["logits_argmax"])
+        if nxt is None:
+            symptom = "no later step recorded: what decoding did with it is unknown"
+        elif nxt == 0:
+            symptom = ("greedy decoding then emitted vocab id 0, the first id: argmax over an "
+                       "all-NaN row (the '!!!!!!' / repeated first-token output)")
+        elif len(ids) and nxt in set(ids.tolist()):
+            symptom = f"greedy decoding then emitted vocab id {nxt}, a NaN entry (argmax " \
+                      "treats NaN as the largest value)"
+        else:
+            symptom = f"the next token fed back was vocab id {nxt}"
+        return NonfiniteLogits(step, rows, vocab, nan, inf, per_row, last, no_finite,
+                               [int(i) for i in ids[:32]], len(ids), argmax, nxt, symptom)
+    return None

@@ -1,0 +1,198 @@
+"""Parameter evidence taken once at attach: the health of each hooked module's weights, scales
+and zero points, its static input scale, and which parameters of the model are tied.
+
+Everything is vectorised torch on the tensor's own device with a handful of host reads per
+tensor (never a Python loop over rows, channels or groups). Full-tensor counts (NaN, Inf, exact
+zeros) read every value once; the per-group summaries (distinct levels, scale dominance) read
+at most `SAMPLE_ROWS` evenly spaced rows, so their cost is bounded whatever the model size.
+The JSON keys written here are specified in docs/trace-format.md (module `info.health`,
+`info.static_input`, root `info.tied`); the torch-free reader side is
+`qforensics.trace.moduleinfo`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DOMINANCE_RATIO", "SAMPLE_ROWS", "param_health", "static_input", "tied_groups"]
+
+SAMPLE_ROWS = 32  # rows read for the per-group summaries (levels, dominance)
+DEFAULT_GROUP = 128  # quantization group along the input dim when the module names none
+DOMINANCE_RATIO = 2.0  # a group's absmax >= this x its second-largest |value|: one weight sets
+# the group's scale and every other weight in it uses at most half of the grid
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ZERO_POINT_NAMES = ("weight_zero_point", "zeros", "input_zero_point", "zero_point")
+SCALE_NAMES = ("scales", "weight_scale", "input_scale", "SCB", "scale", "weight_scale_inv")
+
+
+def _index(flat: int, shape: tuple[int, ...], group: int | None) -> dict[str, int]:
+    """Row (dim 0) and column (last dim) of a row-major flat index, and the column's group."""
+    cols = shape[-1] if len(shape) >= 2 else 1
+    out = {"index": flat, "row": flat // max(1, math.prod(shape[1:]))}
+    if len(shape) >= 2:
+        out["col"] = flat % cols
+        if group:
+            out["group"] = out["col"] // group
+    return out
+
+
+def _first(mask: torch.Tensor) -> int:
+    """Flat index of the first True (one host read)."""
+    return int(mask.reshape(-1).to(torch.uint8).argmax())
+
+
+def _group_stats(x: torch.Tensor, group: int) -> dict[str, Any] | None:
+    """Distinct levels and scale dominance per group of `group` input columns, on sampled rows."""
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        return None
+    n, k = x.shape
+    g = group if 0 < group <= k and k % group == 0 else k
+    idx = torch.linspace(0, n - 1, steps=min(n, SAMPLE_ROWS), device=x.device).round().long()
+    v = x.index_select(0, idx).float().reshape(-1, g)
+    v = v[torch.isfinite(v).all(dim=1)]
+    if v.shape[0] == 0:
+        return None
+    s = v.sort(dim=1).values
+    levels = (s[:, 1:] != s[:, :-1]).sum(dim=1) + 1
+    if g >= 2:  # the two largest |values| are among the two smallest and two largest values
+        ends = torch.cat([s[:, :2], s[:, -2:]], dim=1).abs()
+        top2 = ends.topk(2, dim=1).values
+        dom = (top2[:, 0] > 0) & (top2[:, 0] >= DOMINANCE_RATIO * top2[:, 1])
+    else:
+        dom = torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
+    lmin, lmed, dshare = torch.stack([
+        levels.min().float(), levels.float().median(), dom.float().mean()]).tolist()
+    return {"group_size": g, "groups": int(v.shape[0]), "rows_sampled": int(idx.numel()),
+            "levels_min": int(lmin), "levels_median": float(lmed),
+            "dominated_share": round(float(dshare), 4)}
+
+
+def packed_levels(qweight: torch.Tensor, bits: int, group: int, layout: str
+                  ) -> dict[str, Any] | None:
+    """Distinct codes per quantization group of a packed int32 `qweight` (GPTQ: [K * bits / 32,
+    N], packed along K; AWQ: [K, N * bits / 32], packed along N), on at most `SAMPLE_ROWS`
+    sampled packed columns. Codes map one-to-one onto a group's dequantized levels."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or bits not in (2, 4, 8):
+        return None
+    idx = torch.linspace(0, qweight.shape[1] - 1, steps=min(qweight.shape[1], SAMPLE_ROWS),
+                         device=qweight.device).round().long()
+    q = qweight.index_select(1, idx)
+    shifts = torch.arange(0, 32, bits, device=q.device, dtype=torch.int32)
+    codes = (q.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, cols, per]
+    if layout == "gptq":  # K runs along the packed rows: [K/per, cols, per] -> [K, cols]
+        codes = codes.permute(0, 2, 1).reshape(-1, q.shape[1])
+    else:  # awq: K runs along rows already; the packed values are output channels
+        codes = codes.reshape(q.shape[0], -1)
+    k = codes.shape[0]
+    g = group if 0 < group <= k and k % group == 0 else k
+    v = codes.t().reshape(-1, g)
+    srt = v.sort(dim=1).values
+    levels = (srt[:, 1:] != srt[:, :-1]).sum(dim=1) + 1
+    lmin, lmed = torch.stack([levels.min().float(), levels.float().median()]).tolist()
+    return {"group_size": g, "groups": int(v.shape[0]), "rows_sampled": int(idx.numel()),
+            "levels_min": int(lmin), "levels_median": float(lmed), "dominated_share": 0.0,
+            "packed": True}
+
+
+def param_health(t: torch.Tensor, pname: str, *, group: int | None = None,
+                 bits: int | None = None, summarize: bool = False) -> dict[str, Any]:
+    """Counts over the whole tensor (`numel`, `nan`, `inf`, `zero`, `subnormal`), where the first
+    bad value sits (`first_nonfinite`, and `first_zero` for a scale), and for a float weight with
+    `summarize` the per-group `levels` summary; for an integer zero point the count outside the
+    range its bit width allows (`zero_point_out_of_range`)."""
+    if t.is_meta or t.numel() == 0:
+        return {"numel": int(t.numel())}
+    x = t.detach()
+    leaf = pname.rsplit(".", 1)[-1]
+    if not x.is_floating_point():
+        out: dict[str, Any] = {"numel": int(x.numel())}
+        if leaf in ZERO_POINT_NAMES and x.dtype not in (torch.bool,):
+            b = bits or 8
+            lo, hi = -(2 ** (b - 1)), 2 ** b - 1  # either signed or unsigned convention fits
+            bad = (x < lo) | (x > hi)
+            nbad = int(bad.count_nonzero())
+            out["zero_point_out_of_range"] = nbad
+            out["zero_point_range"] = [lo, hi]
+            if nbad:
+                out["first_out_of_range"] = _index(_first(bad), tuple(x.shape), None)
+        return out
+    if x.dtype in FP8_DTYPES:
+        x = x.float()
+    tiny = torch.finfo(x.dtype).tiny
+    with torch.no_grad():  # count_nonzero on bool masks: ~3x faster than sum over 4 masks
+        nan, fin, zero, small = torch.stack([
+            torch.isnan(x).count_nonzero(), torch.isfinite(x).count_nonzero(),
+            (x == 0).count_nonzero(), (x.abs() < tiny).count_nonzero(),
+        ]).tolist()
+        out = {"numel": int(x.numel()), "nan": nan, "inf": int(x.numel()) - fin - nan,
+               "zero": zero, "subnormal": small - zero}
+        is_scale = leaf in SCALE_NAMES
+        if fin < x.numel():  # rare: find the first bad row / group
+            out["first_nonfinite"] = _index(_first(~torch.isfinite(x)), tuple(x.shape),
+                                            None if is_scale else group)
+        if is_scale and zero:
+            out["first_zero"] = _index(_first(x == 0), tuple(x.shape), None)
+        if summarize and not is_scale and x.dim() == 2:
+            levels = _group_stats(x, group or DEFAULT_GROUP)
+            if levels is not None:
+                out["levels"] = levels
+    return out
+
+
+def _scale_value(module: nn.Module) -> torch.Tensor | float | None:
+    v = getattr(module, "input_scale", None)
+    if isinstance(v, torch.Tensor) and v.numel() and v.is_floating_point() and not v.is_meta:
+        return v
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return None
+
+
+def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The static input scale a layer quantizes its activations with (`input_scale` of vLLM's
+    and compressed-tensors' FP8/INT8 layers, and of our own static FP8 layer), and the range it
+    can represent: scale x 448 for FP8 e4m3, x 57344 for e5m2, x 127 for INT8."""
+    v = _scale_value(module)
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        vals = v.detach().float().reshape(-1)
+        lo, hi = torch.stack([vals.min(), vals.max()]).tolist()
+        numel = int(vals.numel())
+    else:
+        lo = hi = v
+        numel = 1
+    q = quant or {}
+    fmt = str(q.get("act_format") or "")
+    w = getattr(module, "weight", None)
+    if not fmt:
+        fmt_hint = str(q.get("format") or "").lower()
+        if "int8" in fmt_hint or (isinstance(w, torch.Tensor) and w.dtype == torch.int8):
+            fmt = "int8"
+        elif "e5m2" in fmt_hint:
+            fmt = "fp8-e5m2"
+        else:
+            fmt = "fp8-e4m3"
+    qmax = {"int8": 127.0, "fp8-e4m3": 448.0, "fp8-e5m2": 57344.0}.get(fmt, 448.0)
+    return {"scale": hi, "scale_min": lo, "numel": numel, "format": fmt, "qmax": qmax,
+            "range": hi * qmax}
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names that share one storage (e.g. `lm_head.weight` and
+    `model.embed_tokens.weight`), each group in model order."""
+    by_key: dict[tuple, list[str]] = {}
+    try:
+        named = model.named_parameters(remove_duplicate=False)
+    except TypeError:  # very old torch
+        named = model.named_parameters()
+    for name, p in named:
+        if p.is_meta:
+            continue
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.dtype)
+        by_key.setdefault(key, []).append(name)
+    return [names for names in by_key.values() if len(names) > 1]
