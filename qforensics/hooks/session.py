@@ -33,6 +33,7 @@ from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
 from qforensics.hooks.snapshots import Snapshots
+from qforensics.incidents import register_sink
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter
 
@@ -173,6 +174,7 @@ class Capture:
         self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
         self._snaps: Snapshots | None = None
         self._incidents: list[np.ndarray] = []
+        self._sink: Any = None  # registration in qforensics.incidents
         self._names: list[str] = []
         self._kinds: list[str] = []
         self._modules: list[nn.Module] = []
@@ -240,6 +242,7 @@ class Capture:
             self._handles.append(self.model.register_forward_hook(
                 partial(self._on_root_post, root_id), with_kwargs=True, always_call=True))
             self._attached = True
+            self._sink = register_sink(self.model, self.record_incident)  # guard incidents
             registry.register_exit(self)
         except BaseException:
             self._remove_hooks()
@@ -540,6 +543,9 @@ class Capture:
                     self._incidents = []
             finally:
                 self._remove_hooks()
+                if self._sink is not None:
+                    self._sink.remove()
+                    self._sink = None
                 registry.release(self.model)
                 st = dict(status or {"state": "complete"})
                 st["steps"] = self.step + 1
