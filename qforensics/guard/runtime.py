@@ -196,6 +196,20 @@ class Guard(StepMachine):
     def hooks_attached(self) -> int:
         return len(self._root_handles) + len(self._mod_handles)
 
+    def fallback(self, name: str) -> Fallback | None:
+        """The fallback strategy bound to guarded module ``name`` (None: it has none)."""
+        return self._fallbacks[self._index(name)]
+
+    def no_fallback_reason(self, name: str) -> str:
+        """Why guarded module ``name`` has no fallback ("" when it has one)."""
+        return self._no_fallback.get(self.names[self._index(name)], "")
+
+    def _index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise GuardError(f"guard: {name!r} is not a guarded module") from None
+
     def state(self, name: str) -> str:
         return STATE_NAMES[self._state[self.names.index(name)]]
 
