@@ -90,6 +90,7 @@ class Guard(StepMachine):
         self._failed: str | None = None
         self._check_modules = self.policy.check == "modules"
         self._warned_sanitize = False
+        self._said_no_rollback = False
         # per-step state
         self.step = -1
         self._depth = 0

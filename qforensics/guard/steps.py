@@ -20,17 +20,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from qforensics.guard.cache import cache_length, rollback, why_not_croppable
 from qforensics.guard.outputs import (cache_of, fetch, input_of, logits_of, nonfinite_counts,
                                       with_logits)
 from qforensics.guard.policy import GuardTripError
 
-__all__ = ["HEALTHY", "LOGITS", "OPEN", "STATE_NAMES", "SUSPECT", "StepMachine"]
+__all__ = ["HEALTHY", "KV_CACHE", "LOGITS", "OPEN", "STATE_NAMES", "SUSPECT", "StepMachine"]
 
 log = logging.getLogger("qforensics.guard")
 
 HEALTHY, SUSPECT, OPEN = 0, 1, 2
 STATE_NAMES = {HEALTHY: "healthy", SUSPECT: "suspect", OPEN: "breaker-open"}
 LOGITS = "(logits)"  # module name of step-level incidents
+KV_CACHE = "(kv-cache)"  # module name of cache incidents
 
 
 class StepMachine:
@@ -107,9 +109,12 @@ class StepMachine:
             self._flags, self._counts, self._notes = [], [], []
             self._tripped = set()
             self._cache = cache_of(kwargs)
-            self._cache_len = None
-            if self._cache is not None and callable(getattr(self._cache, "get_seq_length", None)):
-                self._cache_len = int(self._cache.get_seq_length())
+            self._cache_len = cache_length(self._cache)
+            if self._cache is not None and not self._said_no_rollback:
+                why = why_not_croppable(self._cache) if not isinstance(
+                    self._cache, (tuple, list)) else None
+                if why:  # known before the forward: check modules in this very step
+                    self._no_rollback(why)
         except Exception as exc:
             self._fail(exc)
 
@@ -168,21 +173,18 @@ class StepMachine:
             ok = bool(torch.isfinite(logits).all())
         return ok, bad_flags
 
-    def _rollback_cache(self) -> str | None:
-        """Undo what the failed pass appended to the KV cache; None when done, else why not."""
-        cache = self._cache
-        if cache is None:
-            return None
-        if isinstance(cache, (tuple, list)):
-            return None  # legacy tuple cache: the forward returns a new one, input untouched
-        if self._cache_len is None or not callable(getattr(cache, "crop", None)):
-            return f"the KV cache ({type(cache).__name__}) cannot be rolled back"
-        added = int(cache.get_seq_length()) - self._cache_len
-        if added > 0:
-            cache.crop(-added)  # negative: remove that many tokens (transformers 4.x and 5.x)
-        if int(cache.get_seq_length()) != self._cache_len:
-            return f"rolling back the KV cache ({type(cache).__name__}) failed"
-        return None
+    def _no_rollback(self, why: str) -> None:
+        """The KV cache cannot be rolled back: say so (an incident, logged once) and locate
+        producers with per-module checks from now on instead of reruns."""
+        if not self._said_no_rollback:
+            self._said_no_rollback = True
+            detail = f"{why}; no rerun: the guard checks every guarded module from now on"
+            log.warning("qforensics guard: %s", detail)
+            self._incident(KV_CACHE, "no_rollback", 0, 0, detail)
+        if not self._check_modules:
+            self._check_modules = True
+            for i in range(len(self.names)):
+                self._hook(i)
 
     def _end_step(self, module: nn.Module, output: Any) -> Any:
         logits = logits_of(output)
@@ -193,8 +195,9 @@ class StepMachine:
         why = ""
         if self.policy.rerun:
             for attempt in range(self.policy.max_reruns):
-                why = self._rollback_cache() or ""
+                why = rollback(self._cache, self._cache_len) or ""
                 if why:
+                    self._no_rollback(why)
                     break
                 n_tripped = len(self._tripped)
                 self._notes = []
@@ -237,11 +240,6 @@ class StepMachine:
                     self._state[i] = SUSPECT
                     self._hook(i)
                     self._breaker(i)
-        if why.startswith("the KV cache") or why.startswith("rolling back"):
-            if not self._check_modules:  # locate by flags from now on
-                self._check_modules = True
-                for i in range(len(self.names)):
-                    self._hook(i)
         if logits is None or bool(torch.isfinite(logits).all()):
             return output if replaced else None
         return self._sanitize(output, logits, why)
