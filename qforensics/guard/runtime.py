@@ -91,7 +91,8 @@ class Guard(StepMachine):
         self._check_modules = self.policy.check == "modules"
         self._warned_sanitize = False
         self._said_no_rollback = False
-        # per-step state
+        # per-step state, one step at a time across threads (see StepMachine._on_root_pre)
+        self._step_lock = threading.RLock()
         self.step = -1
         self._depth = 0
         self._in_step = False

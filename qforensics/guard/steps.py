@@ -98,6 +98,10 @@ class StepMachine:
 
     # -- step boundaries -----------------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # One step at a time: a forward on another thread (a server's pool, a streamer's
+        # generate thread) waits here until this step's post-hook (always called, also when
+        # the forward raises) releases the lock. Re-entrant for nested calls of the root.
+        self._step_lock.acquire()
         self._depth += 1
         if self._depth > 1 or self._failed:
             return
@@ -119,6 +123,15 @@ class StepMachine:
             self._fail(exc)
 
     def _on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        try:
+            return self._close_step(module, output)
+        finally:
+            try:
+                self._step_lock.release()
+            except RuntimeError:  # attached mid-forward: this thread never took the lock
+                pass
+
+    def _close_step(self, module: nn.Module, output: Any) -> Any:
         self._depth = max(0, self._depth - 1)
         if self._depth > 0 or not self._in_step:
             return None

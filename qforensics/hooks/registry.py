@@ -44,14 +44,18 @@ def active_capture(model: "nn.Module") -> "Capture | None":
 # -- process exit / signals: flush what we have --------------------------------------------------
 _OPEN: "weakref.WeakSet[Capture]" = weakref.WeakSet()
 _SIG_INSTALLED = False
+_EXIT_INSTALLED = False
 
 
 def register_exit(cap: "Capture") -> None:
-    global _SIG_INSTALLED
+    global _SIG_INSTALLED, _EXIT_INSTALLED
     _OPEN.add(cap)
+    if not _EXIT_INSTALLED:  # from any thread: a capture attached on a worker is sealed too
+        _EXIT_INSTALLED = True
+        atexit.register(_close_all, "exit")
+    # signal handlers can only be installed from the main thread (retried on each attach)
     if not _SIG_INSTALLED and threading.current_thread() is threading.main_thread():
         _SIG_INSTALLED = True
-        atexit.register(_close_all, "exit")
         for sig in (signal.SIGTERM,):
             prev = signal.getsignal(sig)
             if prev in (signal.SIG_IGN,):

@@ -160,6 +160,7 @@ class Capture:
         self._attached = False
         self._degraded: str | None = None
         self._lock = threading.RLock()
+        self._step_lock = threading.RLock()  # serializes steps of concurrent forwards
         # run state
         self.step = -1
         self._in_step = False
@@ -253,6 +254,8 @@ class Capture:
 
     # -- the hooks (hot path) ----------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # One step at a time across threads: released by _on_root_post (always called).
+        self._step_lock.acquire()
         if self._degraded:
             return
         try:
@@ -271,6 +274,15 @@ class Capture:
 
     def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
+        try:
+            self._close_root(root_id, output)
+        finally:
+            try:
+                self._step_lock.release()
+            except RuntimeError:  # attached mid-forward: this thread never took the lock
+                pass
+
+    def _close_root(self, root_id: int, output: Any) -> None:
         if self._degraded:
             return
         try:
