@@ -15,7 +15,6 @@ guards. Quantized layouts (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes) are
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -25,8 +24,17 @@ from torch import nn
 from qforensics.guard.policy import GuardError, GuardPolicy
 from qforensics.layerkinds import LINEAR_CLASS_NAME, QUANT_ATTRS, is_linear_like
 
-__all__ = ["DenseLinear", "Fallback", "FALLBACKS", "GivenWeight", "TransposedConv1D",
-           "choose_fallback", "dense_linear", "is_quantized", "select_guarded"]
+__all__ = [
+    "FALLBACKS",
+    "DenseLinear",
+    "Fallback",
+    "GivenWeight",
+    "TransposedConv1D",
+    "choose_fallback",
+    "dense_linear",
+    "is_quantized",
+    "select_guarded",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 

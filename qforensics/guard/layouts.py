@@ -32,8 +32,16 @@ from torch import nn
 
 from qforensics.guard.fallbacks import Fallback
 
-__all__ = ["AwqGemm", "BitsAndBytes4bit", "BitsAndBytes8bit", "CompressedPacked", "Fp8Weight",
-           "GptqPacked", "QUANTIZED_FALLBACKS", "unpack_int32"]
+__all__ = [
+    "QUANTIZED_FALLBACKS",
+    "AwqGemm",
+    "BitsAndBytes4bit",
+    "BitsAndBytes8bit",
+    "CompressedPacked",
+    "Fp8Weight",
+    "GptqPacked",
+    "unpack_int32",
+]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # logical column of nibble i inside an AWQ int32
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -173,7 +181,7 @@ class CompressedPacked(Fallback):
         b = getattr(args, "num_bits", None)
         if isinstance(b, int):
             return b
-        n, k = (int(v) for v in module.weight_shape.reshape(-1).tolist()[:2])
+        k = int(module.weight_shape.reshape(-1)[1])
         return round(module.weight_packed.shape[1] * 32 / k) if k else 0
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:

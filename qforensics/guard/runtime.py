@@ -51,9 +51,14 @@ import torch
 from torch import nn
 
 from qforensics.guard.fallbacks import Fallback, choose_fallback, select_guarded
-from qforensics.guard.policy import (GuardError, GuardPolicy, GuardStats, GuardTripError,
-                                     resolve_policy)
-from qforensics.guard.steps import HEALTHY, OPEN, STATE_NAMES, SUSPECT, StepMachine
+from qforensics.guard.policy import (
+    GuardError,
+    GuardPolicy,
+    GuardStats,
+    GuardTripError,
+    resolve_policy,
+)
+from qforensics.guard.steps import HEALTHY, OPEN, STATE_NAMES, StepMachine
 from qforensics.incidents import report_incident
 
 __all__ = ["Guard", "GuardError", "GuardPolicy", "GuardStats", "GuardTripError", "guard"]

@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from qforensics.guard.cache import cache_length, rollback, why_not_croppable
-from qforensics.guard.outputs import (cache_of, fetch, input_of, logits_of, nonfinite_counts,
-                                      with_logits)
+from qforensics.guard.outputs import (
+    cache_of,
+    fetch,
+    input_of,
+    logits_of,
+    nonfinite_counts,
+    with_logits,
+)
 from qforensics.guard.policy import GuardTripError
 
 __all__ = ["HEALTHY", "KV_CACHE", "LOGITS", "OPEN", "STATE_NAMES", "SUSPECT", "StepMachine"]

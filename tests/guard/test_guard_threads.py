@@ -127,7 +127,8 @@ STREAMER_SCRIPT = textwrap.dedent("""
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=False)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=False,
+                                    timeout=300)  # a failed generate must not hang the test
 
     def run():
         with emulate_quantized_linears(m, "fp8-e4m3-nosat", exclude=("lm_head",)):
