@@ -37,7 +37,8 @@ class ModelSource:
 
     def describe(self) -> str:
         what = {"hf": "HF folder", "gguf": "GGUF file", "factory": "factory",
-                "demo": "the demo model (SmolLM2-135M-Instruct)"}[self.kind]
+                "given": "the model", "demo": "the demo model (SmolLM2-135M-Instruct)"
+                }[self.kind]
         return what if self.kind == DEMO else f"{what} {self.value} ({self.origin})"
 
 

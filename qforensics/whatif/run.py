@@ -300,6 +300,7 @@ def run_whatif(
     keep_salient: float | None = None,
     model: Any = None,
     tokenizer: Any = None,
+    model_spec: str | None = None,
     max_new_tokens: int = 32,
     text_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
@@ -307,7 +308,10 @@ def run_whatif(
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
     ``schemes`` are what-if specs (see `parse_whatif_scheme`; `TABLE_SCHEMES` for the scenario
-    table). ``model``/``tokenizer`` default to the demo model (`load_demo`). ``progress``
+    table). ``model``/``tokenizer`` are the model to run; without them ``model_spec`` (an HF
+    folder, a .gguf file, ``module:factory`` or "demo"; default: the path the trace recorded,
+    else the demo model) is loaded (`qforensics.whatif.model`). With a trace, the model must
+    match it (class, vocab size, module names, shapes): `UsageError` otherwise. ``progress``
     receives one line per scheme. Every weight change is undone before returning.
     """
     say = progress or (lambda msg: None)
@@ -315,13 +319,18 @@ def run_whatif(
               for s in schemes]
     if not parsed:
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    from qforensics.whatif.model import (ModelSource, check_model_matches, load_model_source,
+                                         resolve_model_source)
+
     trace_path = os.fspath(trace) if trace is not None else None
     ids = None
+    meta: dict[str, Any] = {}
     prompt_source = "the demo prompt (no trace given)"
     if trace_path is not None:
         from qforensics.trace.reader import open_trace
 
         with open_trace(trace_path) as t:
+            meta = t.meta
             if t.n_steps:
                 try:
                     ids = t.input_ids(int(t.steps["step"].iloc[0]))
@@ -333,8 +342,13 @@ def run_whatif(
             if ids is not None and not len(ids):
                 ids = None
     if model is None or tokenizer is None:
-        say("loading SmolLM2-135M-Instruct")
-        model, tokenizer = load_demo()
+        src = resolve_model_source(model_spec, meta)
+        say(f"loading {src.describe()}")
+        model, tokenizer = load_model_source(src)
+    else:
+        src = ModelSource("given", type(model).__name__, "the caller")
+    if trace_path is not None:
+        check_model_matches(trace_path, model, src)
     import torch
 
     input_ids = torch.as_tensor(ids, dtype=torch.long) if ids is not None else \
