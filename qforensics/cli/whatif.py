@@ -15,7 +15,9 @@ from qforensics.errors import UsageError
 @click.option("--scheme", "schemes", multiple=True, metavar="SPEC",
               help="Scheme to try (repeatable): int4-g128, w:int4-per-tensor, "
                    "act:fp8-e4m3-nosat, w:int4-g128+act:int8-per-token. Bare fp8-* and "
-                   "*-per-token specs are activations, other INT specs weights.")
+                   "*-per-token specs are activations, other INT specs weights. ct:PRESET "
+                   "(ct:W4A16, ct:W8A16, ct:FP8_DYNAMIC) runs compressed-tensors' own preset "
+                   "through the library.")
 @click.option("--keep-salient", metavar="PCT",
               help="Keep this share of input channels (by the trace's recorded activation "
                    "absmax) in FP16 for the INT weight schemes of --scheme: 1% or 0.01.")
@@ -48,7 +50,7 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     Example:
         qforensics whatif trace.h5 --scheme int4-g128 --keep-salient 1%
         qforensics whatif trace.h5 --table --json whatif.json
-        qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128
+        qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
     """
     from qforensics.trace.reader import open_trace
     from qforensics.whatif.run import (

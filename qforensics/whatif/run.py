@@ -75,6 +75,8 @@ class WhatIfScheme:
     label: str
     weights: Any = None  # QuantScheme
     activations: Any = None  # QuantScheme
+    library: str | None = None  # "compressed-tensors": the library's own preset, ``preset``
+    preset: str | None = None
 
     @property
     def needs_salient(self) -> bool:
@@ -108,6 +110,13 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
 
     if not isinstance(spec, str) or not spec.strip():
         raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
+    lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+)$", spec.strip(), re.IGNORECASE)
+    if lib:  # a real library's preset, measured through it (qforensics.whatif.library)
+        from qforensics.whatif.library import check_compressed_tensors_preset
+
+        preset = lib.group(2).upper()
+        check_compressed_tensors_preset(preset)
+        return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
     weights = activations = None
     for part in spec.strip().split("+"):
         part = part.strip()
@@ -225,6 +234,10 @@ class WhatIf:
         from qforensics.quant import emulate_quantized_linears, quantize_weights
 
         with contextlib.ExitStack() as stack:
+            if sc.library == "compressed-tensors":
+                from qforensics.whatif.library import applied_compressed_tensors
+
+                stack.enter_context(applied_compressed_tensors(self.model, sc.preset))
             if sc.weights is not None:
                 stack.enter_context(quantize_weights(self.model, sc.weights,
                                                      act_absmax=absmax if sc.needs_salient
@@ -255,7 +268,8 @@ class WhatIf:
         text_top1 = top1_agreement(txt[:-1], self.ref_text_argmax)
         nonfinite = not (bool(torch.isfinite(cont).all()) and bool(torch.isfinite(txt).all()))
         return SchemeResult(
-            scheme=sc.label, weights=str(sc.weights) if sc.weights else None,
+            scheme=sc.label, weights=str(sc.weights) if sc.weights else (
+                f"{sc.library} {sc.preset}" if sc.library else None),
             activations=str(sc.activations) if sc.activations else None, top1=top1, kl=kl,
             ppl=ppl, text_top1=text_top1, recovered=recovered_fraction(self.ref_ppl, ppl),
             nonfinite=nonfinite, text=self._decode(own), seconds=round(time.time() - t0, 2))
