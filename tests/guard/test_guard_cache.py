@@ -105,3 +105,22 @@ def test_generate_with_a_cache_it_cannot_roll_back(impl, caplog):
     assert sanitized and max(sanitized) <= 1
     assert all(torch.isfinite(s).all() for s in out.scores)
     assert "cannot be rolled back" in caplog.text
+
+
+def test_no_rollback_is_an_incident_in_the_trace(tmp_path):
+    import qforensics
+
+    model, _ = _mistral()
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = NoSatFp8Linear(mlp.down_proj)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "cache.h5"
+    with torch.no_grad(), qforensics.capture(model, path), guard(model) as g:
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with qforensics.open_trace(path) as t:
+        inc = t.incidents
+    assert len(inc) == len(g.incidents)  # every guard action is in the trace
+    first = inc.iloc[0]
+    assert (first.module, first.action) == ("(kv-cache)", "no_rollback")
+    assert "cannot be rolled back" in first.detail
+    assert "model.layers.1.mlp.down_proj" in set(inc.module)
