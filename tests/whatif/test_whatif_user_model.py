@@ -151,3 +151,20 @@ def test_cli_bad_model_exits_2_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["whatif", str(trace), "--model", "nomod_xyz:build",
                                   "--scheme", "int4-g128"])
     assert r.exit_code == 2 and "cannot import nomod_xyz" in r.output
+
+
+def test_a_gguf_file_is_loaded_and_checked(demo):
+    """--model with a GGUF file: the demo's own GGUF resolves to its cached conversion, and the
+    committed demo trace matches it."""
+    from pathlib import Path
+
+    from qforensics.demo.model import gguf_path
+    from qforensics.whatif.model import load_model_source
+
+    src = resolve_model_source(str(gguf_path()), {})
+    assert (src.kind, src.origin) == ("gguf", "--model")
+    model, tok = load_model_source(src)
+    assert model is demo[0] and tok is demo[1]
+    sample = Path(__file__).resolve().parents[2] / "sample_traces" / "fp16-reference.h5"
+    with qforensics.open_trace(sample) as t:
+        assert describe_mismatch(t, model) == []
