@@ -169,3 +169,17 @@ def test_refusals_say_why():
     del fp8.weight_scale
     ok, why = Fp8Weight.can_take(fp8)
     assert not ok and "no weight_scale" in why
+
+
+def test_fp8_fallback_quantizes_activations_like_the_layer():
+    """Static input_scale: saturating at ±448·input_scale; none: a per-token dynamic scale."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    x[0, 5] = 1e4  # beyond the static range
+    for static in (True, False):
+        layer, expected = H.make_fp8(static_input=static)
+        fb, _ = choose_fallback("layer", layer, GuardPolicy())
+        s = torch.tensor(0.02) if static else x.abs().amax(-1, keepdim=True) / 448.0
+        xq = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+        torch.testing.assert_close(fb(x, torch.float32), xq @ expected.t(), rtol=1e-5,
+                                   atol=1e-4)
+        assert torch.isfinite(fb(x, torch.float32)).all()
