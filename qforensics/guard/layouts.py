@@ -20,6 +20,8 @@ library publishes; the guard then runs the layer dense.
 - `BitsAndBytes4bit` / `BitsAndBytes8bit`: bitsandbytes ``Linear4bit`` (NF4 / FP4, dequantized
   by the library's own ``dequantize_4bit``) and ``Linear8bitLt`` (int8 ``CB`` with per-row
   ``SCB``: W = CB * SCB / 127).
+- `QuantoWeight`: optimum-quanto ``QLinear`` (qint2/4/8, qfloat8 weights), dequantized by the
+  library's own ``QTensor.dequantize``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "CompressedPacked",
     "Fp8Weight",
     "GptqPacked",
+    "QuantoWeight",
     "unpack_int32",
 ]
 
@@ -315,5 +318,29 @@ class BitsAndBytes8bit(Fallback):
         return (cb.float() * (scb.float().reshape(-1, 1) / 127.0)).to(dtype)
 
 
+class QuantoWeight(Fallback):
+    layout = "optimum-quanto"
+
+    @classmethod
+    def can_take(cls, module: nn.Module) -> tuple[bool, str]:
+        if not any(c.__module__.startswith("optimum.quanto") for c in type(module).__mro__):
+            return False, "not an optimum-quanto layer"
+        if not callable(getattr(cls._qweight(module), "dequantize", None)):
+            return False, "its weight is not quantized (call optimum.quanto.quantize first)"
+        return True, ""
+
+    @staticmethod
+    def _qweight(module: nn.Module) -> Any:
+        w = getattr(module, "weight", None)
+        if w is not None and type(w) not in (torch.Tensor, nn.Parameter):
+            return w  # frozen: the weight is a quanto QTensor
+        return getattr(module, "qweight", None)  # not frozen: quantized on access
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        with torch.no_grad():
+            w = self._qweight(self.module).dequantize()
+        return w.detach().to(dtype)
+
+
 QUANTIZED_FALLBACKS: list[type[Fallback]] = [AwqGemm, GptqPacked, CompressedPacked, Fp8Weight,
-                                             BitsAndBytes4bit, BitsAndBytes8bit]
+                                             BitsAndBytes4bit, BitsAndBytes8bit, QuantoWeight]

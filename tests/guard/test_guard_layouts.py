@@ -183,3 +183,35 @@ def test_fp8_fallback_quantizes_activations_like_the_layer():
         torch.testing.assert_close(fb(x, torch.float32), xq @ expected.t(), rtol=1e-5,
                                    atol=1e-4)
         assert torch.isfinite(fb(x, torch.float32)).all()
+
+
+def _quanto(dtype):
+    from optimum.quanto import freeze, qint8, quantize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 10)).to(dtype)
+    with torch.no_grad():
+        model[1].weight.mul_(1e-3)
+    w0 = model[0].weight.detach().float().clone()
+    quantize(model, weights=qint8, include=["0"])  # the library swaps in its QLinear
+    freeze(model)
+    return model, w0
+
+
+def test_optimum_quanto_qlinear():
+    """The real optimum-quanto QLinear (int8 weights, frozen): the dense weight is quanto's
+    per-row symmetric int8 (scale = row absmax / 127, written out here), and a float16 run that
+    overflows in the layer is recovered by the float32 fallback."""
+    model, w0 = _quanto(torch.float32)
+    s = w0.abs().amax(1, keepdim=True) / 127
+    fb, why = choose_fallback("0", model[0], GuardPolicy())
+    assert why == "" and type(fb).__name__ == "QuantoWeight"
+    torch.testing.assert_close(fb.weight_for(torch.float32), torch.round(w0 / s) * s)
+    model, w0 = _quanto(torch.float16)
+    x = (torch.sign(w0[0]) * 6e4).half().reshape(1, 256)  # row 0 of the output overflows
+    with torch.no_grad():
+        assert not torch.isfinite(model(x)).all()
+        with guard(model) as g:
+            out = model(x)
+    assert g.names == ["0"] and torch.isfinite(out).all()
+    assert g.stats.trips == 1 and g.stats.sanitized_steps == 0
