@@ -120,11 +120,11 @@ class StepMachine:
             self._tripped = set()
             self._cache = cache_of(kwargs)
             self._cache_len = cache_length(self._cache)
-            if self._cache is not None and not self._said_no_rollback:
+            if self._cache is not None and not self._check_modules:
                 why = why_not_croppable(self._cache) if not isinstance(
                     self._cache, (tuple, list)) else None
-                if why:  # known before the forward: check modules in this very step
-                    self._no_rollback(why)
+                if why:  # known before the forward: flag modules in this very step
+                    self._per_module_checks(why)
         except Exception as exc:
             self._fail(exc)
 
@@ -192,18 +192,25 @@ class StepMachine:
             ok = bool(torch.isfinite(logits).all())
         return ok, bad_flags
 
+    def _per_module_checks(self, why: str) -> None:
+        """Flag every guarded module from now on (check="modules"): with a cache that cannot
+        be rolled back, the producer of a non-finite step is found at the step end instead of
+        by a rerun. Said once in the log; an incident only when a step needs it."""
+        if not self._check_modules:
+            log.info("qforensics guard: %s; checking every guarded module from now on", why)
+            self._check_modules = True
+            for i in range(len(self.names)):
+                self._hook(i)
+
     def _no_rollback(self, why: str) -> None:
-        """The KV cache cannot be rolled back: say so (an incident, logged once) and locate
-        producers with per-module checks from now on instead of reruns."""
+        """A failed step's KV cache cannot be rolled back: say so (one incident, logged once)
+        and locate producers with per-module checks instead of reruns."""
         if not self._said_no_rollback:
             self._said_no_rollback = True
             detail = f"{why}; no rerun: the guard checks every guarded module from now on"
             log.warning("qforensics guard: %s", detail)
             self._incident(KV_CACHE, "no_rollback", 0, 0, detail)
-        if not self._check_modules:
-            self._check_modules = True
-            for i in range(len(self.names)):
-                self._hook(i)
+        self._per_module_checks(why)
 
     def _end_step(self, module: nn.Module, output: Any) -> Any:
         logits = logits_of(output)

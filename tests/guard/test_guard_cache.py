@@ -124,3 +124,16 @@ def test_no_rollback_is_an_incident_in_the_trace(tmp_path):
     assert (first.module, first.action) == ("(kv-cache)", "no_rollback")
     assert "cannot be rolled back" in first.detail
     assert "model.layers.1.mlp.down_proj" in set(inc.module)
+
+
+def test_a_healthy_run_with_such_a_cache_has_no_incident():
+    """Checking modules starts before the first failing step (so it can be located), but an
+    incident is written only when a step actually needed a rollback."""
+    model, _ = _mistral()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), guard(model) as g:
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
+        module_hooks = g.hooks_attached - 2  # beyond the two root hooks
+    assert g.incidents == [] and g.stats.trips == 0 and g.failed is None
+    assert module_hooks == len(g.names)  # per-module flags since the static window was seen
