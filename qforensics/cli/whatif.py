@@ -15,7 +15,9 @@ from qforensics.errors import UsageError
 @click.option("--scheme", "schemes", multiple=True, metavar="SPEC",
               help="Scheme to try (repeatable): int4-g128, w:int4-per-tensor, "
                    "act:fp8-e4m3-nosat, w:int4-g128+act:int8-per-token. Bare fp8-* and "
-                   "*-per-token specs are activations, other INT specs weights.")
+                   "*-per-token specs are activations, other INT specs weights. ct:PRESET "
+                   "(ct:W4A16, ct:W8A16, ct:FP8_DYNAMIC) runs compressed-tensors' own preset "
+                   "through the library.")
 @click.option("--keep-salient", metavar="PCT",
               help="Keep this share of input channels (by the trace's recorded activation "
                    "absmax) in FP16 for the INT weight schemes of --scheme: 1% or 0.01.")
@@ -23,6 +25,11 @@ from qforensics.errors import UsageError
               help="Run the scenario schemes (int4-per-tensor, int4-g128, "
                    "int4-g128-salient1pct weights; int8-per-tensor, fp8-e4m3-nosat, fp8-e4m3 "
                    "activations) and print a table.")
+@click.option("--model", "model_spec", metavar="MODEL",
+              help="The model to rerun: an HF folder, a .gguf file, module:factory (a callable "
+                   "returning (model, tokenizer)) or 'demo'. Default: the model path the trace "
+                   "recorded, else the demo model. It must match the trace (class, vocab size, "
+                   "module names, shapes), or whatif exits 2 saying what differs.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), metavar="OUT",
               help="Also write the results as JSON to OUT.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 512),
@@ -30,8 +37,9 @@ from qforensics.errors import UsageError
 @click.option("--text-tokens", default=None, type=click.IntRange(8, None),
               help="Use only the first N tokens of the fixed perplexity text (default: all).")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
-            json_out: str | None, max_new_tokens: int, text_tokens: int | None) -> None:
-    """Rerun TRACE's prompt on the real model under other quantization schemes.
+            model_spec: str | None, json_out: str | None, max_new_tokens: int,
+            text_tokens: int | None) -> None:
+    """Rerun TRACE's prompt on the traced model under other quantization schemes.
 
     Compares each scheme with the unquantized reference: top-1 agreement (teacher-forced over
     the reference's answer), mean KL(ref || scheme), perplexity on a fixed text, and
@@ -42,6 +50,7 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     Example:
         qforensics whatif trace.h5 --scheme int4-g128 --keep-salient 1%
         qforensics whatif trace.h5 --table --json whatif.json
+        qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
     """
     from qforensics.trace.reader import open_trace
     from qforensics.whatif.run import (
@@ -64,10 +73,13 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         parsed = [parse_whatif_scheme(s) for s in TABLE_SCHEMES] + parsed
     if not parsed:
         raise UsageError("nothing to run: give --scheme SPEC (repeatable) or --table")
-    open_trace(trace).close()  # unreadable trace: exit 2 before loading the model
+    from qforensics.whatif.model import resolve_model_source
+
+    with open_trace(trace) as t:  # unreadable trace: exit 2 before loading the model
+        resolve_model_source(model_spec, t.meta)  # bad --model: exit 2 before loading
 
     result = run_whatif(trace, parsed, max_new_tokens=max_new_tokens, text_tokens=text_tokens,
-                        progress=lambda msg: click.echo(msg, err=True))
+                        model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True))
     click.echo(result.format_table())
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:

@@ -227,7 +227,9 @@ def run_scenarios(
         with dm.applied(sc):
             opts = dict(capture_options or {})
             opts.setdefault("metadata", {})
-            opts["metadata"] = {**opts["metadata"], "scenario": name, "prompt": prompt}
+            opts["metadata"] = {**opts["metadata"], "scenario": name, "prompt": prompt,
+                                # what `whatif` reruns by default (qforensics.whatif.model)
+                                "model_path": "demo"}
             with capture(dm.model, path, **opts):
                 full = dm.generate(max_new_tokens)
             agree = (dm.teacher_forced_top1(ref_full, n_prompt) if ref_full is not None

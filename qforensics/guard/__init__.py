@@ -18,14 +18,8 @@ import sys
 import types
 from typing import Any
 
-from qforensics.guard.runtime import (
-    Guard,
-    GuardError,
-    GuardPolicy,
-    GuardStats,
-    GuardTripError,
-    guard,
-)
+from qforensics.guard.policy import GuardError, GuardPolicy, GuardStats, GuardTripError
+from qforensics.guard.runtime import Guard, guard
 
 __all__ = ["Guard", "GuardError", "GuardPolicy", "GuardStats", "GuardTripError", "guard"]
 

@@ -48,6 +48,19 @@ def _version(mod: str) -> str | None:
         return None
 
 
+def _model_path(model: nn.Module) -> str | None:
+    """The local HF folder the model was loaded from (config.json beside it), else None."""
+    p = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(p, str) and p and os.path.isfile(os.path.join(p, "config.json")):
+        return os.path.abspath(p)
+    return None
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    v = getattr(getattr(model, "config", None), "vocab_size", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def describe_environment(model: nn.Module, rank: int, world_size: int) -> dict[str, Any]:
     devices: set[str] = set()
     dtypes: set[str] = set()
@@ -72,6 +85,8 @@ def describe_environment(model: nn.Module, rank: int, world_size: int) -> dict[s
         "dtypes": sorted(dtypes),
         "compiled": bool(compiled),
         "model_class": type(model).__name__,
+        "model_path": _model_path(model),
+        "vocab_size": _vocab_size(model),
         "fp8_cast": probe_fp8_cast(),
         "argv": list(sys.argv),
         "host": socket.gethostname(),

@@ -4,7 +4,6 @@ quantization metadata, weight/scale health)."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,31 +25,13 @@ from qforensics.hooks.params import (
     tied_groups,
 )
 
-# Class names of quantized / special linears from common libraries (matched on type name so we
-# never import those libraries): AutoAWQ WQLinear_*, GPTQ/AutoGPTQ/GPTQModel QuantLinear,
-# bitsandbytes Linear4bit/Linear8bitLt, FP8 linears, transformers' GPT-2 Conv1D, Marlin, Exllama.
-_LINEAR_NAME = re.compile(
-    r"(WQLinear|QuantLinear|Linear4bit|Linear8bitLt|FP8Linear|Fp8Linear|Float8Linear|"
-    r"Int8Linear|MarlinLinear|ExllamaLinear|QLinear|^Conv1D$|Linear$)"
-)
+from qforensics.layerkinds import is_linear_like
+
 _QUANT_ATTRS = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale",
                 "weight_zero_point", "SCB")
 _HEALTH_PARAMS = ("weight", "bias", "qweight", "qzeros", "scales", "weight_scale",
                   "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point",
                   "zeros", "SCB")
-
-
-def is_linear_like(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
-        return True
-    if any(hasattr(module, a) and isinstance(getattr(module, a), torch.Tensor)
-           for a in ("qweight",)):
-        return True
-    name = type(module).__name__
-    if _LINEAR_NAME.search(name) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        w = getattr(module, "weight", None)
-        return isinstance(w, torch.Tensor) or hasattr(module, "qweight")
-    return False
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

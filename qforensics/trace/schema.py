@@ -107,12 +107,14 @@ INCIDENT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("call_index", "i8", ()),  # the call that tripped (-1: the logits / step level)
     ("module_id", "i4", ()),  # -1 when the module is not hooked by capture
     ("module", "S128", ()),
-    ("action", "S24", ()),  # fallback | breaker_open | breaker_fallback | sanitize_logits
+    ("action", "S24", ()),  # fallback | breaker_open | breaker_fallback | sanitize_logits |
+    #                         no_rollback
     ("nan_count", "i8", ()),
     ("inf_count", "i8", ()),
     ("detail", "S160", ()),
 ]
-INCIDENT_ACTIONS = ("fallback", "breaker_open", "breaker_fallback", "sanitize_logits")
+INCIDENT_ACTIONS = ("fallback", "breaker_open", "breaker_fallback", "sanitize_logits",
+                    "no_rollback")
 
 SNAPSHOT_REASONS = ("first_nonfinite_output", "first_outlier")
 # dtypes a snapshot may hold (numpy names, little endian)

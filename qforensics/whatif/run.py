@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.whatif.results import CLAIM, SchemeResult, WhatIfResult
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 TEXT_RESOURCE = "perplexity.txt"
-CLAIM = 0.994  # the brief's "precision recovers to 99.4% of FP16", checked, never assumed
 
 # The scenario schemes, as what-if specs (weights "w:", activations "act:")
 TABLE_SCHEMES: tuple[str, ...] = (
@@ -76,6 +75,8 @@ class WhatIfScheme:
     label: str
     weights: Any = None  # QuantScheme
     activations: Any = None  # QuantScheme
+    library: str | None = None  # "compressed-tensors": the library's own preset, ``preset``
+    preset: str | None = None
 
     @property
     def needs_salient(self) -> bool:
@@ -109,6 +110,13 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
 
     if not isinstance(spec, str) or not spec.strip():
         raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
+    lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+)$", spec.strip(), re.IGNORECASE)
+    if lib:  # a real library's preset, measured through it (qforensics.whatif.library)
+        from qforensics.whatif.library import check_compressed_tensors_preset
+
+        preset = lib.group(2).upper()
+        check_compressed_tensors_preset(preset)
+        return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
     weights = activations = None
     for part in spec.strip().split("+"):
         part = part.strip()
@@ -168,107 +176,6 @@ def demo_prompt_ids(tokenizer: Any) -> Any:
     return enc["input_ids"]
 
 
-# -- results -----------------------------------------------------------------------------------
-def _num(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else float(x)
-
-
-@dataclass
-class SchemeResult:
-    scheme: str
-    weights: str | None
-    activations: str | None
-    top1: float  # teacher-forced agreement over the reference continuation
-    kl: float  # mean KL(ref || scheme), nats, same positions
-    ppl: float  # perplexity on the fixed text
-    text_top1: float  # agreement with the reference argmax over the fixed text
-    recovered: float  # ppl_ref / ppl
-    nonfinite: bool  # the scheme produced NaN/Inf logits
-    text: str  # the scheme's own greedy continuation
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("top1", "kl", "ppl", "text_top1", "recovered"):
-            d[k] = _num(d[k])
-        return d
-
-
-@dataclass
-class WhatIfResult:
-    trace: str | None
-    prompt_source: str
-    salient_source: str
-    ref_text: str
-    ref_ppl: float
-    positions: int  # continuation positions compared
-    text_tokens: int
-    schemes: list[SchemeResult] = field(default_factory=list)
-
-    def best(self, key: str = "recovered") -> SchemeResult | None:
-        ok = [s for s in self.schemes if math.isfinite(getattr(s, key))]
-        return max(ok, key=lambda s: getattr(s, key)) if ok else None
-
-    def claim(self) -> dict[str, Any]:
-        """The brief's claim ("recovers to 99.4% of FP16"), checked against measured numbers."""
-        best = self.best("recovered")
-        best_top1 = self.best("top1")
-        meets = [s.scheme for s in self.schemes if s.recovered >= CLAIM]
-        return {
-            "claim": f"precision recovers to {CLAIM:.1%} of FP16",
-            "recovered_definition": "ppl_ref / ppl_scheme on the fixed text",
-            "best_scheme": best.scheme if best else None,
-            "best_recovered": _num(best.recovered) if best else None,
-            "best_top1_scheme": best_top1.scheme if best_top1 else None,
-            "best_top1": _num(best_top1.top1) if best_top1 else None,
-            "schemes_meeting_claim": meets,
-            "holds": bool(meets),
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "trace": self.trace,
-            "prompt_source": self.prompt_source,
-            "salient_source": self.salient_source,
-            "reference": {"text": self.ref_text, "ppl": _num(self.ref_ppl),
-                          "positions": self.positions, "text_tokens": self.text_tokens},
-            "schemes": [s.to_json() for s in self.schemes],
-            "claim": self.claim(),
-        }
-
-    def format_table(self) -> str:
-        def pct(x: float) -> str:
-            return "n/a" if not math.isfinite(x) else f"{100 * x:.1f}%"
-
-        def num(x: float, fmt: str) -> str:
-            return "nan" if math.isnan(x) else ("inf" if math.isinf(x) else format(x, fmt))
-
-        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered")
-        rows = [("reference (unquantized)", "100.0%", "0", num(self.ref_ppl, ".2f"), "100.0%",
-                 "100.0%")]
-        for s in self.schemes:
-            rows.append((s.scheme + (" [NaN]" if s.nonfinite else ""), pct(s.top1),
-                         num(s.kl, ".4f"), num(s.ppl, ".2f"), pct(s.text_top1),
-                         pct(s.recovered)))
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        c = self.claim()
-        lines.append("")
-        lines.append(f"top-1: teacher-forced over the reference's {self.positions}-token answer; "
-                     f"ppl and text top-1: {self.text_tokens} tokens of fixed text; "
-                     "recovered = ppl_ref / ppl")
-        lines.append(f"salient channels: {self.salient_source}")
-        if c["best_scheme"] is not None:
-            verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
-                       else "does not hold for any scheme run")
-            lines.append(f"claim '{c['claim']}': {verdict}; best recovered: "
-                         f"{c['best_scheme']} at {100 * c['best_recovered']:.2f}%")
-        return "\n".join(lines)
-
-
-# -- the run ---------------------------------------------------------------------------------
 class WhatIf:
     """The model, the prompt and the reference, computed once; `measure` runs one scheme."""
 
@@ -327,6 +234,10 @@ class WhatIf:
         from qforensics.quant import emulate_quantized_linears, quantize_weights
 
         with contextlib.ExitStack() as stack:
+            if sc.library == "compressed-tensors":
+                from qforensics.whatif.library import applied_compressed_tensors
+
+                stack.enter_context(applied_compressed_tensors(self.model, sc.preset))
             if sc.weights is not None:
                 stack.enter_context(quantize_weights(self.model, sc.weights,
                                                      act_absmax=absmax if sc.needs_salient
@@ -357,7 +268,8 @@ class WhatIf:
         text_top1 = top1_agreement(txt[:-1], self.ref_text_argmax)
         nonfinite = not (bool(torch.isfinite(cont).all()) and bool(torch.isfinite(txt).all()))
         return SchemeResult(
-            scheme=sc.label, weights=str(sc.weights) if sc.weights else None,
+            scheme=sc.label, weights=str(sc.weights) if sc.weights else (
+                f"{sc.library} {sc.preset}" if sc.library else None),
             activations=str(sc.activations) if sc.activations else None, top1=top1, kl=kl,
             ppl=ppl, text_top1=text_top1, recovered=recovered_fraction(self.ref_ppl, ppl),
             nonfinite=nonfinite, text=self._decode(own), seconds=round(time.time() - t0, 2))
@@ -402,6 +314,7 @@ def run_whatif(
     keep_salient: float | None = None,
     model: Any = None,
     tokenizer: Any = None,
+    model_spec: str | None = None,
     max_new_tokens: int = 32,
     text_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
@@ -409,7 +322,10 @@ def run_whatif(
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
     ``schemes`` are what-if specs (see `parse_whatif_scheme`; `TABLE_SCHEMES` for the scenario
-    table). ``model``/``tokenizer`` default to the demo model (`load_demo`). ``progress``
+    table). ``model``/``tokenizer`` are the model to run; without them ``model_spec`` (an HF
+    folder, a .gguf file, ``module:factory`` or "demo"; default: the path the trace recorded,
+    else the demo model) is loaded (`qforensics.whatif.model`). With a trace, the model must
+    match it (class, vocab size, module names, shapes): `UsageError` otherwise. ``progress``
     receives one line per scheme. Every weight change is undone before returning.
     """
     say = progress or (lambda msg: None)
@@ -417,13 +333,18 @@ def run_whatif(
               for s in schemes]
     if not parsed:
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    from qforensics.whatif.model import (ModelSource, check_model_matches, load_model_source,
+                                         resolve_model_source)
+
     trace_path = os.fspath(trace) if trace is not None else None
     ids = None
+    meta: dict[str, Any] = {}
     prompt_source = "the demo prompt (no trace given)"
     if trace_path is not None:
         from qforensics.trace.reader import open_trace
 
         with open_trace(trace_path) as t:
+            meta = t.meta
             if t.n_steps:
                 try:
                     ids = t.input_ids(int(t.steps["step"].iloc[0]))
@@ -435,8 +356,13 @@ def run_whatif(
             if ids is not None and not len(ids):
                 ids = None
     if model is None or tokenizer is None:
-        say("loading SmolLM2-135M-Instruct")
-        model, tokenizer = load_demo()
+        src = resolve_model_source(model_spec, meta)
+        say(f"loading {src.describe()}")
+        model, tokenizer = load_model_source(src)
+    else:
+        src = ModelSource("given", type(model).__name__, "the caller")
+    if trace_path is not None:
+        check_model_matches(trace_path, model, src)
     import torch
 
     input_ids = torch.as_tensor(ids, dtype=torch.long) if ids is not None else \

@@ -96,7 +96,7 @@ def test_suspect_module_uses_device_fallback_without_rerun(tiny: Tiny) -> None:
 
 
 def test_breaker_opens_after_n_trips_in_window_and_says_so(tiny: Tiny, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="qforensics.guard.runtime")
+    caplog.set_level(logging.WARNING, logger="qforensics.guard")
     with quant(tiny), guard(tiny, breaker_trips=2, breaker_window=4) as g:
         tiny(bad_input())
         tiny(bad_input())
@@ -131,7 +131,7 @@ def test_breaker_open_module_returns_the_fallback_only(tiny: Tiny) -> None:
 
 
 def test_unguarded_nan_is_sanitized_as_last_resort(caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="qforensics.guard.runtime")
+    caplog.set_level(logging.WARNING, logger="qforensics.guard")
     model = Tiny(nan_op=True)
     x = ok_input().clone()
     x[0, 0] = 2e3  # the unguarded op makes NaN; l1/l2/head are fine (no quantization)

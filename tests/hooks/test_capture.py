@@ -226,12 +226,12 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
 
 
 def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog):
-    import qforensics.hooks.capture as capmod
+    import qforensics.hooks.reduce as reduce_mod
 
     def broken(*a, **k):
         raise ValueError("odd tensor")
 
-    monkeypatch.setattr(capmod, "_fast_group", broken)
+    monkeypatch.setattr(reduce_mod, "fast_group", broken)
     m = Tiny()
     ref = m(ids())
     with caplog.at_level(logging.ERROR):

@@ -20,7 +20,7 @@ def _qf_chain() -> None:
 
 if _os.environ.get("QFORENSICS_TRACE"):
     try:
-        from qforensics.hooks.autoattach import install as _qf_install
+        from qforensics.autoattach import install as _qf_install
 
         _qf_install()
     except Exception as _exc:  # never break the program we were asked to watch

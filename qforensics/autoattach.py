@@ -1,4 +1,7 @@
-"""Attach capture to the first torch model an unmodified program runs (`qforensics record`).
+"""Attach capture (and, when asked, the guard) to the first torch model an unmodified program
+runs (`qforensics record`). This module composes the two: the capture (qforensics.hooks) and the
+guard (qforensics.guard) never import each other; the guard's incidents reach the capture's
+trace through qforensics.incidents.
 
 Started from the bootstrap `sitecustomize` when QFORENSICS_TRACE is set. It waits for the
 program to import torch (an import hook, so programs that never import torch pay nothing), then
@@ -88,7 +91,7 @@ def _on_torch() -> None:
 
 
 def _has_linear(module: Any) -> bool:
-    from qforensics.hooks.modules import is_linear_like
+    from qforensics.layerkinds import is_linear_like
 
     return any(is_linear_like(m) for m in module.modules())
 
@@ -130,7 +133,7 @@ def _global_pre_hook(module: Any, args: Any) -> None:
         policy = os.environ.get("QFORENSICS_GUARD")
         if policy:
             try:
-                from qforensics.guard.runtime import guard
+                from qforensics.guard import guard
 
                 try:
                     pol = json.loads(policy)

@@ -1,0 +1,593 @@
+"""`qforensics.capture(model, "trace.h5")`: forward hooks that stream per-call statistics into an
+HDF5 trace.
+
+How it stays fast: a hook does no tensor math at all. It numbers the call, keeps a reference to
+each input/output tensor (with its in-place version counter) and returns. At the end of the step
+(one top-level forward of the captured model), the pending tensors are grouped by shape, dtype
+and device, stacked, and reduced in a few batched ops on their own device; everything the step
+produced goes to the host in ONE transfer per device. A long prefill that would hold more than
+`pending_budget` bytes is reduced early, in the same batched way.
+
+Hooks are global state: `capture` attaches in `__enter__`, removes every handle in `finally`,
+refuses to attach twice to the same model and never writes attributes onto the user's modules
+(names are bound with functools.partial). Nothing here may crash the host run: an internal error
+is logged once and capture degrades (stops recording) while the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from qforensics.errors import CaptureError
+from qforensics.hooks import reduce, registry
+from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
+from qforensics.hooks.environment import describe_environment, rank_and_world
+from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
+from qforensics.hooks.snapshots import Snapshots
+from qforensics.incidents import register_sink
+from qforensics.trace import schema
+from qforensics.trace.writer import StepBatch, TraceWriter
+
+log = logging.getLogger("qforensics.hooks.capture")
+
+_HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
+_MAX_INPUTS = 4
+_MAX_OUTPUTS = 2
+
+
+def _parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
+    """channel_steps: None/"all", "none", "0-3,8,16" style ranges, an iterable, or a callable."""
+    if spec is None or spec == "all":
+        return lambda s: True
+    if spec == "none":
+        return lambda s: False
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):
+        chosen: set[int] = set()
+        open_from: int | None = None
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if part.endswith("-"):
+                open_from = int(part[:-1])
+            elif "-" in part:
+                a, b = part.split("-", 1)
+                chosen.update(range(int(a), int(b) + 1))
+            else:
+                chosen.add(int(part))
+        return lambda s: s in chosen or (open_from is not None and s >= open_from)
+    chosen = {int(s) for s in spec}
+    return lambda s: s in chosen
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):  # ModelOutput is a dict subclass
+        v = obj.get("logits")
+        if isinstance(v, torch.Tensor):
+            return v
+        for v in obj.values():
+            if isinstance(v, torch.Tensor):
+                return v
+    if isinstance(obj, (tuple, list)):
+        for v in obj:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+class _Pending:
+    """Tensors held until the step's batched reduction."""
+
+    __slots__ = ("meta", "tensors", "versions", "nbytes")
+
+    def __init__(self) -> None:
+        self.meta: list[tuple[int, int, int, int]] = []  # call_index, module_id, io, slot
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.nbytes = 0
+
+    def clear(self) -> None:
+        self.meta = []
+        self.tensors = []
+        self.versions = []
+        self.nbytes = 0
+
+
+class Capture:
+    """A capture session on one model. Create with `qforensics.capture(...)`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        path: str | os.PathLike[str],
+        *,
+        modules: str | Iterable[str] | ModuleFilter | None = None,
+        flush_interval: float = 1.0,
+        channel_dtype: str = "float32",
+        channel_limit: int = 8192,
+        channel_steps: str | Iterable[int] | Callable[[int], bool] | None = None,
+        channel_io: str = "all",
+        snapshot_budget: int = 64 << 20,
+        snapshot_tile_rows: int = 256,
+        outlier_threshold: float = 448.0,
+        pending_budget: int = 256 << 20,
+        metadata: dict[str, Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
+        if flush_interval <= 0:
+            raise CaptureError("flush_interval must be positive (seconds)")
+        if channel_io not in ("all", "inputs", "none"):
+            raise CaptureError("channel_io must be 'all', 'inputs' or 'none'")
+        env_rank, env_world = rank_and_world()
+        self.rank = env_rank if rank is None else int(rank)
+        self.world_size = env_world if world_size is None else int(world_size)
+        self.path = self._resolve_path(os.fspath(path))
+        self.model = model
+        self._module_spec = modules
+        self.options = {
+            "flush_interval": float(flush_interval),
+            "channel_dtype": str(channel_dtype),
+            "channel_limit": int(channel_limit),
+            "channel_steps": channel_steps if isinstance(channel_steps, str) or channel_steps is None
+            else "custom",
+            "channel_io": channel_io,
+            "snapshot_budget": int(snapshot_budget),
+            "snapshot_tile_rows": int(snapshot_tile_rows),
+            "outlier_threshold": float(outlier_threshold),
+            "pending_budget": int(pending_budget),
+            "modules": modules if isinstance(modules, str) or modules is None else "custom",
+        }
+        self._channel_step = _parse_steps(channel_steps)
+        self._metadata = dict(metadata or {})
+        self._handles: list[Any] = []
+        self._writer: TraceWriter | None = None
+        self._attached = False
+        self._degraded: str | None = None
+        self._lock = threading.RLock()
+        self._step_lock = threading.RLock()  # serializes steps of concurrent forwards
+        # run state
+        self.step = -1
+        self._in_step = False
+        self._root_depth = 0
+        self._next_call = 0
+        self._step_first_call = 0
+        self._step_t0 = 0.0
+        self._step_ids: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._pending = _Pending()
+        self._track_versions = True
+        self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
+        self._snaps: Snapshots | None = None
+        self._incidents: list[np.ndarray] = []
+        self._sink: Any = None  # registration in qforensics.incidents
+        self._names: list[str] = []
+        self._kinds: list[str] = []
+        self._modules: list[nn.Module] = []
+        self._gemm_ids = np.zeros(0, np.int64)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _resolve_path(self, path: str) -> str:
+        if "{rank}" in path:
+            return path.format(rank=self.rank)
+        if self.world_size > 1:
+            root, ext = os.path.splitext(path)
+            return f"{root}-{self.rank}{ext or '.h5'}"
+        return path
+
+    def __enter__(self) -> "Capture":
+        self.attach()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        status: dict[str, Any] = {"state": "complete"}
+        if exc is not None:
+            status = {"state": "error", "error": f"{exc_type.__name__}: {exc}"[:2000]}
+        self.close(status)
+
+    def attach(self) -> None:
+        if not registry.claim(self.model, self):
+            raise CaptureError(
+                f"a capture is already attached to this {type(self.model).__name__}; "
+                "close it before attaching another"
+            )
+        try:
+            chosen = select_modules(self.model, self._module_spec)
+            if len(chosen) <= 1:
+                raise CaptureError(
+                    f"nothing to hook in {type(self.model).__name__}: no Linear-like modules or "
+                    "decoder blocks matched (pass modules=[...] to choose)"
+                )
+            descr = [describe_module(n, m, k) for n, m, k in chosen]
+            self._names = [n for n, _, _ in chosen]
+            self._kinds = [k for _, _, k in chosen]
+            self._modules = [m for _, m, _ in chosen]
+            self._gemm_ids = np.array([i for i, k in enumerate(self._kinds)
+                                       if k in ("linear", "quantized_linear")], np.int64)
+            self._snaps = Snapshots(
+                budget=self.options["snapshot_budget"],
+                tile_rows=self.options["snapshot_tile_rows"],
+                outlier_threshold=self.options["outlier_threshold"],
+                modules=self._modules, kinds=self._kinds, gemm_ids=self._gemm_ids)
+            env = describe_environment(self.model, self.rank, self.world_size)
+            env.update({k: v for k, v in self._metadata.items()})
+            self._writer = TraceWriter(
+                self.path, modules=descr, environment=env, capture_options=self.options,
+                channel_dtype=self.options["channel_dtype"],
+                flush_interval=self.options["flush_interval"],
+            )
+            root_id = len(chosen) - 1
+            for mid, (name, mod, kind) in enumerate(chosen):
+                if kind == "root":
+                    continue
+                self._handles.append(mod.register_forward_hook(
+                    partial(self._on_call, mid, kind == "block"), with_kwargs=True,
+                    always_call=True))
+            self._handles.append(self.model.register_forward_pre_hook(
+                self._on_root_pre, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(
+                partial(self._on_root_post, root_id), with_kwargs=True, always_call=True))
+            self._attached = True
+            self._sink = register_sink(self.model, self.record_incident)  # guard incidents
+            registry.register_exit(self)
+        except BaseException:
+            self._remove_hooks()
+            registry.release(self.model)
+            if self._writer is not None:
+                self._writer.close({"state": "error", "error": "attach failed"})
+            raise
+
+    # -- the hooks (hot path) ----------------------------------------------------------------
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # One step at a time across threads: released by _on_root_post (always called).
+        self._step_lock.acquire()
+        if self._degraded:
+            return
+        try:
+            self._root_depth += 1
+            if self._root_depth > 1:
+                return  # re-entrant call of the root: same step
+            if self._in_step:  # calls arrived before this forward: close that implicit step
+                self._end_step(complete=True)
+            ids = kwargs.get("input_ids")
+            if not isinstance(ids, torch.Tensor):
+                ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self._begin_step(ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point()
+                             else None)
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        try:
+            self._close_root(root_id, output)
+        finally:
+            try:
+                self._step_lock.release()
+            except RuntimeError:  # attached mid-forward: this thread never took the lock
+                pass
+
+    def _close_root(self, root_id: int, output: Any) -> None:
+        if self._degraded:
+            return
+        try:
+            self._root_depth = max(0, self._root_depth - 1)
+            if self._root_depth > 0:
+                return
+            if not self._in_step:
+                self._begin_step(None)
+            logits = _first_tensor(output)
+            if logits is not None:
+                self._add(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
+                self._next_call += 1
+                if logits.is_floating_point() and logits.numel() and not logits.is_meta:
+                    self._logits = logits
+            self._end_step(complete=output is not None)
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _on_call(self, mid: int, is_block: bool, module: nn.Module, args: tuple, kwargs: dict,
+                 output: Any) -> None:
+        if self._degraded:
+            return
+        try:
+            ci = self._next_call
+            self._next_call = ci + 1
+            if not self._in_step:
+                self._begin_step(None)
+            found: list[tuple[int, int, torch.Tensor]] = []  # (io, slot, tensor)
+            limit = 1 if is_block else _MAX_INPUTS
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    found.append((0, len(found), a))
+                    if len(found) >= limit:
+                        break
+            if not found and kwargs:
+                for k in _HIDDEN_KWARGS:
+                    a = kwargs.get(k)
+                    if isinstance(a, torch.Tensor):
+                        found.append((0, 0, a))
+                        break
+            if isinstance(output, torch.Tensor):
+                found.append((1, 0, output))
+            elif output is not None:
+                if isinstance(output, (tuple, list)):
+                    slot = 0
+                    for o in output:
+                        if isinstance(o, torch.Tensor):
+                            found.append((1, slot, o))
+                            slot += 1
+                            if is_block or slot >= _MAX_OUTPUTS:
+                                break
+                else:
+                    o = _first_tensor(output)
+                    if o is not None:
+                        found.append((1, 0, o))
+            p = self._pending
+            track = self._track_versions
+            for io, slot, t in found:
+                p.meta.append((ci, mid, io, slot))
+                p.tensors.append(t)
+                p.versions.append(t._version if track else -1)
+                p.nbytes += t.nelement() * t.element_size()
+            if p.nbytes > self.options["pending_budget"]:
+                self._reduce_pending()
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _add(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
+        p = self._pending
+        p.meta.append((ci, mid, io, slot))
+        p.tensors.append(t)
+        p.versions.append(t._version if self._track_versions else -1)
+        p.nbytes += t.numel() * t.element_size() if not t.is_meta else 0
+
+    # -- step boundaries ---------------------------------------------------------------------
+    def _begin_step(self, ids: torch.Tensor | None) -> None:
+        self.step += 1
+        self._in_step = True
+        self._step_t0 = time.time()
+        self._step_first_call = self._next_call
+        self._step_ids = ids.detach() if ids is not None and not ids.is_meta else None
+        # inference tensors keep no version counter: in-place detection is off there
+        self._track_versions = not torch.is_inference_mode_enabled()
+        self._logits = None
+        self._partial = []
+
+    def _end_step(self, complete: bool) -> None:
+        if not self._in_step:
+            return
+        try:
+            self._reduce_pending(final=True, complete=complete)
+        finally:
+            self._in_step = False
+            self._root_depth = 0
+            self._pending.clear()
+            self._partial = []
+            self._logits = None
+            self._step_ids = None
+
+    # -- batched reduction -------------------------------------------------------------------
+    def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
+        """Reduce every pending tensor in a few batched ops per (shape, dtype, device) group.
+
+        Fast pass (reduce.fast_group): sums, sums of squares, per-channel and per-token min/max, all
+        NaN-propagating, so a record whose stats come back finite provably had no NaN/Inf. Only records whose stats are
+        not finite get the exact, finite-only pass (a second batched reduction and transfer,
+        in failing steps only)."""
+        p = self._pending
+        meta, tensors, versions = p.meta, p.tensors, p.versions
+        p.clear()
+        n = len(tensors)
+        want_channels = self._channel_step(self.step)
+        chan_io = self.options["channel_io"]
+        chan_limit = self.options["channel_limit"]
+
+        # one pass over the tensors: unique tensors (q/k/v and gate/up share one input, a block's
+        # input is the previous block's output) and their (shape, dtype, device) groups
+        uniq: dict[int, int] = {}
+        order: list[torch.Tensor] = []
+        which_l: list[int] = []
+        groups: dict[Any, list[int]] = {}
+        for t in tensors:
+            k = id(t)
+            j = uniq.get(k)
+            if j is None:
+                j = uniq[k] = len(order)
+                order.append(t)
+                key = (t.shape, t.dtype, t.device)
+                g = groups.get(key)
+                if g is None:
+                    groups[key] = [j]
+                else:
+                    g.append(j)
+            which_l.append(j)
+        which = np.array(which_l, dtype=np.int64)
+        n_u = len(order)
+        meta_arr = np.array(meta, dtype=np.int64).reshape(n, 4)
+        need = np.zeros(n_u, bool)
+        if chan_io == "all":
+            need[:] = True
+        elif chan_io == "inputs":
+            need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
+
+        st = UniqueStats(n_u, need)
+        plan = []
+        per_dev: dict[torch.device, list[torch.Tensor]] = {}
+        for (shape, dtype, device), idx_l in groups.items():
+            idx = np.array(idx_l, dtype=np.int64)
+            chans = int(shape[-1]) if len(shape) else 1
+            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+            rows = numel // max(chans, 1)
+            st.describe(idx, chans, numel, dtype, device.type == "meta")
+            if device.type == "meta" or numel == 0:
+                continue
+            keep = want_channels and chans <= chan_limit and bool(need[idx].any())
+            packed = reduce.fast_group([order[j] for j in idx_l], rows, chans, keep)
+            per_dev.setdefault(packed.device, []).append(packed)
+            plan.append((idx, rows, chans, keep, packed.device, packed.numel()))
+        logit_dev = ids_dev = None
+        if final and self._logits is not None:
+            lp = reduce.fast_logits(self._logits)
+            logit_dev = lp.device
+            per_dev.setdefault(lp.device, []).append(lp)
+        n_ids = 0
+        if final and self._step_ids is not None and self._step_ids.numel():
+            ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float32)  # exact < 2**24
+            n_ids = ids_t.numel()
+            ids_dev = ids_t.device
+            per_dev.setdefault(ids_dev, []).append(ids_t)
+        # ONE device->host transfer per device
+        host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
+        cursor = {dev: 0 for dev in host}
+
+        st.unpack(plan, host, cursor)
+        logits_row = None
+        ids_host = np.zeros(0, np.int64)
+        if logit_dev is not None:
+            c = cursor[logit_dev]
+            logits_row = reduce.logits_row(host[logit_dev][c:c + 15], self._logits)
+            cursor[logit_dev] = c + 15
+        if ids_dev is not None:
+            c = cursor[ids_dev]
+            ids_host = host[ids_dev][c:c + n_ids].astype(np.int64)
+            cursor[ids_dev] = c + n_ids
+
+        bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
+        if len(bad):  # failing step: exact finite-only stats for the records that need them
+            st.exact_pass(bad, order, want_channels, chan_limit)
+
+        part = assemble_records(self.step, self._track_versions, meta_arr, tensors, versions,
+                                which, st, chan_io)
+        assert self._snaps is not None
+        self._snaps.maybe_snapshot(part, meta, tensors, self.step)
+        self._partial.append(part)
+        if final:
+            self._emit(logits_row, ids_host, complete)
+
+    def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
+        assert self._writer is not None and self._snaps is not None
+        snaps, data = self._snaps.take()
+        incidents = (np.concatenate(self._incidents) if self._incidents
+                     else np.zeros(0, schema.incident_dtype()))
+        self._incidents = []
+        self._writer.submit(build_batch(
+            self._partial, step=self.step, t0=self._step_t0, first_call=self._step_first_call,
+            next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
+            snaps=snaps, data=data, incidents=incidents,
+            channel_dtype=self.options["channel_dtype"]))
+
+    # -- incidents (runtime guard) ---------------------------------------------------------
+    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
+                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
+        """Note a runtime-guard trip; it is written with the current (or next) step."""
+        try:
+            row = np.zeros(1, schema.incident_dtype())
+            row["step"] = max(self.step, 0)
+            row["call_index"] = call_index
+            try:
+                row["module_id"] = self._names.index(module)
+            except ValueError:
+                row["module_id"] = -1
+            row["module"] = module.encode("utf-8", "replace")[:128]
+            row["action"] = action.encode()[:24]
+            row["nan_count"], row["inf_count"] = nan_count, inf_count
+            row["detail"] = detail.encode("utf-8", "replace")[:160]
+            self._incidents.append(row)
+        except Exception as exc:
+            log.warning("qforensics: could not record an incident (%s)", exc)
+
+    # -- failure handling and teardown -------------------------------------------------------
+    def _degrade(self, exc: BaseException) -> None:
+        if self._degraded is None:
+            self._degraded = f"{type(exc).__name__}: {exc}"
+            log.error("qforensics: capture error (%s); recording stops, the run continues",
+                      self._degraded, exc_info=True)
+        self._pending.clear()
+
+    @property
+    def degraded(self) -> str | None:
+        w = self._writer.failed if self._writer is not None else None
+        return self._degraded or w
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._handles = []
+
+    def close(self, status: dict[str, Any] | None = None) -> None:
+        """Finish the open step, remove every hook, flush and seal the trace (idempotent)."""
+        with self._lock:
+            if not self._attached:
+                return
+            self._attached = False
+            try:
+                if self._in_step and not self._degraded:
+                    try:
+                        self._end_step(complete=status is None or status.get("state") == "complete")
+                    except Exception as exc:
+                        self._degrade(exc)
+                if self._incidents and self._writer is not None:  # trips after the last step
+                    self._writer.submit(StepBatch(
+                        steps=np.zeros(0, schema.step_dtype()),
+                        records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
+                        chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+                        input_ids=np.zeros(0, np.int64),
+                        incidents=np.concatenate(self._incidents)))
+                    self._incidents = []
+            finally:
+                self._remove_hooks()
+                if self._sink is not None:
+                    self._sink.remove()
+                    self._sink = None
+                registry.release(self.model)
+                st = dict(status or {"state": "complete"})
+                st["steps"] = self.step + 1
+                st["calls"] = self._next_call
+                if self._degraded:
+                    st["capture_error"] = self._degraded
+                if self._writer is not None:
+                    self._writer.close(st)
+                registry.unregister_exit(self)
+
+    @property
+    def hooks_attached(self) -> int:
+        return len(self._handles)
+
+
+def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **options: Any
+            ) -> Capture:
+    """Capture per-call statistics of `model` into an HDF5 trace at `path`.
+
+    >>> with qforensics.capture(model, "trace.h5"):       # doctest: +SKIP
+    ...     model.generate(input_ids, max_new_tokens=64)
+
+    Options: modules (None | "linear" | names | callable), flush_interval (s, default 1),
+    channel_dtype ("float32" | "float16"), channel_limit (widest last dim whose per-channel
+    ranges are stored, default 8192), channel_steps ("all" | "none" | "0-3,8" | callable),
+    channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
+    snapshot_tile_rows (weight rows kept around the first bad output, default 256),
+    outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
+    (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the
+    environment), rank / world_size (default from RANK / WORLD_SIZE). A path with "{rank}", or
+    any path when world_size > 1, gives one file per rank.
+    """
+    return Capture(model, path, **options)
