@@ -13,6 +13,7 @@ import torch
 
 import qforensics
 from qforensics.analyze import analyze_trace
+from qforensics.analyze.quantization import read_quant
 from qforensics.reports import facts, narrative, recommendations
 from qforensics.trace.reader import open_trace
 
@@ -28,7 +29,7 @@ SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces"
 def _chain(path) -> tuple[str, object]:
     f = analyze_trace(path)
     with open_trace(path) as t:
-        segs = narrative.causal_chain(f, facts.read_quant(t), facts.health_from_findings(f),
+        segs = narrative.causal_chain(f, read_quant(t), facts.health_from_findings(f),
                                       facts.read_outcome(t.meta), {})
     return "".join(s.text for s in segs), f
 
@@ -74,7 +75,7 @@ def test_corrupt_producer_recommendations_replace_the_tensor(tmp_path):
         m(ids())
     f = analyze_trace(tmp_path / "c.h5")
     with open_trace(tmp_path / "c.h5") as t:
-        recs = recommendations.recommendations(f, facts.read_quant(t), facts.health_from_findings(f),
+        recs = recommendations.recommendations(f, read_quant(t), facts.health_from_findings(f),
                                          facts.read_outcome(t.meta), {}, trace_arg="c.h5")
     ids_ = [r.id for r in recs]
     assert ids_[0] == "rec-params" and "rec-group" not in ids_ and "rec-salient" not in ids_
