@@ -32,6 +32,7 @@ from qforensics.hooks import reduce, registry
 from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
+from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.snapshots import Snapshots
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter
@@ -87,24 +88,6 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-class _Pending:
-    """Tensors held until the step's batched reduction."""
-
-    __slots__ = ("meta", "tensors", "versions", "nbytes")
-
-    def __init__(self) -> None:
-        self.meta: list[tuple[int, int, int, int]] = []  # call_index, module_id, io, slot
-        self.tensors: list[torch.Tensor] = []
-        self.versions: list[int] = []
-        self.nbytes = 0
-
-    def clear(self) -> None:
-        self.meta = []
-        self.tensors = []
-        self.versions = []
-        self.nbytes = 0
-
-
 class Capture:
     """A capture session on one model. Create with `qforensics.capture(...)`."""
 
@@ -153,6 +136,7 @@ class Capture:
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
         }
         self._channel_step = _parse_steps(channel_steps)
+        self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
         self._handles: list[Any] = []
         self._writer: TraceWriter | None = None
@@ -168,7 +152,7 @@ class Capture:
         self._step_t0 = 0.0
         self._step_ids: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
-        self._pending = _Pending()
+        self._pending = PendingStep()
         self._track_versions = True
         self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
         self._snaps: Snapshots | None = None
@@ -278,7 +262,7 @@ class Capture:
                 self._begin_step(None)
             logits = _first_tensor(output)
             if logits is not None:
-                self._add(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
+                self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
                 self._next_call += 1
                 if logits.is_floating_point() and logits.numel() and not logits.is_meta:
                     self._logits = logits
@@ -295,52 +279,40 @@ class Capture:
             self._next_call = ci + 1
             if not self._in_step:
                 self._begin_step(None)
-            found: list[tuple[int, int, torch.Tensor]] = []  # (io, slot, tensor)
+            take = self._pending.take
+            n_in = 0
             limit = 1 if is_block else _MAX_INPUTS
             for a in args:
                 if isinstance(a, torch.Tensor):
-                    found.append((0, len(found), a))
-                    if len(found) >= limit:
+                    take(ci, mid, 0, n_in, a)
+                    n_in += 1
+                    if n_in >= limit:
                         break
-            if not found and kwargs:
+            if not n_in and kwargs:
                 for k in _HIDDEN_KWARGS:
                     a = kwargs.get(k)
                     if isinstance(a, torch.Tensor):
-                        found.append((0, 0, a))
+                        take(ci, mid, 0, 0, a)
                         break
             if isinstance(output, torch.Tensor):
-                found.append((1, 0, output))
+                take(ci, mid, 1, 0, output)
             elif output is not None:
                 if isinstance(output, (tuple, list)):
                     slot = 0
                     for o in output:
                         if isinstance(o, torch.Tensor):
-                            found.append((1, slot, o))
+                            take(ci, mid, 1, slot, o)
                             slot += 1
                             if is_block or slot >= _MAX_OUTPUTS:
                                 break
                 else:
                     o = _first_tensor(output)
                     if o is not None:
-                        found.append((1, 0, o))
-            p = self._pending
-            track = self._track_versions
-            for io, slot, t in found:
-                p.meta.append((ci, mid, io, slot))
-                p.tensors.append(t)
-                p.versions.append(t._version if track else -1)
-                p.nbytes += t.nelement() * t.element_size()
-            if p.nbytes > self.options["pending_budget"]:
+                        take(ci, mid, 1, 0, o)
+            if self._pending.nbytes > self._budget:
                 self._reduce_pending()
         except Exception as exc:
             self._degrade(exc)
-
-    def _add(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
-        p = self._pending
-        p.meta.append((ci, mid, io, slot))
-        p.tensors.append(t)
-        p.versions.append(t._version if self._track_versions else -1)
-        p.nbytes += t.numel() * t.element_size() if not t.is_meta else 0
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:
@@ -351,6 +323,10 @@ class Capture:
         self._step_ids = ids.detach() if ids is not None and not ids.is_meta else None
         # inference tensors keep no version counter: in-place detection is off there
         self._track_versions = not torch.is_inference_mode_enabled()
+        p = self._pending
+        p.track = self._track_versions
+        p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
+        p.chan_limit = self.options["channel_limit"]
         self._logits = None
         self._partial = []
 
@@ -369,63 +345,18 @@ class Capture:
 
     # -- batched reduction -------------------------------------------------------------------
     def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
-        """Reduce every pending tensor in a few batched ops per (shape, dtype, device) group.
+        """Finish the device side of what the hooks took (see hooks/pending.py) and bring it
+        to the host in ONE transfer per device.
 
-        Fast pass (reduce.fast_group): sums, sums of squares, per-channel and per-token min/max, all
-        NaN-propagating, so a record whose stats come back finite provably had no NaN/Inf. Only records whose stats are
-        not finite get the exact, finite-only pass (a second batched reduction and transfer,
-        in failing steps only)."""
+        Fast pass (reduce.fast_group / fast_one): sums, sums of squares, per-channel and
+        per-token min/max, all NaN-propagating, so a record whose stats come back finite provably
+        had no NaN/Inf. Only records whose stats are not finite get the exact, finite-only pass
+        (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
+        it."""
         p = self._pending
-        meta, tensors, versions = p.meta, p.tensors, p.versions
-        p.clear()
-        n = len(tensors)
-        want_channels = self._channel_step(self.step)
+        n = len(p)
         chan_io = self.options["channel_io"]
-        chan_limit = self.options["channel_limit"]
-
-        # one pass over the tensors: unique tensors (q/k/v and gate/up share one input, a block's
-        # input is the previous block's output) and their (shape, dtype, device) groups
-        uniq: dict[int, int] = {}
-        order: list[torch.Tensor] = []
-        which_l: list[int] = []
-        groups: dict[Any, list[int]] = {}
-        for t in tensors:
-            k = id(t)
-            j = uniq.get(k)
-            if j is None:
-                j = uniq[k] = len(order)
-                order.append(t)
-                key = (t.shape, t.dtype, t.device)
-                g = groups.get(key)
-                if g is None:
-                    groups[key] = [j]
-                else:
-                    g.append(j)
-            which_l.append(j)
-        which = np.array(which_l, dtype=np.int64)
-        n_u = len(order)
-        meta_arr = np.array(meta, dtype=np.int64).reshape(n, 4)
-        need = np.zeros(n_u, bool)
-        if chan_io == "all":
-            need[:] = True
-        elif chan_io == "inputs":
-            need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
-
-        st = UniqueStats(n_u, need)
-        plan = []
-        per_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for (shape, dtype, device), idx_l in groups.items():
-            idx = np.array(idx_l, dtype=np.int64)
-            chans = int(shape[-1]) if len(shape) else 1
-            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-            rows = numel // max(chans, 1)
-            st.describe(idx, chans, numel, dtype, device.type == "meta")
-            if device.type == "meta" or numel == 0:
-                continue
-            keep = want_channels and chans <= chan_limit and bool(need[idx].any())
-            packed = reduce.fast_group([order[j] for j in idx_l], rows, chans, keep)
-            per_dev.setdefault(packed.device, []).append(packed)
-            plan.append((idx, rows, chans, keep, packed.device, packed.numel()))
+        plan, per_dev = p.reduce_on_device()
         logit_dev = ids_dev = None
         if final and self._logits is not None:
             lp = reduce.fast_logits(self._logits)
@@ -441,6 +372,16 @@ class Capture:
         host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
         cursor = {dev: 0 for dev in host}
 
+        which = np.array(p.which, dtype=np.int64)
+        meta_arr = np.array(p.meta, dtype=np.int64).reshape(n, 4)
+        n_u = len(p.orig)
+        need = np.zeros(n_u, bool)
+        if chan_io == "all":
+            need[:] = True
+        elif chan_io == "inputs":
+            need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
+        st = UniqueStats(n_u, need)
+        st.describe_all(p.desc)
         st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
@@ -455,13 +396,19 @@ class Capture:
 
         bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
         if len(bad):  # failing step: exact finite-only stats for the records that need them
-            st.exact_pass(bad, order, want_channels, chan_limit)
+            src = p.src
+            if self._track_versions:  # an original changed since its hook: not what it saw
+                src = [None if x is not None and x is p.orig[j] and x._version != p.uver[j]
+                       else x for j, x in enumerate(src)]
+            st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
-        part = assemble_records(self.step, self._track_versions, meta_arr, tensors, versions,
-                                which, st, chan_io)
+        seen = [p.src[j] for j in p.which]  # each record's tensor as its hook saw it
+        part = assemble_records(self.step, self._track_versions, meta_arr,
+                                [p.orig[j] for j in p.which], p.versions, which, st, chan_io)
         assert self._snaps is not None
-        self._snaps.maybe_snapshot(part, meta, tensors, self.step)
+        self._snaps.maybe_snapshot(part, p.meta, seen, self.step)
         self._partial.append(part)
+        p.clear()
         if final:
             self._emit(logits_row, ids_host, complete)
 
