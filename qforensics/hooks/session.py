@@ -33,6 +33,7 @@ from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
 from qforensics.hooks.pending import PendingStep
+from qforensics.hooks.recorder import FlightRecorder
 from qforensics.hooks.snapshots import Snapshots
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter
@@ -45,8 +46,9 @@ _MAX_OUTPUTS = 2
 
 
 def _parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
-    """channel_steps: None/"all", "none", "0-3,8,16" style ranges, an iterable, or a callable."""
-    if spec is None or spec == "all":
+    """channel_steps: None/"auto"/"all", "none", "0-3,8,16" style ranges, an iterable, or a
+    callable. "auto" reduces channels at every step; the flight recorder decides what stays."""
+    if spec is None or spec in ("all", "auto"):
         return lambda s: True
     if spec == "none":
         return lambda s: False
@@ -106,6 +108,11 @@ class Capture:
         snapshot_tile_rows: int = 256,
         outlier_threshold: float = 448.0,
         pending_budget: int = 256 << 20,
+        ring_steps: int = 16,
+        trigger_window: int = 8,
+        trigger_limit: int = 32,
+        outlier_growth: float = 4.0,
+        max_bytes: int | None = 4 << 30,
         metadata: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -114,6 +121,10 @@ class Capture:
             raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
         if flush_interval <= 0:
             raise CaptureError("flush_interval must be positive (seconds)")
+        if ring_steps < 1 or not 0 <= trigger_window <= ring_steps:
+            raise CaptureError("ring_steps must be >= 1 and 0 <= trigger_window <= ring_steps")
+        if max_bytes is not None and max_bytes < 0:
+            raise CaptureError("max_bytes must be a positive byte count (or None: no cap)")
         if channel_io not in ("all", "inputs", "none"):
             raise CaptureError("channel_io must be 'all', 'inputs' or 'none'")
         env_rank, env_world = rank_and_world()
@@ -126,8 +137,13 @@ class Capture:
             "flush_interval": float(flush_interval),
             "channel_dtype": str(channel_dtype),
             "channel_limit": int(channel_limit),
-            "channel_steps": channel_steps if isinstance(channel_steps, str) or channel_steps is None
-            else "custom",
+            "channel_steps": (channel_steps or "auto") if isinstance(channel_steps, str)
+            or channel_steps is None else "custom",
+            "ring_steps": int(ring_steps),
+            "trigger_window": int(trigger_window),
+            "trigger_limit": int(trigger_limit),
+            "outlier_growth": float(outlier_growth),
+            "max_bytes": int(max_bytes) if max_bytes else 0,
             "channel_io": channel_io,
             "snapshot_budget": int(snapshot_budget),
             "snapshot_tile_rows": int(snapshot_tile_rows),
@@ -156,6 +172,7 @@ class Capture:
         self._track_versions = True
         self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
         self._snaps: Snapshots | None = None
+        self._recorder: FlightRecorder | None = None
         self._incidents: list[np.ndarray] = []
         self._names: list[str] = []
         self._kinds: list[str] = []
@@ -207,10 +224,17 @@ class Capture:
                 modules=self._modules, kinds=self._kinds, gemm_ids=self._gemm_ids)
             env = describe_environment(self.model, self.rank, self.world_size)
             env.update({k: v for k, v in self._metadata.items()})
+            auto = self.options["channel_steps"] == "auto"
+            self._recorder = FlightRecorder(
+                slots=self.options["ring_steps"], window=self.options["trigger_window"],
+                limit=self.options["trigger_limit"], growth=self.options["outlier_growth"],
+                gemm_ids=self._gemm_ids) if auto else None
             self._writer = TraceWriter(
                 self.path, modules=descr, environment=env, capture_options=self.options,
                 channel_dtype=self.options["channel_dtype"],
                 flush_interval=self.options["flush_interval"],
+                ring_slots=self.options["ring_steps"] if auto else 0,
+                max_bytes=self.options["max_bytes"],
             )
             root_id = len(chosen) - 1
             for mid, (name, mod, kind) in enumerate(chosen):
@@ -418,11 +442,14 @@ class Capture:
         incidents = (np.concatenate(self._incidents) if self._incidents
                      else np.zeros(0, schema.incident_dtype()))
         self._incidents = []
-        self._writer.submit(build_batch(
+        batch = build_batch(
             self._partial, step=self.step, t0=self._step_t0, first_call=self._step_first_call,
             next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
             snaps=snaps, data=data, incidents=incidents,
-            channel_dtype=self.options["channel_dtype"]))
+            channel_dtype=self.options["channel_dtype"])
+        if self._recorder is not None:
+            self._recorder.apply(batch)
+        self._writer.submit(batch)
 
     # -- incidents (runtime guard) ---------------------------------------------------------
     def record_incident(self, module: str, action: str, *, nan_count: int = 0,
@@ -511,8 +538,13 @@ def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **optio
 
     Options: modules (None | "linear" | names | callable), flush_interval (s, default 1),
     channel_dtype ("float32" | "float16"), channel_limit (widest last dim whose per-channel
-    ranges are stored, default 8192), channel_steps ("all" | "none" | "0-3,8" | callable),
-    channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
+    ranges are stored, default 8192), channel_steps ("auto" | "all" | "none" | "0-3,8" |
+    callable; "auto", the default, is the flight recorder: per-channel ranges of the prefill, of
+    the last ring_steps steps (default 16, in memory and in a fixed-size circular region of the
+    file) and of every step that crosses a trigger plus the trigger_window steps before it
+    (default 8; at most trigger_limit=32 triggered steps; triggers: non-finite values, GEMM-input
+    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (hard cap on
+    the file, default 4 GiB, None: no cap; recorded in /limits when reached), channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
     snapshot_tile_rows (weight rows kept around the first bad output, default 256),
     outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
     (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the
