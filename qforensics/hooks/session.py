@@ -349,6 +349,7 @@ class Capture:
         self._track_versions = not torch.is_inference_mode_enabled()
         p = self._pending
         p.track = self._track_versions
+        p.nograd = not torch.is_grad_enabled()
         p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
         p.chan_limit = self.options["channel_limit"]
         self._logits = None
@@ -378,7 +379,6 @@ class Capture:
         (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
         it."""
         p = self._pending
-        n = len(p)
         chan_io = self.options["channel_io"]
         plan, per_dev = p.reduce_on_device()
         logit_dev = ids_dev = None
@@ -396,16 +396,16 @@ class Capture:
         host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
         cursor = {dev: 0 for dev in host}
 
-        which = np.array(p.which, dtype=np.int64)
-        meta_arr = np.array(p.meta, dtype=np.int64).reshape(n, 4)
-        n_u = len(p.orig)
+        meta_arr, which, versions = p.record_arrays()
+        orig, seen_u = p.column(0), p.column(4)
+        n_u = len(orig)
         need = np.zeros(n_u, bool)
         if chan_io == "all":
             need[:] = True
         elif chan_io == "inputs":
             need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
         st = UniqueStats(n_u, need)
-        st.describe_all(p.desc)
+        st.describe_all(p.column(3))
         st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
@@ -420,17 +420,19 @@ class Capture:
 
         bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
         if len(bad):  # failing step: exact finite-only stats for the records that need them
-            src = p.src
+            src = seen_u
             if self._track_versions:  # an original changed since its hook: not what it saw
-                src = [None if x is not None and x is p.orig[j] and x._version != p.uver[j]
-                       else x for j, x in enumerate(src)]
+                src = [None if x is not None and x is u[0] and x._version != u[1] else x
+                       for x, u in zip(src, p.units)]
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
-        seen = [p.src[j] for j in p.which]  # each record's tensor as its hook saw it
+        seen = [seen_u[j] for j in which.tolist()]  # each record's tensor as its hook saw it
         part = assemble_records(self.step, self._track_versions, meta_arr,
-                                [p.orig[j] for j in p.which], p.versions, which, st, chan_io)
+                                [orig[j] for j in which.tolist()], versions, which, st,
+                                chan_io)
         assert self._snaps is not None
-        self._snaps.maybe_snapshot(part, p.meta, seen, self.step)
+        self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()], seen,
+                                   self.step)
         self._partial.append(part)
         p.clear()
         if final:
