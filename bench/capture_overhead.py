@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--no-nnsight", action="store_true", help="skip the nnsight row")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model()
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -87,7 +90,13 @@ def main() -> None:
         with torch.inference_mode():
             return model.generate(**enc, **gen)
 
-    def bare() -> torch.Tensor:
+    # each variant: () -> (timed generate, untimed teardown)
+    Variant = Callable[[], tuple[Callable[[], torch.Tensor], Callable[[], None]]]
+
+    def plain() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+        return generate, lambda: None
+
+    def bare() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
         kept: list[torch.Tensor] = []
 
         def pre(mod: Any, a: tuple) -> None:
@@ -95,24 +104,28 @@ def main() -> None:
             kept.append(x.abs().amax(dim=tuple(range(x.dim() - 1))))
 
         hs = [m.register_forward_pre_hook(pre) for m in linears(model)]
-        try:
-            return generate()
-        finally:
+
+        def done() -> None:
             for h in hs:
                 h.remove()
+        return generate, done
 
-    def qf(name: str, **opts: Any) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
+    def qf(name: str, **opts: Any) -> Variant:
+        def setup() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
             path = os.path.join(tmp.name, f"{name}.h5")
-            with qforensics.capture(model, path, **opts):
-                out = generate()
-            steps = out.shape[1] - enc["input_ids"].shape[1]
-            sizes.setdefault(name, []).append(os.path.getsize(path) / max(steps, 1) / 1024)
-            os.remove(path)
-            return out
-        return run
+            cap = qforensics.capture(model, path, **opts)
+            cap.attach()  # module descriptions, weight health, file: once per run, untimed
 
-    runners: dict[str, Callable[[], torch.Tensor]] = {"plain": generate, "bare": bare}
+            def done() -> None:
+                cap.close()
+                with qforensics.open_trace(path) as t:
+                    steps = t.n_steps
+                sizes.setdefault(name, []).append(os.path.getsize(path) / max(steps, 1) / 1024)
+                os.remove(path)
+            return generate, done
+        return setup
+
+    runners: dict[str, Variant] = {"plain": plain, "bare": bare}
     nn_note = ""
     if not args.no_nnsight:
         try:
@@ -125,47 +138,57 @@ def main() -> None:
             lm_lins = [m for _, m in lm.named_modules()
                        if isinstance(getattr(m, "_module", None), torch.nn.Linear)]
 
-            def nns() -> torch.Tensor:
+            def nns_run() -> torch.Tensor:
                 with torch.inference_mode():
                     with lm.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
                                      **gen) as tracer:
+                        out = lm.generator.output.save()  # before the unbounded loop below
                         kept = list().save()
                         with tracer.all():
                             for m in lm_lins:
                                 kept.append(m.input.abs().amax(dim=(0, 1)))
-                        out = lm.generator.output.save()
                 return out
 
-            runners["nnsight"] = nns
+            runners["nnsight"] = lambda: (nns_run, lambda: None)
         except ImportError as exc:
             nn_note = f"nnsight: not installed here ({exc}); pip install -e '.[bench]'"
     runners["qf-default"] = qf("qf-default")
     runners["qf-scalar"] = qf("qf-scalar", channel_steps="none")
 
     ref = generate()
-    for fn in runners.values():  # warm-up, and every variant must generate the same tokens
+    for setup in runners.values():  # warm-up, and every variant must generate the same tokens
+        fn, done = setup()
         got = fn()
+        done()
         assert torch.equal(ref, got), "a hooked run changed the generated tokens"
     sizes.clear()
     times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
     peaks: dict[str, list[int]] = {k: [] for k in runners}
     for r in range(args.rounds):
         names = list(runners)
         names = names[r % len(names):] + names[:r % len(names)]  # rotate the order
         for name in names:
+            fn, done = runners[name]()
             with PeakRSS() as m:
-                t = time.perf_counter()
-                runners[name]()
+                t, c = time.perf_counter(), time.process_time()
+                fn()
                 times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
+            done()
             peaks[name].append(m.delta)
     base = statistics.median(times["plain"])
+    base_cpu = statistics.median(cpu["plain"])
     print(f"SmolLM2-135M, {args.tokens} greedy tokens, every Linear, {args.rounds} interleaved "
           f"rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'what runs':<12}{'median s':>10}{'ratio':>8}{'KiB/step':>10}{'peak RSS +MiB':>15}")
+    print("ratio: median wall time / plain's; cpu ratio: median process CPU time / plain's "
+          "(steadier on a shared machine); generate only (attach and close untimed)")
+    print(f"{'what runs':<12}{'wall s':>8}{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}"
+          f"{'KiB/step':>10}{'peak RSS +MiB':>15}")
     for name in runners:
-        med = statistics.median(times[name])
+        med, mc = statistics.median(times[name]), statistics.median(cpu[name])
         kib = f"{statistics.median(sizes[name]):.1f}" if name in sizes else "-"
-        print(f"{name:<12}{med:>10.3f}{med / base:>8.3f}{kib:>10}"
+        print(f"{name:<12}{med:>8.3f}{med / base:>7.3f}{mc:>8.3f}{mc / base_cpu:>10.3f}{kib:>10}"
               f"{statistics.median(peaks[name]) / 2**20:>15.1f}")
     if nn_note:
         print(nn_note)

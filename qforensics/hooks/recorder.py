@@ -18,11 +18,40 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Callable, Iterable
 
 import numpy as np
 
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
+
+def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
+    """channel_steps: None/"auto"/"all", "none", "0-3,8,16" style ranges, an iterable, or a
+    callable. "auto" reduces channels at every step; the flight recorder decides what stays."""
+    if spec is None or spec in ("all", "auto"):
+        return lambda s: True
+    if spec == "none":
+        return lambda s: False
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):
+        chosen: set[int] = set()
+        open_from: int | None = None
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if part.endswith("-"):
+                open_from = int(part[:-1])
+            elif "-" in part:
+                a, b = part.split("-", 1)
+                chosen.update(range(int(a), int(b) + 1))
+            else:
+                chosen.add(int(part))
+        return lambda s: s in chosen or (open_from is not None and s >= open_from)
+    chosen = {int(s) for s in spec}
+    return lambda s: s in chosen
+
 
 _MIN_HISTORY = 4  # steps of history before a growth trigger may fire
 
