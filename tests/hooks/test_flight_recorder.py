@@ -128,3 +128,38 @@ def test_max_bytes_caps_the_file_and_says_so(tmp_path):
         # the ring kept turning: the last steps' channels are still there
         ring_steps = set(t._f["ring/step"][:].tolist())  # noqa: SLF001
         assert 299 in ring_steps
+
+
+KILLED_RUN = """
+import os, signal, sys, time
+sys.path.insert(0, {here!r})
+import torch
+import qforensics
+from test_flight_recorder import Drifting, decode
+m = Drifting()
+qforensics.capture(m, sys.argv[1], flush_interval=0.05, ring_steps=16).attach()
+decode(m, 100)
+time.sleep(1.0)  # several flush intervals
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_keeps_the_steps_and_the_last_window(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "killed.h5"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", KILLED_RUN.format(here=here), str(path)],
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [os.path.dirname(os.path.dirname(here)), here])})
+    assert proc.returncode == -signal.SIGKILL
+    with qforensics.open_trace(path) as t:
+        assert not t.end.complete
+        assert t.n_steps == 100
+        cols = t.record_columns(["step", "chan_offset"])
+        with_channels = set(np.unique(cols["step"][cols["chan_offset"] >= 0]).tolist())
+        assert with_channels == {0, *range(84, 100)}  # the prefill and the last window
+        got = t.channels_for("layers.0.up", 99)
+        assert got is not None and np.isfinite(got[0]).all()
