@@ -128,8 +128,11 @@ class PendingStep:
             numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
             rows = numel // max(chans, 1)
             keep = self.keep and chans <= self.chan_limit
-            packed = reduce.fast_group([src[j] for j in idx_l], rows, chans, keep)
-            per_dev.setdefault(packed.device, []).append(packed)
-            plan.append((np.array(idx_l, np.int64), rows, chans, keep, packed.device,
-                         packed.numel()))
+            per = max(1, reduce.REDUCE_CHUNK_ELEMS // max(numel, 1))  # bounded stacks
+            for k in range(0, len(idx_l), per):
+                sub = idx_l[k:k + per]
+                packed = reduce.fast_group([src[j] for j in sub], rows, chans, keep)
+                per_dev.setdefault(packed.device, []).append(packed)
+                plan.append((np.array(sub, np.int64), rows, chans, keep, packed.device,
+                             packed.numel()))
         return plan, per_dev
