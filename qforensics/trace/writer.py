@@ -8,6 +8,12 @@ you) and holds every batch flushed before the kill. Nothing here imports torch.
 
 Write order within a flush: flat arrays, records, snapshots, then the step rows, then flush; a
 step row on disk therefore always has its records on disk.
+
+Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
+marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
+(never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
+`/triggers`; `max_bytes` stops every append once the next flush could pass it (noted in
+`/limits` and the closing status) while the ring keeps turning.
 """
 
 from __future__ import annotations
