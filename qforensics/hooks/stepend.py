@@ -96,13 +96,13 @@ class StepEnd:
                        for x, u in zip(src, p.units)]
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
-        seen = [seen_u[j] for j in which.tolist()]  # each record's tensor as its hook saw it
+        w = which.tolist()
         part = assemble_records(self.step, self._track_versions, meta_arr,
-                                [orig[j] for j in which.tolist()], versions, which, st,
-                                chan_io)
+                                [orig[j] for j in w], versions, which, st, chan_io)
         assert self._snaps is not None
-        self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()], seen,
-                                   self.step)
+        if not self._snaps.done:  # each record's tensor as its hook saw it
+            self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()],
+                                       [seen_u[j] for j in w], self.step)
         self._partial.append(part)
         p.clear()
         if final:
