@@ -15,6 +15,9 @@ from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
 
 
+_DESCRIBED: dict[Any, tuple[int, int, int, int]] = {}
+
+
 class UniqueStats:
     """Host-side stats of the unique tensors of one reduction, filled group by group."""
 
@@ -38,13 +41,28 @@ class UniqueStats:
         self._chan_len = 0
         self._tok_len = 0
 
-    def describe(self, idx: np.ndarray, chans: int, numel: int, dtype: torch.dtype,
-                 meta: bool) -> None:
-        self.chans[idx] = chans
-        self.numel[idx] = numel
-        self.dtype_code[idx] = dtype_code(dtype)
-        self.flags[idx] = (schema.FLAG_META if meta else 0) | (
-            0 if dtype.is_floating_point else schema.FLAG_NONFLOAT)
+    def describe_all(self, desc: list[tuple[Any, torch.dtype, torch.device]]) -> None:
+        """Shape facts of every unique tensor from its (shape, dtype, device)."""
+        cache = _DESCRIBED
+        rows = []
+        for d in desc:
+            r = cache.get(d)
+            if r is None:
+                shape, dtype, device = d
+                chans = int(shape[-1]) if len(shape) else 1
+                numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+                flags = (schema.FLAG_META if device.type == "meta" else 0) | (
+                    0 if dtype.is_floating_point else schema.FLAG_NONFLOAT)
+                r = cache[d] = (chans, numel, dtype_code(dtype), flags)
+                if len(cache) > 4096:
+                    cache.clear()
+            rows.append(r)
+        if rows:
+            arr = np.array(rows, np.int64)
+            self.chans[:] = arr[:, 0]
+            self.numel[:] = arr[:, 1]
+            self.dtype_code[:] = arr[:, 2]
+            self.flags[:] = arr[:, 3]
 
     def unpack(self, plan: list, host: dict, cursor: dict) -> None:
         """Fast-pass results (layout of reduce.fast_group) into the arrays."""
@@ -113,6 +131,13 @@ class UniqueStats:
         """Finite-only stats and exact NaN/Inf counts for the tensors the fast pass flagged;
         overwrites their scalars, channel ranges and token maxima (one more transfer)."""
         groups: dict[Any, list[int]] = {}
+        lost = [int(j) for j in bad if order[int(j)] is None]
+        if lost:  # modified in place before the exact pass could see it: counts unknown
+            self.nan[lost] = 1
+            self.flags[lost] |= schema.FLAG_DEGRADED
+            bad = np.array([j for j in bad if order[int(j)] is not None], np.int64)
+            if not len(bad):
+                return
         for j in bad:
             t = order[int(j)]
             groups.setdefault((t.shape, t.dtype, t.device), []).append(int(j))

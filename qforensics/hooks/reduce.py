@@ -9,6 +9,10 @@ import torch
 
 from qforensics.trace import schema
 
+# Largest working set (elements) of one chunk of a reduction over a big activation: with its
+# float32 copy and masks, about 4 bytes x 4 x this on the device (64 MiB at the default).
+REDUCE_CHUNK_ELEMS = 1 << 22
+
 _DTYPE_CODE = {
     torch.float32: schema.DTYPE_CODES["float32"],
     torch.float16: schema.DTYPE_CODES["float16"],
@@ -58,36 +62,100 @@ def fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> 
         return out if out.dtype == torch.float32 else out.to(torch.float32)
 
 
+def _row_chunks(rows: int, chans: int):
+    """Row ranges whose float32 working set stays under REDUCE_CHUNK_ELEMS elements."""
+    step = max(1, REDUCE_CHUNK_ELEMS // max(chans, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def fast_one(t: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
+    """fast_group's layout for a single tensor, reduced in row chunks so that no float32 copy
+    larger than REDUCE_CHUNK_ELEMS elements exists at once (long prefills, wide layers)."""
+    if rows * chans <= REDUCE_CHUNK_ELEMS or rows == 1:
+        return fast_group([t], rows, chans, keep_ch)
+    with torch.no_grad():
+        x = t.reshape(rows, chans)
+        s = q = cmin = cmax = None
+        toks = []
+        for r0, r1 in _row_chunks(rows, chans):
+            c = x[r0:r1]
+            if c.dtype not in (torch.float32, torch.float64):
+                c = c.to(torch.float32)
+            cs, cq = c.sum(), (c * c).sum()
+            lo, hi = c.amin(0), c.amax(0)
+            toks.append(torch.maximum(c.amax(1), -c.amin(1)))
+            if s is None:
+                s, q, cmin, cmax = cs, cq, lo, hi
+            else:
+                s, q = s + cs, q + cq
+                cmin, cmax = torch.minimum(cmin, lo), torch.maximum(cmax, hi)
+        assert s is not None and q is not None and cmin is not None and cmax is not None
+        parts = [s.reshape(1), q.reshape(1)]
+        parts += [cmin, cmax] if keep_ch else [cmin.amin().reshape(1), cmax.amax().reshape(1)]
+        parts.append(torch.cat(toks))
+        out = torch.cat(parts)
+        return out if out.dtype == torch.float32 else out.to(torch.float32)
+
+
 def exact_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
     """Like fast_group but over finite values only, plus NaN and Inf counts:
-    [min, max, mean, std, absmax, nan, inf] x g, chan min, chan max (kept), token absmax."""
+    [min, max, mean, std, absmax, nan, inf] x g, chan min, chan max (kept), token absmax.
+
+    Works tensor by tensor in row chunks, in float32 (float64 inputs stay float64): the working
+    set is bounded by REDUCE_CHUNK_ELEMS elements whatever the activation's size, and no float64
+    copy of an activation is made. Only the small per-chunk partials are accumulated in
+    float64."""
+    heads: list[torch.Tensor] = []
+    chan_parts: list[torch.Tensor] = []
+    tok_parts: list[torch.Tensor] = []
     with torch.no_grad():
-        x = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
-        g = x.shape[0]
-        x = x.reshape(g, rows, chans).to(torch.float64)
-        fin = torch.isfinite(x)
-        nan = torch.isnan(x).sum((1, 2))
-        inf = (~fin).sum((1, 2)) - nan
-        xz = torch.where(fin, x, 0.0)
-        cnt = fin.sum((1, 2)).clamp_min(1)
-        mean = xz.sum((1, 2)) / cnt
-        dev = torch.where(fin, x - mean.view(g, 1, 1), 0.0)
-        std = ((dev * dev).sum((1, 2)) / cnt).sqrt()
-        big = torch.finfo(torch.float64).max
-        cmin = torch.where(fin, x, big).amin(1)
-        cmax = torch.where(fin, x, -big).amax(1)
-        empty = ~fin.any(1)
-        cmin = torch.where(empty, float("nan"), cmin)
-        cmax = torch.where(empty, float("nan"), cmax)
-        vmin = torch.where(fin, x, big).amin((1, 2))
-        vmax = torch.where(fin, x, -big).amax((1, 2))
-        absmax = torch.maximum(vmin.abs(), vmax.abs())
-        tok = xz.abs().amax(2)
-        parts = [torch.stack([vmin, vmax, mean, std, absmax, nan.double(), inf.double()]
-                             ).reshape(-1)]
+        for t in ts:
+            x = t.reshape(rows, chans)
+            dev = x.device
+            acc = torch.zeros(4, dtype=torch.float64, device=dev)  # nan, inf, count, sum
+            sq = torch.zeros((), dtype=torch.float64, device=dev)
+            cmin = cmax = None
+            vmin = vmax = None
+            toks = []
+            for r0, r1 in _row_chunks(rows, chans):
+                c = x[r0:r1]
+                if c.dtype not in (torch.float32, torch.float64):
+                    c = c.to(torch.float32)
+                big = torch.finfo(c.dtype).max
+                fin = torch.isfinite(c)
+                n_nan = torch.isnan(c).sum()
+                n_fin = fin.sum()
+                cz = torch.where(fin, c, 0.0)
+                acc += torch.stack([n_nan, c.numel() - n_fin - n_nan, n_fin, cz.sum()]).double()
+                sq = sq + (cz * cz).sum().double()
+                lo = torch.where(fin, c, big).amin(0)
+                hi = torch.where(fin, c, -big).amax(0)
+                cmin = lo if cmin is None else torch.minimum(cmin, lo)
+                cmax = hi if cmax is None else torch.maximum(cmax, hi)
+                toks.append(cz.abs().amax(1))
+            assert cmin is not None and cmax is not None
+            lim = torch.finfo(cmin.dtype).max
+            empty_ch = (cmin >= lim) & (cmax <= -lim)  # no finite value in this channel
+            vmin, vmax = cmin.amin().double(), cmax.amax().double()
+            cnt = acc[2].clamp_min(1)
+            mean = acc[3] / cnt
+            std = (sq / cnt - mean * mean).clamp_min(0).sqrt()
+            absmax = torch.maximum(vmin.abs(), vmax.abs())
+            head = torch.stack([vmin, vmax, mean, std, absmax])
+            head = torch.where(acc[2] > 0, head, float("nan"))  # no finite value at all
+            heads.append(torch.cat([head, acc[:2]]))
+            if keep_ch:
+                chan_parts.append(torch.stack([
+                    torch.where(empty_ch, float("nan"), cmin),
+                    torch.where(empty_ch, float("nan"), cmax)]).double())
+            tok_parts.append(torch.cat(toks).double())
+        g = len(ts)
+        parts = [torch.stack(heads, 1).reshape(-1)]  # 7 x g, field-major like before
         if keep_ch:
-            parts += [cmin.reshape(-1), cmax.reshape(-1)]
-        parts.append(tok.reshape(-1))
+            ch = torch.stack(chan_parts)  # g x 2 x C
+            parts += [ch[:, 0].reshape(-1), ch[:, 1].reshape(-1)]
+        parts.append(torch.stack(tok_parts).reshape(g * rows))
         return torch.cat(parts)
 
 

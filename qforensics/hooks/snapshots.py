@@ -36,6 +36,11 @@ class Snapshots:
         self.data: list[np.ndarray] = []
         self._step = -1
 
+    @property
+    def done(self) -> bool:
+        """Every snapshot reason has been used: nothing more to keep in this run."""
+        return len(self.snapped) == len(schema.SNAPSHOT_REASONS)
+
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows and bytes kept since the last call (offsets relative to those bytes)."""
         snaps = (np.concatenate(self.rows) if self.rows

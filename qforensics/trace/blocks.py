@@ -19,6 +19,8 @@ from qforensics.errors import TraceFormatError, TraceUnreadableError
 from qforensics.trace import schema
 from qforensics.trace.validate import checked_span, read, valid_spans
 
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+
 __all__ = ["ChannelAccess", "ChannelBlock", "frame_columns", "plan_spans"]
 
 
@@ -94,6 +96,7 @@ class ChannelAccess:
 
     path: str
     _lengths: dict[str, int]
+    _ring: Any  # trace.ring.RingIndex, provided by Trace
 
     def _ds(self, path: str) -> h5py.Dataset:  # provided by Trace
         raise NotImplementedError
@@ -109,6 +112,14 @@ class ChannelAccess:
         """Per-channel (min, max) values [lo, hi) of the flat arrays as float32, bounds-checked:
         one read for the records of a whole step (their slices are contiguous)."""
         n = min(self._lengths["channels/min"], self._lengths["channels/max"])
+        if int(lo) >= n and int(hi) > int(lo):  # format 1.1: a block still in the ring
+            try:
+                got = self._ring.read(int(lo), int(hi))
+            except _H5_ERRORS as exc:
+                raise TraceUnreadableError(f"{self.path}: /ring [{lo}, {hi}) ({exc})") from None
+            if got is None:
+                raise TraceUnreadableError(f"{self.path}: ring addresses [{lo}, {hi}) are not one slot")
+            return got[0].astype(np.float32), got[1].astype(np.float32)
         lo, hi = checked_span(lo, int(hi) - int(lo), n, f"{self.path}: /channels")
         return (read(self._ds("channels/min"), slice(lo, hi), self.path).astype(np.float32),
                 read(self._ds("channels/max"), slice(lo, hi), self.path).astype(np.float32))
@@ -124,6 +135,7 @@ class ChannelAccess:
         `records()`, usually one step's), each array read in one bounds-checked call."""
         rows, coff, ccnt, toff, tcnt = frame_columns(recs, tokens)
         n_chan = min(self._lengths["channels/min"], self._lengths["channels/max"])
+        n_chan += self._ring.slots * self._ring.width  # ring addresses follow the flat arrays
         chan, clo, chi = plan_spans(f"{self.path}: /channels", rows, coff, ccnt, n_chan)
         tok, tlo, thi = plan_spans(f"{self.path}: /tokens/absmax", rows, toff, tcnt,
                                    self._lengths["tokens/absmax"])
@@ -144,9 +156,9 @@ class ChannelAccess:
         off, n = int(rec["chan_offset"]), int(rec["channels"])
         if off < 0:
             return None
-        lo, hi = checked_span(off, n, min(self._lengths["channels/min"],
-                                          self._lengths["channels/max"]),
-                              f"{self.path}: record {rec['row']} channels")
+        limit = (min(self._lengths["channels/min"], self._lengths["channels/max"])
+                 + self._ring.slots * self._ring.width)  # ring addresses follow the flat arrays
+        lo, hi = checked_span(off, n, limit, f"{self.path}: record {rec['row']} channels")
         return self.channel_span(lo, hi)
 
     def token_absmax(self, row: int | pd.Series) -> np.ndarray | None:

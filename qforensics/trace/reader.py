@@ -35,6 +35,7 @@ from qforensics.trace.validate import (
     read_prefix,
     valid_spans,
 )
+from qforensics.trace.ring import RingIndex
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ def _get(f: h5py.File, path: str) -> Any:
         return f.get(path)
     except _UNREADABLE:
         return None
+
+
+class _NoRing(dict):
+    """Stands for a file whose ring could not be read: no /ring, no promoted blocks."""
 
 
 class Trace(ChannelAccess, SnapshotAccess):
@@ -167,6 +172,12 @@ class Trace(ChannelAccess, SnapshotAccess):
         if len(n_mod) != 1:
             raise TraceFormatError(f"{p}: /modules columns differ in length")
         self.n_modules = n_mod.pop()
+        n_flat = min(self._lengths.get("channels/min", 0), self._lengths.get("channels/max", 0))
+        try:  # format 1.1: ring-relative channel offsets (trace/ring.py)
+            self._ring = RingIndex(f, p, n_flat)
+        except _UNREADABLE as exc:
+            self.unreadable.append(f"/ring and /channels/promoted ({exc})")
+            self._ring = RingIndex(_NoRing(), p, n_flat)
 
     def _dataset(self, path: str) -> h5py.Dataset | None:
         """The dataset at `path`; None (and noted unreadable) when a damaged or cut-short file
@@ -228,6 +239,12 @@ class Trace(ChannelAccess, SnapshotAccess):
                 out[name] = np.zeros((0, *shape), dtype=np.dtype(dt))
                 continue
             out[name] = read(ds, slice(start, stop), self.path)
+        if table == "records" and "chan_offset" in out and len(out["chan_offset"]):
+            need = {k: out[k] if k in out else
+                    self._read_table("records", schema.RECORD_COLUMNS, start, stop, [k])[k]
+                    for k in ("flags", "step", "channels")}
+            out["chan_offset"] = self._ring.resolve(out["chan_offset"], need["flags"], need["step"],
+                                                    need["channels"])
         return out
 
     # -- metadata ----------------------------------------------------------------------------
@@ -448,6 +465,28 @@ class Trace(ChannelAccess, SnapshotAccess):
     def records_end(self) -> int:
         """One past the last record row any readable step points to."""
         return _span_end(self._step_arrays)
+
+    @cached_property
+    def triggers(self) -> pd.DataFrame:
+        """Steps that crossed a flight-recorder trigger (format 1.1; empty before)."""
+        cols = [c for c, _, _ in schema.TRIGGER_COLUMNS]
+        g = self._f.get("triggers")
+        if not isinstance(g, h5py.Group) or not all(
+                isinstance(g.get(c), h5py.Dataset) and g[c].ndim == 1 for c in cols):
+            return pd.DataFrame({c: [] for c in cols})
+        n = min(g[c].shape[0] for c in cols)
+        df = pd.DataFrame({c: g[c][:n] for c in cols})
+        df["kind"] = [v.decode("utf-8", "replace") for v in df["kind"]] if n else []
+        return df
+
+    @cached_property
+    def limits(self) -> dict[str, int]:
+        """max_bytes the writer ran with (0: none) and the step it was reached at (-1: never)."""
+        ds = self._f.get(schema.LIMITS_DATASET)
+        if isinstance(ds, h5py.Dataset) and ds.shape == (2,) and ds.dtype.kind in "iu":
+            v = ds[:]
+            return {"max_bytes": int(v[0]), "reached_at_step": int(v[1])}
+        return {"max_bytes": 0, "reached_at_step": -1}
 
     def iter_steps(self) -> Iterator[int]:
         yield from (int(s) for s in self._step_arrays["step"])
