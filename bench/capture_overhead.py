@@ -197,9 +197,10 @@ def main() -> None:
         kib = f"{statistics.median(sizes[name]):.1f}" if name in sizes else "-"
         print(f"{name:<12}{med:>8.3f}{med / base:>7.3f}{mc:>8.3f}{mc / base_cpu:>10.3f}{kib:>10}"
               f"{statistics.median(peaks[name]) / 2**20:>15.1f}")
-    for name in rings:
+    for name in (n for n in rings if statistics.median(rings[n]) > 0):
         print(f"{name}: KiB/step includes the fixed ring of the last steps' channel ranges, "
-              f"{statistics.median(rings[name]):.1f} MiB whatever the length of the run")
+              f"{statistics.median(rings[name]):.1f} MiB here (at most ring_steps slots, whatever "
+              "the length of the run)")
     if nn_note:
         print(nn_note)
     if torch.cuda.is_available():
