@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import h5py
 import torch
 
 import qforensics
@@ -85,6 +86,7 @@ def main() -> None:
                pad_token_id=tok.eos_token_id)
     tmp = tempfile.TemporaryDirectory()
     sizes: dict[str, list[float]] = {}
+    rings: dict[str, list[float]] = {}
 
     def generate() -> torch.Tensor:
         with torch.inference_mode():
@@ -120,7 +122,11 @@ def main() -> None:
                 cap.close()
                 with qforensics.open_trace(path) as t:
                     steps = t.n_steps
-                sizes.setdefault(name, []).append(os.path.getsize(path) / max(steps, 1) / 1024)
+                with h5py.File(path, "r") as f:  # the ring's fixed size, not per step
+                    ring = sum(f[p].id.get_storage_size() for p in ("ring/min", "ring/max"))
+                size = os.path.getsize(path)
+                sizes.setdefault(name, []).append(size / max(steps, 1) / 1024)
+                rings.setdefault(name, []).append(ring / 2**20)
                 os.remove(path)
             return generate, done
         return setup
@@ -162,6 +168,7 @@ def main() -> None:
         done()
         assert torch.equal(ref, got), "a hooked run changed the generated tokens"
     sizes.clear()
+    rings.clear()
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     peaks: dict[str, list[int]] = {k: [] for k in runners}
@@ -190,6 +197,10 @@ def main() -> None:
         kib = f"{statistics.median(sizes[name]):.1f}" if name in sizes else "-"
         print(f"{name:<12}{med:>8.3f}{med / base:>7.3f}{mc:>8.3f}{mc / base_cpu:>10.3f}{kib:>10}"
               f"{statistics.median(peaks[name]) / 2**20:>15.1f}")
+    for name in (n for n in rings if statistics.median(rings[n]) > 0):
+        print(f"{name}: KiB/step includes the fixed ring of the last steps' channel ranges, "
+              f"{statistics.median(rings[name]):.1f} MiB here (at most ring_steps slots, whatever "
+              "the length of the run)")
     if nn_note:
         print(nn_note)
     if torch.cuda.is_available():
