@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from qforensics.analyze.engine import find_engine_findings, warmup_steps, without_warmup
 from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.findings import (
     Incident,
@@ -181,6 +182,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
     if not end.complete or not end.reason.startswith("complete"):
         notes.append(end.reason)
 
+    # a serving engine's warm-up / profile forwards are recorded but never drive a verdict
+    warm = warmup_steps(trace)
+    steps = without_warmup(steps, warm)
     fail_row = find_first_bad_step(steps)
     first = None
     focus: list[int] = []
@@ -243,6 +247,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                  int(r.inf_count), str(r.detail))
         for r in trace.incidents.itertuples(index=False)
     ]
+    engine = find_engine_findings(trace, first.step if first is not None else None)
+    if engine is not None:
+        notes.extend(engine.lines())
     verdict = verdict_for(first, precursors, len(steps), end)
     if incidents:
         acts = sorted({i.action for i in incidents})
@@ -255,7 +262,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
         environment=env, verdict=verdict, first_nonfinite=first, outliers=outliers,
         outlier_step=focus_step, persistent=persistent, damage=damage, unsafe=unsafe,
         damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
-        thresholds=th.to_dict(), notes=notes, incidents=incidents,
+        thresholds=th.to_dict(), notes=notes, incidents=incidents, engine=engine,
     )
 
 

@@ -322,6 +322,7 @@ class Findings:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     incidents: list[Incident] = field(default_factory=list)  # runtime-guard trips, in order
+    engine: Any = None  # analyze.engine.EngineFindings of a serving-engine (vLLM) trace
 
     @property
     def status(self) -> str:

@@ -145,6 +145,10 @@ ENGINE_TABLES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
     "requests": ENGINE_REQUEST_COLUMNS, "sampled": ENGINE_SAMPLED_COLUMNS,
 }
 ENGINE_PHASES = {0: "prefill", 1: "decode", -1: "unknown"}
+# Engine runs: extra output records of the root module at the logits call, shape [rows, 1], 1.0
+# where that row of the logits (one per request) / of the model's final hidden states (one per
+# token row) holds a NaN/Inf; read through their per-token absmax.
+ENGINE_ROW_FLAG_SLOTS = {"logits": 1, "hidden": 2}
 
 SNAPSHOT_REASONS = ("first_nonfinite_output", "first_outlier")
 # dtypes a snapshot may hold (numpy names, little endian)

@@ -25,6 +25,9 @@ from qforensics.trace.writer import StepBatch
 
 log = logging.getLogger(__name__)
 
+ROW_FLAGS_LOGITS = schema.ENGINE_ROW_FLAG_SLOTS["logits"]
+ROW_FLAGS_HIDDEN = schema.ENGINE_ROW_FLAG_SLOTS["hidden"]
+
 
 def _engine_batch(**tables: np.ndarray) -> StepBatch:
     return StepBatch(
@@ -41,6 +44,7 @@ class VllmCapture(Capture):
         self._step_reqs: list[int] = []  # request index per logits row of the open step
         self._logits_step = -1
         self._logits_reqs: list[int] = []
+        self._hidden: torch.Tensor | None = None
 
     def attach(self) -> None:
         super().attach()
@@ -65,6 +69,8 @@ class VllmCapture(Capture):
                       output: Any) -> None:
         # hidden states, not logits: the step goes on until the logits processor returns
         self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0 and isinstance(output, torch.Tensor):
+            self._hidden = output
 
     def _on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._degraded or not self._in_step:
@@ -72,10 +78,20 @@ class VllmCapture(Capture):
         try:
             if isinstance(output, torch.Tensor):
                 root_id = len(self._names) - 1
-                self._add(self._next_call, root_id, schema.IO_OUTPUT, 0, output)
+                ci = self._next_call
+                self._add(ci, root_id, schema.IO_OUTPUT, 0, output)
+                # Which rows are non-finite, as [rows, 1] 0/1 tensors whose per-token absmax
+                # the batched reduction stores (no extra sync): slot ROW_FLAGS_LOGITS per
+                # logits row (one per request), slot ROW_FLAGS_HIDDEN per token row.
+                for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
+                            and t.numel():
+                        flags = (~torch.isfinite(t)).reshape(-1, t.shape[-1]).any(-1, True)
+                        self._add(ci, root_id, schema.IO_OUTPUT, slot, flags.to(torch.float32))
                 self._next_call += 1
                 if output.is_floating_point() and output.numel():
                     self._logits = output
+            self._hidden = None
             self._logits_step = self.step
             self._logits_reqs = self._step_reqs
             self._end_step(complete=True)
