@@ -38,6 +38,9 @@ class EngineFindings:
     n_requests: int
     warmup_steps: list[int]
     first_bad_step: int | None = None
+    # the rows of the first non-finite output (from its snapshot): request -> positions there
+    origin: dict[str, list[int]] = field(default_factory=dict)
+    origin_module: str = ""
     first: list[RequestHit] = field(default_factory=list)  # requests hit at the first bad step
     reached: list[RequestHit] = field(default_factory=list)  # others hit at a later step
     clean: list[str] = field(default_factory=list)  # requests never hit in the steps read
@@ -54,6 +57,10 @@ class EngineFindings:
             out.append(f"step {self.first_bad_step}: no per-row flags recorded; the requests "
                        "of the non-finite rows are unknown")
             return out
+        if self.origin:
+            out.append(f"the first non-finite output ({self.origin_module}) has its NaN/Inf in "
+                       + "; ".join(f"request {r} at positions {p[:8]}"
+                                   for r, p in self.origin.items()))
         who = "; ".join(_hit(h) for h in self.first)
         out.append(f"step {self.first_bad_step}: non-finite rows belong to {who}")
         if self.reached:
@@ -169,5 +176,34 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None) -> EngineFind
             ef.reached += [h for h in hits if h.request_id not in seen]
         seen.update(h.request_id for h in hits)
     ef.followed_steps = len(steps)
+    _origin(trace, ef, rows, req_ids)
     ef.clean = [rid for rid in req_ids.values() if rid not in seen]
     return ef
+
+
+def _origin(trace: Trace, ef: EngineFindings, rows: pd.DataFrame, req_ids: dict[int, str]
+            ) -> None:
+    """Requests and positions of the token rows where the first non-finite output has its
+    NaN/Inf (the capture keeps up to 256 positions with that call's snapshot)."""
+    snaps = trace.snapshots
+    sel = snaps[(snaps["reason"] == "first_nonfinite_output") & (snaps["step"] == ef.first_bad_step)]
+    if sel.empty:
+        return
+    ci = int(sel["call_index"].iloc[0])
+    try:
+        tensors = trace.snapshot_tensors(ci)
+    except Exception:
+        return
+    pos, out = tensors.get("nonfinite_positions"), tensors.get("output.0")
+    if pos is None or out is None or pos.ndim != 2 or pos.shape[1] != out.ndim or out.ndim < 2:
+        return
+    token_rows = np.unique(np.ravel_multi_index(tuple(pos[:, :-1].T.astype(np.int64)),
+                                                out.shape[:-1]))
+    srows = rows[rows["step"] == ef.first_bad_step].set_index("row")
+    by: dict[str, list[int]] = {}
+    for r in token_rows:
+        if int(r) in srows.index:
+            x = srows.loc[int(r)]
+            by.setdefault(req_ids.get(int(x["request"]), "?"), []).append(int(x["position"]))
+    ef.origin = by
+    ef.origin_module = str(sel["module"].iloc[0]) if "module" in sel else f"call {ci}"
