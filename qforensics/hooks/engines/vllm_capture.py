@@ -45,6 +45,8 @@ class VllmCapture(Capture):
         self._logits_step = -1
         self._logits_reqs: list[int] = []
         self._hidden: torch.Tensor | None = None
+        # id(output) -> (output, its copy at hook time), for the open step
+        self._clones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attach(self) -> None:
         super().attach()
@@ -54,6 +56,39 @@ class VllmCapture(Capture):
         else:
             adapter._note_unmapped(f"{type(self.model).__name__} has no logits_processor: "
                                    "the logits are not recorded")
+
+    # -- in-place safety -------------------------------------------------------------------------
+    def _on_call(self, mid: int, is_block: bool, module: nn.Module, args: tuple, kwargs: dict,
+                 output: Any) -> None:
+        """As the base hook, then each recorded output is replaced by a copy taken now (a device
+        copy, no sync). vLLM rewrites outputs in place after the hook ran (fused_add_rms_norm
+        turns o_proj's / down_proj's output into the next norm's output, and under inference
+        mode no version counter tells), and the step's stats are reduced later. The copy is
+        shared by the calls that return the same tensor (a block returns its down_proj's)."""
+        p = self._pending
+        n0 = len(p.tensors)
+        super()._on_call(mid, is_block, module, args, kwargs, output)
+        if self._degraded or len(p.tensors) <= n0 or p.tensors is not self._pending.tensors:
+            return
+        try:
+            for i in range(n0, len(p.tensors)):
+                if p.meta[i][2] != schema.IO_OUTPUT:
+                    continue
+                t = p.tensors[i]
+                if t.is_meta or not t.numel():
+                    continue
+                c = self._clones.get(id(t))
+                if c is None or c[0] is not t:
+                    c = self._clones[id(t)] = (t, t.detach().clone())
+                p.tensors[i] = c[1]
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _end_step(self, complete: bool) -> None:
+        try:
+            super()._end_step(complete)
+        finally:
+            self._clones = {}
 
     # -- step boundaries -------------------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
