@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qforensics.hooks.capture import Capture
+from qforensics.hooks.session import Capture
 from qforensics.hooks.engines import vllm as adapter
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
@@ -45,8 +45,6 @@ class VllmCapture(Capture):
         self._logits_step = -1
         self._logits_reqs: list[int] = []
         self._hidden: torch.Tensor | None = None
-        # id(output) -> (output, its copy at hook time), for the open step
-        self._clones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attach(self) -> None:
         super().attach()
@@ -56,39 +54,6 @@ class VllmCapture(Capture):
         else:
             adapter._note_unmapped(f"{type(self.model).__name__} has no logits_processor: "
                                    "the logits are not recorded")
-
-    # -- in-place safety -------------------------------------------------------------------------
-    def _on_call(self, mid: int, is_block: bool, module: nn.Module, args: tuple, kwargs: dict,
-                 output: Any) -> None:
-        """As the base hook, then each recorded output is replaced by a copy taken now (a device
-        copy, no sync). vLLM rewrites outputs in place after the hook ran (fused_add_rms_norm
-        turns o_proj's / down_proj's output into the next norm's output, and under inference
-        mode no version counter tells), and the step's stats are reduced later. The copy is
-        shared by the calls that return the same tensor (a block returns its down_proj's)."""
-        p = self._pending
-        n0 = len(p.tensors)
-        super()._on_call(mid, is_block, module, args, kwargs, output)
-        if self._degraded or len(p.tensors) <= n0 or p.tensors is not self._pending.tensors:
-            return
-        try:
-            for i in range(n0, len(p.tensors)):
-                if p.meta[i][2] != schema.IO_OUTPUT:
-                    continue
-                t = p.tensors[i]
-                if t.is_meta or not t.numel():
-                    continue
-                c = self._clones.get(id(t))
-                if c is None or c[0] is not t:
-                    c = self._clones[id(t)] = (t, t.detach().clone())
-                p.tensors[i] = c[1]
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _end_step(self, complete: bool) -> None:
-        try:
-            super()._end_step(complete)
-        finally:
-            self._clones = {}
 
     # -- step boundaries -------------------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -114,7 +79,7 @@ class VllmCapture(Capture):
             if isinstance(output, torch.Tensor):
                 root_id = len(self._names) - 1
                 ci = self._next_call
-                self._add(ci, root_id, schema.IO_OUTPUT, 0, output)
+                self._pending.take(ci, root_id, schema.IO_OUTPUT, 0, output)
                 # Which rows are non-finite, as [rows, 1] 0/1 tensors whose per-token absmax
                 # the batched reduction stores (no extra sync): slot ROW_FLAGS_LOGITS per
                 # logits row (one per request), slot ROW_FLAGS_HIDDEN per token row.
@@ -122,7 +87,8 @@ class VllmCapture(Capture):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
                             and t.numel():
                         flags = (~torch.isfinite(t)).reshape(-1, t.shape[-1]).any(-1, True)
-                        self._add(ci, root_id, schema.IO_OUTPUT, slot, flags.to(torch.float32))
+                        self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
+                                           flags.to(torch.float32))
                 self._next_call += 1
                 if output.is_floating_point() and output.numel():
                     self._logits = output
