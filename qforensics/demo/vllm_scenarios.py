@@ -7,17 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-FP8_LOW_LAYER = "model.layers.11.mlp.down_proj"  # its input channel 1229 reaches ~3,000
-FP8_LOW_FACTOR = 64.0  # input_scale calibrated 64x too low: |x| > absmax/64 saturates at 448
 AWQ_INF_LAYER = "model.layers.5.self_attn.o_proj"
 AWQ_INF_GROUP, AWQ_INF_COLUMN = 3, 17
-
-
-def _fp8_low_scale(sd: dict) -> str:
-    s = sd[f"{FP8_LOW_LAYER}.input_scale"]
-    sd[f"{FP8_LOW_LAYER}.input_scale"] = s / FP8_LOW_FACTOR
-    return (f"{FP8_LOW_LAYER}.input_scale calibrated {FP8_LOW_FACTOR:g}x too low "
-            f"({float(s):.4g} -> {float(s) / FP8_LOW_FACTOR:.4g})")
 
 
 def _awq_inf_scale(sd: dict) -> str:
@@ -29,6 +20,5 @@ def _awq_inf_scale(sd: dict) -> str:
 
 
 CORRUPTIONS: dict[tuple[str, str], Callable[[dict], str]] = {
-    ("fp8", "low-input-scale"): _fp8_low_scale,
     ("awq", "inf-group-scale"): _awq_inf_scale,
 }
