@@ -247,7 +247,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None) -> Findings:
                  int(r.inf_count), str(r.detail))
         for r in trace.incidents.itertuples(index=False)
     ]
-    engine = find_engine_findings(trace, first.step if first is not None else None)
+    engine = find_engine_findings(
+        trace, first.step if first is not None else None,
+        first.module if first is not None and first.tensor == "output" else None)
     if engine is not None:
         notes.extend(engine.lines())
     verdict = verdict_for(first, precursors, len(steps), end)

@@ -41,6 +41,9 @@ class EngineFindings:
     # the rows of the first non-finite output (from its snapshot): request -> positions there
     origin: dict[str, list[int]] = field(default_factory=dict)
     origin_module: str = ""
+    # the quantization scales of the producing layer, as the engine held them (engine metadata)
+    producer_scales: dict[str, Any] = field(default_factory=dict)
+    producer: str = ""
     first: list[RequestHit] = field(default_factory=list)  # requests hit at the first bad step
     reached: list[RequestHit] = field(default_factory=list)  # others hit at a later step
     clean: list[str] = field(default_factory=list)  # requests never hit in the steps read
@@ -61,6 +64,12 @@ class EngineFindings:
             out.append(f"the first non-finite output ({self.origin_module}) has its NaN/Inf in "
                        + "; ".join(f"request {r} at positions {p[:8]}"
                                    for r, p in self.origin.items()))
+        for name, d in self.producer_scales.items():
+            bad = int(d.get("nan", 0)) + int(d.get("inf", 0))
+            if bad:
+                out.append(f"{self.engine} holds {self.producer}.{name} {d.get('shape')} with "
+                           f"{d.get('nan', 0)} NaN and {d.get('inf', 0)} Inf, the first at index "
+                           f"{d.get('first_nonfinite_index')}")
         who = "; ".join(_hit(h) for h in self.first)
         out.append(f"step {self.first_bad_step}: non-finite rows belong to {who}")
         if self.reached:
@@ -148,7 +157,8 @@ def _hits(step: int, rows: pd.DataFrame, hid: np.ndarray | None, lg: np.ndarray 
     return out
 
 
-def find_engine_findings(trace: Trace, first_bad_step: int | None) -> EngineFindings | None:
+def find_engine_findings(trace: Trace, first_bad_step: int | None,
+                         producer: str | None = None) -> EngineFindings | None:
     info = engine_info(trace.meta)
     if info is None:
         return None
@@ -158,6 +168,12 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None) -> EngineFind
                         version=str(info.get("version", "unknown")), n_requests=len(reqs),
                         warmup_steps=[int(s) for s in warmup_steps(trace)],
                         first_bad_step=first_bad_step)
+    if producer:
+        health = info.get("scale_health")
+        h = health.get(producer) if isinstance(health, dict) else None
+        if isinstance(h, dict):
+            ef.producer = producer
+            ef.producer_scales = {k: v for k, v in h.items() if isinstance(v, dict)}
     if first_bad_step is None:
         return ef
     rows = trace.engine_table("rows").reset_index(drop=True)

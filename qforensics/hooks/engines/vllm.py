@@ -249,6 +249,7 @@ def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
     info["not_visible"] = blind
     hf: dict[str, list[str]] = {}
     methods: dict[str, str] = {}
+    health: dict[str, dict[str, Any]] = {}
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in FUSED_NAMES:
@@ -257,10 +258,45 @@ def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
         qm = getattr(mod, "quant_method", None)
         if qm is not None:
             methods[name] = type(qm).__name__
+            h = scale_health(mod)
+            if h:
+                health[name] = h
     info["hf_names"] = hf
     info["quant_methods"] = methods
+    info["scale_health"] = health
     info["unmapped"] = unmapped()
     return info
+
+
+SCALE_NAMES = ("scales", "weight_scale", "input_scale", "weight_scale_inv", "qzeros",
+               "weight_zero_point", "input_zero_point")
+
+
+def scale_health(module: Any) -> dict[str, Any]:
+    """The quantization scales of one vLLM layer as vLLM holds them after loading (after any
+    repacking): shape, dtype, non-finite and zero counts, the first non-finite index, the
+    range. Read once at attach."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name in SCALE_NAMES:
+        t = getattr(module, name, None)
+        if not isinstance(t, torch.Tensor) or t.is_meta or not t.numel():
+            continue
+        d: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+        if t.is_floating_point():
+            v = t.detach().float()
+            fin = torch.isfinite(v)
+            d["nan"] = int(torch.isnan(v).sum())
+            d["inf"] = int((~fin).sum()) - d["nan"]
+            d["zero"] = int((v == 0).sum())
+            if not bool(fin.all()):
+                idx = torch.nonzero(~fin)[0].tolist()
+                d["first_nonfinite_index"] = [int(i) for i in idx]
+            if bool(fin.any()):
+                d["min"], d["max"] = float(v[fin].min()), float(v[fin].max())
+        out[name] = d
+    return out
 
 
 def _enum_name(v: Any) -> str:
