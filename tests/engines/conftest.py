@@ -7,38 +7,24 @@ These tests run only with the `vllm` marker, in the venv that scripts/install-vl
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 # A token of prompt A only; its embedding row is set to NaN in the `nan_row_model` folder.
 PROMPT_A = "The capital of France is"
 PROMPT_B = "Quantization of large language models means"
 NAN_WORD = " France"
 
 
-def qforensics_cmd() -> list[str]:
-    return [sys.executable, "-c", "from qforensics.cli import main; main()"]
-
-
 def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
                  extra: list[str] | None = None) -> dict:
     """`qforensics record -o tmp/t-{rank}.h5 -- python -m qforensics.demo.vllm_serve ...`."""
+    from qforensics.demo.vllm_scenarios import record_vllm
+
     out_json = tmp / "outputs.json"
-    cmd = qforensics_cmd() + ["record", "-o", str(tmp / "t-{rank}.h5"), *(extra or []), "--",
-                              sys.executable, "-m", "qforensics.demo.vllm_serve",
-                              str(model_dir), "--max-tokens", str(max_tokens),
-                              "--out", str(out_json)]
-    for p in prompts:
-        cmd += ["--prompt", p]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO)] + (
-               [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp)
+    proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
+                       cwd=tmp, extra=extra, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
             "files": sorted(tmp.glob("t-*.h5"))}
