@@ -57,9 +57,10 @@ class VllmCapture(Capture):
 
     # -- step boundaries -------------------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        before = self.step
         super()._on_root_pre(module, args, kwargs)
-        if self._degraded or self._root_depth != 1:
-            return
+        if self._degraded or self.step == before:
+            return  # a re-entrant call of the root: the same step
         try:
             self._engine_step(args, kwargs)
         except Exception as exc:
