@@ -223,3 +223,25 @@ def _origin(trace: Trace, ef: EngineFindings, rows: pd.DataFrame, req_ids: dict[
             by.setdefault(req_ids.get(int(x["request"]), "?"), []).append(int(x["position"]))
     ef.origin = by
     ef.origin_module = str(sel["module"].iloc[0]) if "module" in sel else f"call {ci}"
+
+
+def hf_aligned_records(trace: Trace, recs: pd.DataFrame) -> pd.DataFrame:
+    """An engine trace's records renamed to the HF module names, for `diff` against an HF
+    trace: a fused layer's input record stands for each HF layer it holds (q/k/v and gate/up
+    read the same input); its output (the shards side by side) has no HF counterpart and is
+    left under its own name, as are the row-flag records. Other traces pass unchanged."""
+    info = engine_info(trace.meta)
+    hf = info.get("hf_names") if info else None
+    if not isinstance(hf, dict) or recs.empty or "module" not in recs:
+        return recs
+    kinds = trace.modules["kind"].tolist()
+    root_id = kinds.index("root") if "root" in kinds else -1
+    recs = recs[~((recs["module_id"] == root_id) & (recs["slot"] > 0))]
+    fused = recs["module"].isin(list(hf)) & (recs["io"] == schema.IO_INPUT)
+    if not fused.any():
+        return recs
+    parts = [recs[~fused]]
+    for name, g in recs[fused].groupby("module", sort=False):
+        for hf_name in hf[name]:
+            parts.append(g.assign(module=str(hf_name)))
+    return pd.concat(parts).sort_values(["call_index", "io", "slot"], kind="stable")
