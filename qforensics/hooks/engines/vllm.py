@@ -325,11 +325,30 @@ def _attach(runner: Any) -> None:
     with _lock:
         _captures[id(runner)] = cap
     autoattach.adopt(cap)
+    _seal_at_process_exit(cap)
     for line in engine["not_visible"]:
         sys.stderr.write(f"qforensics: vLLM: cannot see: {line} (record --eager turns both "
                          "off)\n")
     sys.stderr.write(f"qforensics: vLLM worker rank {engine['rank']}: capturing "
                      f"{type(model).__name__} into {cap.path}\n")
+
+
+def _seal_at_process_exit(cap: Any) -> None:
+    """vLLM's workers are multiprocessing children: they end with os._exit, after
+    multiprocessing's own exit function but without running atexit. Seal the trace there."""
+    from multiprocessing import util
+
+    ref = weakref.ref(cap)
+
+    def seal() -> None:
+        c = ref()
+        if c is not None:
+            try:
+                c.close({"state": "complete", "closed_by": "vLLM worker exit"})
+            except Exception:
+                pass
+
+    util.Finalize(None, seal, exitpriority=100)
 
 
 def runner_rows(runner: Any, sched: Any) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
