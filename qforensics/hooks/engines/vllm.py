@@ -93,6 +93,18 @@ def install() -> None:
             patch_runner_module(mod)
 
 
+def register_plugin() -> None:
+    """vLLM general plugin (entry point group `vllm.general_plugins`, name `qforensics`): vLLM
+    calls it in every process it starts. With QFORENSICS_TRACE set, capture attaches as under
+    `qforensics record`, for launchers that cannot be wrapped; otherwise it does nothing."""
+    if not os.environ.get("QFORENSICS_TRACE"):
+        return
+    try:
+        install()
+    except Exception as exc:  # a plugin must never stop vLLM
+        sys.stderr.write(f"qforensics: vLLM plugin not installed: {exc}\n")
+
+
 def _note_unmapped(what: str) -> None:
     if what not in _state["unmapped"]:
         _state["unmapped"].append(what)
