@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python bench/vllm_overhead.py            # after bash scripts/install-vllm.sh
     .venv-vllm/bin/python bench/vllm_overhead.py --prompts 8 --tokens 64 --repeat 3
+    .venv-vllm/bin/python bench/vllm_overhead.py --record-args "--channel-steps 0-3"
 
 One run starts the engine twice through the same unmodified program
 (`python -m qforensics.demo.vllm_serve`): once plain, once under `qforensics record`. Each serves
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,14 +37,14 @@ PROMPTS = [
 
 
 def _serve(model: Path, prompts: list[str], tokens: int, repeat: int, out: Path,
-           trace: Path | None) -> dict:
+           trace: Path | None, record_args: list[str]) -> dict:
     cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(model), "--max-tokens",
            str(tokens), "--repeat", str(repeat), "--out", str(out)]
     for p in prompts:
         cmd += ["--prompt", p]
     if trace is not None:
         cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
-               str(trace), "--"] + cmd
+               str(trace), *record_args, "--"] + cmd
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]]
                                                        if os.environ.get("PYTHONPATH") else []))}
@@ -58,6 +60,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", help="keep the trace at this path")
+    ap.add_argument("--record-args", default="",
+                    help='capture options for record, e.g. "--channel-steps 0-3"')
     a = ap.parse_args()
     from qforensics.demo.vllm_model import vllm_model_dir
     from qforensics.trace.reader import open_trace
@@ -69,9 +73,10 @@ def main() -> int:
         trace = Path(a.keep) if a.keep else t / "t-{rank}.h5"
         print(f"serving {len(prompts)} prompts x {a.tokens} tokens, {a.repeat} times, plain ...",
               file=sys.stderr)
-        plain = _serve(model, prompts, a.tokens, a.repeat, t / "plain.json", None)
+        plain = _serve(model, prompts, a.tokens, a.repeat, t / "plain.json", None, [])
         print("... and under qforensics record", file=sys.stderr)
-        cap = _serve(model, prompts, a.tokens, a.repeat, t / "cap.json", trace)
+        cap = _serve(model, prompts, a.tokens, a.repeat, t / "cap.json", trace,
+                     shlex.split(a.record_args))
         path = Path(str(trace).replace("{rank}", "0"))
         size = path.stat().st_size
         with open_trace(path) as tr:
