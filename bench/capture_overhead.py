@@ -1,11 +1,20 @@
-"""Capture overhead on the real model: hooked / unhooked wall time on the same greedy decode.
+"""Capture overhead on the real model, side by side in one run.
 
-    python bench/capture_overhead.py [--tokens 64] [--repeat 5] [--channel-steps all]
+    python bench/capture_overhead.py [--tokens 64] [--rounds 4] [--no-nnsight]
 
 Runs SmolLM2-135M greedy for --tokens new tokens (EOS suppressed so every run has the same
-length), alternating unhooked and hooked runs (every Linear, every decoder block and the logits
-captured), and prints medians, the hooked/unhooked ratio of the generate call, the one-time
-attach / close cost, trace bytes per step and the peak RSS increase over the run for both. Not a test: figures depend on the machine and its load.
+length) under inference_mode, and times, interleaved round by round on the same prompt:
+
+  plain      generation with no hooks
+  bare       one forward pre-hook per Linear keeping the input's per-channel absmax on the device
+  nnsight    nnsight (optional: pip install -e ".[bench]") saving the same per-channel absmax
+  qf-default qforensics.capture with its defaults (every Linear, every decoder block, logits)
+  qf-scalar  qforensics.capture(channel_steps="none"): scalars and per-token maxima only
+
+and prints the median time of each, its ratio to plain, trace KiB per step and the peak RSS
+increase during a run (and torch.cuda.max_memory_allocated when on a GPU). Every hooked run's
+tokens are checked against plain generation's. Not a test: figures depend on the machine and its
+load; run it once, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import statistics
 import tempfile
 import threading
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +39,8 @@ def rss() -> int:
 
 
 class PeakRSS:
+    """Peak resident set size while the block runs (sampled every 20 ms)."""
+
     def __enter__(self) -> "PeakRSS":
         self.base = rss()
         self.peak = self.base
@@ -40,7 +52,7 @@ class PeakRSS:
     def _run(self) -> None:
         while not self._stop:
             self.peak = max(self.peak, rss())
-            time.sleep(0.005)
+            time.sleep(0.02)
 
     def __exit__(self, *exc: object) -> None:
         self._stop = True
@@ -52,66 +64,137 @@ class PeakRSS:
         return self.peak - self.base
 
 
+def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--channel-steps", default="all")
-    ap.add_argument("--channel-dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--no-nnsight", action="store_true", help="skip the nnsight row")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model()
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    gen = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+               pad_token_id=tok.eos_token_id)
+    tmp = tempfile.TemporaryDirectory()
+    sizes: dict[str, list[float]] = {}
 
-    def run() -> torch.Tensor:
+    def generate() -> torch.Tensor:
         with torch.inference_mode():
-            return model.generate(**enc, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                  do_sample=False, pad_token_id=tok.eos_token_id)
+            return model.generate(**enc, **gen)
 
-    run()  # warm-up
-    plain, hooked, rss_plain, rss_hooked, sizes = [], [], [], [], []
-    attach, close = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):
-            with PeakRSS() as m:
-                t = time.perf_counter()
-                ref = run()
-                plain.append(time.perf_counter() - t)
-            rss_plain.append(m.delta)
-            path = os.path.join(tmp, f"t{i}.h5")
-            with PeakRSS() as m:
-                t = time.perf_counter()
-                cap = qforensics.capture(model, path, channel_steps=args.channel_steps,
-                                         channel_dtype=args.channel_dtype)
-                cap.attach()
-                attach.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                got = run()
-                hooked.append(time.perf_counter() - t)
-                t = time.perf_counter()
+    # each variant: () -> (timed generate, untimed teardown)
+    Variant = Callable[[], tuple[Callable[[], torch.Tensor], Callable[[], None]]]
+
+    def plain() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+        return generate, lambda: None
+
+    def bare() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+        kept: list[torch.Tensor] = []
+
+        def pre(mod: Any, a: tuple) -> None:
+            x = a[0]
+            kept.append(x.abs().amax(dim=tuple(range(x.dim() - 1))))
+
+        hs = [m.register_forward_pre_hook(pre) for m in linears(model)]
+
+        def done() -> None:
+            for h in hs:
+                h.remove()
+        return generate, done
+
+    def qf(name: str, **opts: Any) -> Variant:
+        def setup() -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+            path = os.path.join(tmp.name, f"{name}.h5")
+            cap = qforensics.capture(model, path, **opts)
+            cap.attach()  # module descriptions, weight health, file: once per run, untimed
+
+            def done() -> None:
                 cap.close()
-                close.append(time.perf_counter() - t)
-            rss_hooked.append(m.delta)
-            assert torch.equal(ref, got), "capture changed the model's output"
-            sizes.append(os.path.getsize(path))
-            with qforensics.open_trace(path) as tr:
-                steps = tr.n_steps
-    mp, mh = statistics.median(plain), statistics.median(hooked)
-    print(f"model: SmolLM2-135M, {args.tokens} new tokens, {steps} steps, "
-          f"torch threads {torch.get_num_threads()}, {args.repeat} runs each")
-    print(f"unhooked median {mp:.3f} s  (runs: {', '.join(f'{x:.3f}' for x in plain)})")
-    print(f"hooked   median {mh:.3f} s  (runs: {', '.join(f'{x:.3f}' for x in hooked)})")
-    print(f"ratio hooked/unhooked: {mh / mp:.3f}  (per-run ratios: "
-          f"{', '.join(f'{h / p:.2f}' for h, p in zip(hooked, plain))})")
-    print(f"one-time cost per capture: attach {statistics.median(attach):.3f} s (module "
-          f"descriptions, weight health, FP8 probe, file), close {statistics.median(close):.3f} s"
-          " (drain + seal)")
-    print(f"trace: {statistics.median(sizes) / steps / 1024:.1f} KiB per step "
-          f"({statistics.median(sizes) / 2**20:.1f} MiB for {steps} steps, "
-          f"channel_steps={args.channel_steps}, channel_dtype={args.channel_dtype})")
-    print(f"peak RSS increase during a run: unhooked {statistics.median(rss_plain) / 2**20:.1f} "
-          f"MiB, hooked {statistics.median(rss_hooked) / 2**20:.1f} MiB")
+                with qforensics.open_trace(path) as t:
+                    steps = t.n_steps
+                sizes.setdefault(name, []).append(os.path.getsize(path) / max(steps, 1) / 1024)
+                os.remove(path)
+            return generate, done
+        return setup
+
+    runners: dict[str, Variant] = {"plain": plain, "bare": bare}
+    nn_note = ""
+    if not args.no_nnsight:
+        try:
+            import warnings
+
+            from nnsight import LanguageModel
+
+            warnings.filterwarnings("ignore", module="nnsight")
+            lm = LanguageModel(model, tokenizer=tok)
+            lm_lins = [m for _, m in lm.named_modules()
+                       if isinstance(getattr(m, "_module", None), torch.nn.Linear)]
+
+            def nns_run() -> torch.Tensor:
+                with torch.inference_mode():
+                    with lm.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                                     **gen) as tracer:
+                        out = lm.generator.output.save()  # before the unbounded loop below
+                        kept = list().save()
+                        with tracer.all():
+                            for m in lm_lins:
+                                kept.append(m.input.abs().amax(dim=(0, 1)))
+                return out
+
+            runners["nnsight"] = lambda: (nns_run, lambda: None)
+        except ImportError as exc:
+            nn_note = f"nnsight: not installed here ({exc}); pip install -e '.[bench]'"
+    runners["qf-default"] = qf("qf-default")
+    runners["qf-scalar"] = qf("qf-scalar", channel_steps="none")
+
+    ref = generate()
+    for setup in runners.values():  # warm-up, and every variant must generate the same tokens
+        fn, done = setup()
+        got = fn()
+        done()
+        assert torch.equal(ref, got), "a hooked run changed the generated tokens"
+    sizes.clear()
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    peaks: dict[str, list[int]] = {k: [] for k in runners}
+    for r in range(args.rounds):
+        names = list(runners)
+        names = names[r % len(names):] + names[:r % len(names)]  # rotate the order
+        for name in names:
+            fn, done = runners[name]()
+            with PeakRSS() as m:
+                t, c = time.perf_counter(), time.process_time()
+                fn()
+                times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
+            done()
+            peaks[name].append(m.delta)
+    base = statistics.median(times["plain"])
+    base_cpu = statistics.median(cpu["plain"])
+    print(f"SmolLM2-135M, {args.tokens} greedy tokens, every Linear, {args.rounds} interleaved "
+          f"rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("ratio: median wall time / plain's; cpu ratio: median process CPU time / plain's "
+          "(steadier on a shared machine); generate only (attach and close untimed)")
+    print(f"{'what runs':<12}{'wall s':>8}{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}"
+          f"{'KiB/step':>10}{'peak RSS +MiB':>15}")
+    for name in runners:
+        med, mc = statistics.median(times[name]), statistics.median(cpu[name])
+        kib = f"{statistics.median(sizes[name]):.1f}" if name in sizes else "-"
+        print(f"{name:<12}{med:>8.3f}{med / base:>7.3f}{mc:>8.3f}{mc / base_cpu:>10.3f}{kib:>10}"
+              f"{statistics.median(peaks[name]) / 2**20:>15.1f}")
+    if nn_note:
+        print(nn_note)
+    if torch.cuda.is_available():
+        print(f"cuda max_memory_allocated: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

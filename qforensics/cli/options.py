@@ -16,9 +16,16 @@ def capture_options(f: F) -> F:
         click.option("--channel-dtype", type=click.Choice(["float32", "float16"]),
                      default="float32", show_default=True,
                      help="Storage type of per-channel min/max."),
-        click.option("--channel-steps", default="all", show_default=True,
-                     help='Steps whose per-channel ranges are stored: "all", "none" or '
-                          'ranges like "0-3,8".'),
+        click.option("--channel-steps", default="auto", show_default=True,
+                     help='Steps whose per-channel ranges are stored: "auto" (the prefill, '
+                          'the last --ring-steps steps, triggered steps and the 8 before '
+                          'them), "all", "none" or ranges like "0-3,8".'),
+        click.option("--ring-steps", type=click.IntRange(1, 4096), default=16,
+                     show_default=True,
+                     help="Steps in the rolling window of per-channel ranges (auto mode)."),
+        click.option("--max-bytes-mib", type=click.FloatRange(min=0), default=4096.0,
+                     show_default=True,
+                     help="Hard cap on the trace file (0: none); recorded when reached."),
         click.option("--modules", "modules_spec", default="default", show_default=True,
                      help='"default" (linears, decoder blocks, logits) or "linear".'),
         click.option("--snapshot-budget-mib", type=float, default=64.0, show_default=True,
@@ -33,7 +40,7 @@ def capture_options(f: F) -> F:
 
 def capture_kwargs(flush_interval: float, channel_dtype: str, channel_steps: str,
                    modules_spec: str, snapshot_budget_mib: float, outlier_threshold: float,
-                   ) -> dict[str, Any]:
+                   ring_steps: int = 16, max_bytes_mib: float = 4096.0) -> dict[str, Any]:
     if flush_interval <= 0:
         raise click.BadParameter("must be positive", param_hint="--flush-interval")
     return {
@@ -43,4 +50,7 @@ def capture_kwargs(flush_interval: float, channel_dtype: str, channel_steps: str
         "modules": modules_spec,
         "snapshot_budget": int(snapshot_budget_mib * (1 << 20)),
         "outlier_threshold": outlier_threshold,
+        "ring_steps": ring_steps,
+        "trigger_window": min(8, ring_steps),
+        "max_bytes": int(max_bytes_mib * (1 << 20)) or None,
     }

@@ -30,81 +30,87 @@ CLONE_LIMIT = 1 << 16
 class PendingStep:
     """Records (call, module, io, slot -> unique tensor) and the unique tensors of one step."""
 
-    __slots__ = ("meta", "which", "versions", "uver", "ulast", "uniq", "src", "orig", "desc", "groups", "singles",
-                 "nbytes", "keep", "chan_limit", "track", "clone_limit")
+    __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
+                 "track", "nograd", "clone_limit")
 
     def __init__(self, clone_limit: int = CLONE_LIMIT) -> None:
         self.clone_limit = clone_limit
         self.keep = True
         self.chan_limit = 8192
         self.track = True
+        self.nograd = False  # autograd off: a copy needs no detach
         self.clear()
 
     def clear(self) -> None:
-        self.meta: list[tuple[int, int, int, int]] = []  # call_index, module_id, io, slot
-        self.which: list[int] = []  # record -> unique index
-        self.versions: list[int] = []  # record -> the tensor's version when its hook ran
-        self.uver: list[int] = []  # unique -> its version when first seen
-        self.ulast: list[int] = []  # unique -> last call that took it (inference mode)
-        self.uniq: dict[int, int] = {}  # id(tensor) -> unique index (the tensor is held in orig)
-        self.src: list[Any] = []  # unique -> the tensor as the hook saw it (copy or original)
-        self.orig: list[torch.Tensor] = []  # unique -> the original (keeps ids stable)
-        self.desc: list[tuple[Any, Any, Any]] = []  # unique -> (shape, dtype, device)
+        # record: (call_index, module_id, io, slot, unique index, version when its hook ran)
+        self.recs: list[tuple[int, int, int, int, int, int]] = []
+        # unique: [original (keeps its id stable), version when first seen (inference mode:
+        # 0 first seen as an input, -1 as an output), last call that took it, (shape, dtype,
+        # device), the tensor as the hook saw it (a copy, the original, or None)]
+        self.units: list[list[Any]] = []
+        self.uniq: dict[int, int] = {}  # id(original) -> unique index
         self.groups: dict[Any, list[int]] = {}  # (shape, dtype, device) -> uniques copied
         self.singles: list[tuple[int, int, int, bool, torch.Tensor]] = []  # reduced in the hook
         self.nbytes = 0
 
     def __len__(self) -> int:
-        return len(self.meta)
+        return len(self.recs)
 
     def take(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
         """Hot path: one call per recorded tensor."""
+        j = self.uniq.get(id(t))
         if self.track:
             ver = t._version
-            j = self.uniq.get(id(t))
-            if j is None or self.orig[j] is not t or ver != self.uver[j]:
+            if j is None or (u := self.units[j])[0] is not t or ver != u[1]:
                 j = self._new(t, ver)
         else:  # no version counters (inference mode): share only an input of back-to-back
             ver = -1  # calls (q/k/v, gate/up), never an output later read as an input
-            j = self.uniq.get(id(t))
-            if (j is None or self.orig[j] is not t or io != 0 or self.uver[j] != 0
-                    or ci - self.ulast[j] > 1):
+            if (j is None or (u := self.units[j])[0] is not t or io or u[1]
+                    or ci - u[2] > 1):
                 j = self._new(t, -1 if io else 0)
-            self.ulast[j] = ci
-        self.meta.append((ci, mid, io, slot))
-        self.which.append(j)
-        self.versions.append(ver)
+                u = self.units[j]
+            u[2] = ci
+        self.recs.append((ci, mid, io, slot, j, ver))
 
     def _new(self, t: torch.Tensor, ver: int) -> int:
-        j = len(self.orig)
+        j = len(self.units)
         self.uniq[id(t)] = j
-        self.orig.append(t)
-        self.uver.append(ver)
-        self.ulast.append(-2)
-        shape, dtype, device = t.shape, t.dtype, t.device
-        self.desc.append((shape, dtype, device))
+        key = (t.shape, t.dtype, t.device)
         numel = t.numel()
-        if device.type == "meta" or numel == 0:
-            self.src.append(None)
+        if numel == 0 or t.is_meta:
+            self.units.append([t, ver, -2, key, None])
             return j
-        nbytes = numel * t.element_size()
         if numel <= self.clone_limit:
-            self.src.append(t.detach().clone())
-            key = (shape, dtype, device)
+            self.units.append([t, ver, -2, key, t.clone() if self.nograd
+                               else t.detach().clone()])
             g = self.groups.get(key)
             if g is None:
                 self.groups[key] = [j]
             else:
                 g.append(j)
         else:
+            shape = key[0]
             chans = int(shape[-1]) if len(shape) else 1
             rows = numel // max(chans, 1)
             keep = self.keep and chans <= self.chan_limit
-            self.src.append(t)  # for the exact pass and snapshots, if this step fails
+            # the original, for the exact pass and snapshots if this step fails
+            self.units.append([t, ver, -2, key, t])
             self.singles.append((j, rows, chans, keep,
                                  reduce.fast_one(t.detach(), rows, chans, keep)))
-        self.nbytes += nbytes
+        self.nbytes += numel * t.element_size()
         return j
+
+    # -- views for the end of the step (one pass each) --------------------------------------
+    def record_arrays(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(meta n x 4: call, module, io, slot), unique index per record, versions."""
+        if not self.recs:
+            return np.zeros((0, 4), np.int64), np.zeros(0, np.int64), []
+        arr = np.array(self.recs, dtype=np.int64)
+        return arr[:, :4], arr[:, 4].copy(), arr[:, 5].tolist()
+
+    def column(self, k: int) -> list[Any]:
+        """One field of every unique tensor (0 original, 1 version, 3 description, 4 seen)."""
+        return [u[k] for u in self.units]
 
     def reduce_on_device(self) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """Reduce the copies (batched per group) and gather the hook-time reductions:
@@ -116,14 +122,17 @@ class PendingStep:
             per_dev.setdefault(packed.device, []).append(packed)
             plan.append((np.array([j], np.int64), rows, chans, keep, packed.device,
                          packed.numel()))
-        src = self.src
+        src = self.column(4)
         for (shape, _dtype, _device), idx_l in self.groups.items():
             chans = int(shape[-1]) if len(shape) else 1
             numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
             rows = numel // max(chans, 1)
             keep = self.keep and chans <= self.chan_limit
-            packed = reduce.fast_group([src[j] for j in idx_l], rows, chans, keep)
-            per_dev.setdefault(packed.device, []).append(packed)
-            plan.append((np.array(idx_l, np.int64), rows, chans, keep, packed.device,
-                         packed.numel()))
+            per = max(1, reduce.REDUCE_CHUNK_ELEMS // max(numel, 1))  # bounded stacks
+            for k in range(0, len(idx_l), per):
+                sub = idx_l[k:k + per]
+                packed = reduce.fast_group([src[j] for j in sub], rows, chans, keep)
+                per_dev.setdefault(packed.device, []).append(packed)
+                plan.append((np.array(sub, np.int64), rows, chans, keep, packed.device,
+                             packed.numel()))
         return plan, per_dev

@@ -1,12 +1,13 @@
 """`qforensics.capture(model, "trace.h5")`: forward hooks that stream per-call statistics into an
 HDF5 trace.
 
-How it stays fast: a hook does no tensor math at all. It numbers the call, keeps a reference to
-each input/output tensor (with its in-place version counter) and returns. At the end of the step
-(one top-level forward of the captured model), the pending tensors are grouped by shape, dtype
-and device, stacked, and reduced in a few batched ops on their own device; everything the step
-produced goes to the host in ONE transfer per device. A long prefill that would hold more than
-`pending_budget` bytes is reduced early, in the same batched way.
+How it stays fast and right: a hook hands each tensor to `PendingStep.take` (hooks/pending.py),
+which copies a small one on its device (one op) or reduces a large one there, so the stats are
+of the tensor as the hook saw it; no host sync in a hook. At the end of the step (one top-level
+forward of the captured model) the copies are reduced in a few batched ops per (shape, dtype,
+device) and everything goes to the host in ONE transfer per device; the flight recorder
+(hooks/recorder.py) then decides which steps keep their per-channel ranges. A long prefill that
+would hold more than `pending_budget` bytes is reduced early, in the same way.
 
 Hooks are global state: `capture` attaches in `__enter__`, removes every handle in `finally`,
 refuses to attach twice to the same model and never writes attributes onto the user's modules
@@ -28,11 +29,12 @@ import torch
 from torch import nn
 
 from qforensics.errors import CaptureError
-from qforensics.hooks import reduce, registry
-from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
+from qforensics.hooks import registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
 from qforensics.hooks.pending import PendingStep
+from qforensics.hooks.recorder import FlightRecorder, parse_steps
+from qforensics.hooks.stepend import StepEnd
 from qforensics.hooks.snapshots import Snapshots
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter
@@ -42,33 +44,6 @@ log = logging.getLogger("qforensics.hooks.capture")
 _HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
 _MAX_INPUTS = 4
 _MAX_OUTPUTS = 2
-
-
-def _parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
-    """channel_steps: None/"all", "none", "0-3,8,16" style ranges, an iterable, or a callable."""
-    if spec is None or spec == "all":
-        return lambda s: True
-    if spec == "none":
-        return lambda s: False
-    if callable(spec):
-        return spec
-    if isinstance(spec, str):
-        chosen: set[int] = set()
-        open_from: int | None = None
-        for part in spec.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if part.endswith("-"):
-                open_from = int(part[:-1])
-            elif "-" in part:
-                a, b = part.split("-", 1)
-                chosen.update(range(int(a), int(b) + 1))
-            else:
-                chosen.add(int(part))
-        return lambda s: s in chosen or (open_from is not None and s >= open_from)
-    chosen = {int(s) for s in spec}
-    return lambda s: s in chosen
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
@@ -88,7 +63,7 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-class Capture:
+class Capture(StepEnd):
     """A capture session on one model. Create with `qforensics.capture(...)`."""
 
     def __init__(
@@ -106,6 +81,11 @@ class Capture:
         snapshot_tile_rows: int = 256,
         outlier_threshold: float = 448.0,
         pending_budget: int = 256 << 20,
+        ring_steps: int = 16,
+        trigger_window: int = 8,
+        trigger_limit: int = 32,
+        outlier_growth: float = 4.0,
+        max_bytes: int | None = 4 << 30,
         metadata: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -114,6 +94,10 @@ class Capture:
             raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
         if flush_interval <= 0:
             raise CaptureError("flush_interval must be positive (seconds)")
+        if ring_steps < 1 or not 0 <= trigger_window <= ring_steps:
+            raise CaptureError("ring_steps must be >= 1 and 0 <= trigger_window <= ring_steps")
+        if max_bytes is not None and max_bytes < 0:
+            raise CaptureError("max_bytes must be a positive byte count (or None: no cap)")
         if channel_io not in ("all", "inputs", "none"):
             raise CaptureError("channel_io must be 'all', 'inputs' or 'none'")
         env_rank, env_world = rank_and_world()
@@ -126,8 +110,13 @@ class Capture:
             "flush_interval": float(flush_interval),
             "channel_dtype": str(channel_dtype),
             "channel_limit": int(channel_limit),
-            "channel_steps": channel_steps if isinstance(channel_steps, str) or channel_steps is None
-            else "custom",
+            "channel_steps": (channel_steps or "auto") if isinstance(channel_steps, str)
+            or channel_steps is None else "custom",
+            "ring_steps": int(ring_steps),
+            "trigger_window": int(trigger_window),
+            "trigger_limit": int(trigger_limit),
+            "outlier_growth": float(outlier_growth),
+            "max_bytes": int(max_bytes) if max_bytes else 0,
             "channel_io": channel_io,
             "snapshot_budget": int(snapshot_budget),
             "snapshot_tile_rows": int(snapshot_tile_rows),
@@ -135,7 +124,7 @@ class Capture:
             "pending_budget": int(pending_budget),
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
         }
-        self._channel_step = _parse_steps(channel_steps)
+        self._channel_step = parse_steps(channel_steps)
         self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
         self._handles: list[Any] = []
@@ -156,6 +145,7 @@ class Capture:
         self._track_versions = True
         self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
         self._snaps: Snapshots | None = None
+        self._recorder: FlightRecorder | None = None
         self._incidents: list[np.ndarray] = []
         self._names: list[str] = []
         self._kinds: list[str] = []
@@ -207,10 +197,17 @@ class Capture:
                 modules=self._modules, kinds=self._kinds, gemm_ids=self._gemm_ids)
             env = describe_environment(self.model, self.rank, self.world_size)
             env.update({k: v for k, v in self._metadata.items()})
+            auto = self.options["channel_steps"] == "auto"
+            self._recorder = FlightRecorder(
+                slots=self.options["ring_steps"], window=self.options["trigger_window"],
+                limit=self.options["trigger_limit"], growth=self.options["outlier_growth"],
+                gemm_ids=self._gemm_ids) if auto else None
             self._writer = TraceWriter(
                 self.path, modules=descr, environment=env, capture_options=self.options,
                 channel_dtype=self.options["channel_dtype"],
                 flush_interval=self.options["flush_interval"],
+                ring_slots=self.options["ring_steps"] if auto else 0,
+                max_bytes=self.options["max_bytes"],
             )
             root_id = len(chosen) - 1
             for mid, (name, mod, kind) in enumerate(chosen):
@@ -325,6 +322,7 @@ class Capture:
         self._track_versions = not torch.is_inference_mode_enabled()
         p = self._pending
         p.track = self._track_versions
+        p.nograd = not torch.is_grad_enabled()
         p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
         p.chan_limit = self.options["channel_limit"]
         self._logits = None
@@ -342,87 +340,6 @@ class Capture:
             self._partial = []
             self._logits = None
             self._step_ids = None
-
-    # -- batched reduction -------------------------------------------------------------------
-    def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
-        """Finish the device side of what the hooks took (see hooks/pending.py) and bring it
-        to the host in ONE transfer per device.
-
-        Fast pass (reduce.fast_group / fast_one): sums, sums of squares, per-channel and
-        per-token min/max, all NaN-propagating, so a record whose stats come back finite provably
-        had no NaN/Inf. Only records whose stats are not finite get the exact, finite-only pass
-        (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
-        it."""
-        p = self._pending
-        n = len(p)
-        chan_io = self.options["channel_io"]
-        plan, per_dev = p.reduce_on_device()
-        logit_dev = ids_dev = None
-        if final and self._logits is not None:
-            lp = reduce.fast_logits(self._logits)
-            logit_dev = lp.device
-            per_dev.setdefault(lp.device, []).append(lp)
-        n_ids = 0
-        if final and self._step_ids is not None and self._step_ids.numel():
-            ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float32)  # exact < 2**24
-            n_ids = ids_t.numel()
-            ids_dev = ids_t.device
-            per_dev.setdefault(ids_dev, []).append(ids_t)
-        # ONE device->host transfer per device
-        host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
-        cursor = {dev: 0 for dev in host}
-
-        which = np.array(p.which, dtype=np.int64)
-        meta_arr = np.array(p.meta, dtype=np.int64).reshape(n, 4)
-        n_u = len(p.orig)
-        need = np.zeros(n_u, bool)
-        if chan_io == "all":
-            need[:] = True
-        elif chan_io == "inputs":
-            need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
-        st = UniqueStats(n_u, need)
-        st.describe_all(p.desc)
-        st.unpack(plan, host, cursor)
-        logits_row = None
-        ids_host = np.zeros(0, np.int64)
-        if logit_dev is not None:
-            c = cursor[logit_dev]
-            logits_row = reduce.logits_row(host[logit_dev][c:c + 15], self._logits)
-            cursor[logit_dev] = c + 15
-        if ids_dev is not None:
-            c = cursor[ids_dev]
-            ids_host = host[ids_dev][c:c + n_ids].astype(np.int64)
-            cursor[ids_dev] = c + n_ids
-
-        bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
-        if len(bad):  # failing step: exact finite-only stats for the records that need them
-            src = p.src
-            if self._track_versions:  # an original changed since its hook: not what it saw
-                src = [None if x is not None and x is p.orig[j] and x._version != p.uver[j]
-                       else x for j, x in enumerate(src)]
-            st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
-
-        seen = [p.src[j] for j in p.which]  # each record's tensor as its hook saw it
-        part = assemble_records(self.step, self._track_versions, meta_arr,
-                                [p.orig[j] for j in p.which], p.versions, which, st, chan_io)
-        assert self._snaps is not None
-        self._snaps.maybe_snapshot(part, p.meta, seen, self.step)
-        self._partial.append(part)
-        p.clear()
-        if final:
-            self._emit(logits_row, ids_host, complete)
-
-    def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
-        assert self._writer is not None and self._snaps is not None
-        snaps, data = self._snaps.take()
-        incidents = (np.concatenate(self._incidents) if self._incidents
-                     else np.zeros(0, schema.incident_dtype()))
-        self._incidents = []
-        self._writer.submit(build_batch(
-            self._partial, step=self.step, t0=self._step_t0, first_call=self._step_first_call,
-            next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
-            snaps=snaps, data=data, incidents=incidents,
-            channel_dtype=self.options["channel_dtype"]))
 
     # -- incidents (runtime guard) ---------------------------------------------------------
     def record_incident(self, module: str, action: str, *, nan_count: int = 0,
@@ -511,8 +428,13 @@ def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **optio
 
     Options: modules (None | "linear" | names | callable), flush_interval (s, default 1),
     channel_dtype ("float32" | "float16"), channel_limit (widest last dim whose per-channel
-    ranges are stored, default 8192), channel_steps ("all" | "none" | "0-3,8" | callable),
-    channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
+    ranges are stored, default 8192), channel_steps ("auto" | "all" | "none" | "0-3,8" |
+    callable; "auto", the default, is the flight recorder: per-channel ranges of the prefill, of
+    the last ring_steps steps (default 16, in memory and in a fixed-size circular region of the
+    file) and of every step that crosses a trigger plus the trigger_window steps before it
+    (default 8; at most trigger_limit=32 triggered steps; triggers: non-finite values, GEMM-input
+    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (hard cap on
+    the file, default 4 GiB, None: no cap; recorded in /limits when reached), channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
     snapshot_tile_rows (weight rows kept around the first bad output, default 256),
     outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
     (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the

@@ -22,6 +22,7 @@ import pandas as pd
 
 from qforensics.errors import TraceFormatError, TraceVersionError
 from qforensics.trace import schema
+from qforensics.trace.ring import RingIndex
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ class Trace:
             ds = self._dataset(f"modules/{col}")
             if ds.dtype.kind not in "OS":
                 raise TraceFormatError(f"{p}: /modules/{col} must hold strings")
+        self._ring = RingIndex(f, p, min(self._lengths["channels/min"],
+                                         self._lengths["channels/max"]))
         n_mod = {self._f[f"modules/{c}"].shape[0] for c, _ in schema.MODULE_COLUMNS}
         if len(n_mod) != 1:
             raise TraceFormatError(f"{p}: /modules columns differ in length")
@@ -205,6 +208,11 @@ class Trace:
             if fields is not None and name not in fields:
                 continue
             out[name] = self._f[f"{table}/{name}"][start:stop]
+        if table == "records" and "chan_offset" in out:  # 1.1: ring-relative -> addresses
+            need = {k: out[k] if k in out else self._f[f"records/{k}"][start:stop]
+                    for k in ("flags", "step", "channels")}
+            out["chan_offset"] = self._ring.resolve(out["chan_offset"], need["flags"],
+                                                    need["step"], need["channels"])
         return out
 
     # -- metadata ----------------------------------------------------------------------------
@@ -339,6 +347,11 @@ class Trace:
         one read for the records of a whole step (their slices are contiguous)."""
         lo, hi = int(lo), int(hi)
         n = min(self._lengths["channels/min"], self._lengths["channels/max"])
+        if lo >= n and hi > lo:  # 1.1: a block still in the ring (see trace/ring.py)
+            got = self._ring.read(lo, hi)
+            if got is not None:
+                return (got[0].astype(np.float32, copy=False),
+                        got[1].astype(np.float32, copy=False))
         if lo < 0 or hi < lo or hi > n:
             raise TraceFormatError(f"{self.path}: channel range [{lo}, {hi}) out of bounds "
                                    f"(/channels holds {n})")
@@ -458,6 +471,28 @@ class Trace:
         if table == "requests":
             df["request_id"] = [v.decode("utf-8", "replace") for v in df["request_id"]]
         return df
+
+    @cached_property
+    def triggers(self) -> pd.DataFrame:
+        """Steps that crossed a flight-recorder trigger (format 1.1; empty before)."""
+        cols = [c for c, _, _ in schema.TRIGGER_COLUMNS]
+        g = self._f.get("triggers")
+        if not isinstance(g, h5py.Group) or not all(
+                isinstance(g.get(c), h5py.Dataset) and g[c].ndim == 1 for c in cols):
+            return pd.DataFrame({c: [] for c in cols})
+        n = min(g[c].shape[0] for c in cols)
+        df = pd.DataFrame({c: g[c][:n] for c in cols})
+        df["kind"] = [v.decode("utf-8", "replace") for v in df["kind"]] if n else []
+        return df
+
+    @cached_property
+    def limits(self) -> dict[str, int]:
+        """max_bytes the writer ran with (0: none) and the step it was reached at (-1: never)."""
+        ds = self._f.get(schema.LIMITS_DATASET)
+        if isinstance(ds, h5py.Dataset) and ds.shape == (2,) and ds.dtype.kind in "iu":
+            v = ds[:]
+            return {"max_bytes": int(v[0]), "reached_at_step": int(v[1])}
+        return {"max_bytes": 0, "reached_at_step": -1}
 
     def iter_steps(self) -> Iterator[int]:
         yield from (int(s) for s in self._step_arrays["step"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 FORMAT_NAME = "qforensics-trace"
-FORMAT_VERSION = (1, 0)  # (major, minor): a reader refuses a newer major
+FORMAT_VERSION = (1, 1)  # (major, minor): a reader refuses a newer major
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
 
 # Record roles
@@ -21,6 +21,14 @@ FLAG_MUTATED = 1  # the tensor was modified in place between the call and its re
 FLAG_DEGRADED = 2  # stats could not be computed for this tensor (capture degraded)
 FLAG_META = 4  # meta / fake tensor: shape only, no values
 FLAG_NONFLOAT = 8  # integer or bool tensor, stats are of its values cast to float
+FLAG_RING = 16  # (1.1) chan_offset is relative to the step's block in the ring (see RING_*)
+
+# Channel keeping (1.1): per-channel ranges of a step are kept permanently in /channels (the
+# prefill, a triggered step and the W steps before it, steps chosen by channel_steps) or go to
+# the fixed-size circular region /ring (the last K steps); promoted ring blocks are copied into
+# /channels and listed in /channels/promoted.
+RING_DATASETS = ("ring/min", "ring/max")  # 2-D (K slots, slot capacity), channel dtype
+RING_INDEX = ("ring/step", "ring/count")  # 1-D (K,) i8: step held by each slot (-1), its length
 
 DTYPE_CODES: dict[str, int] = {
     "float32": 0,
@@ -149,6 +157,22 @@ ENGINE_PHASES = {0: "prefill", 1: "decode", -1: "unknown"}
 # where that row of the logits (one per request) / of the model's final hidden states (one per
 # token row) holds a NaN/Inf; read through their per-token absmax.
 ENGINE_ROW_FLAG_SLOTS = {"logits": 1, "hidden": 2}
+# /channels/promoted (1.1): ring blocks copied into /channels when a trigger fired after them.
+PROMOTED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i8", ()),
+    ("offset", "i8", ()),  # into /channels/min and /channels/max
+    ("count", "i8", ()),
+]
+
+# /triggers (1.1): steps that crossed a trigger; their channels (and the W steps' before) kept.
+TRIGGER_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i8", ()),
+    ("kind", "S16", ()),  # nonfinite | outlier_growth | logits
+    ("value", "f8", ()),  # the statistic that crossed (count, growth factor, logits absmax)
+    ("reference", "f8", ()),  # what it was compared with (NaN when not applicable)
+    ("kept", "i1", ()),  # 1: channels kept; 0: past the limit of triggered steps kept
+]
+TRIGGER_KINDS = ("nonfinite", "outlier_growth", "logits")
 
 SNAPSHOT_REASONS = ("first_nonfinite_output", "first_outlier")
 # dtypes a snapshot may hold (numpy names, little endian)
@@ -171,6 +195,10 @@ MODULE_COLUMNS: list[tuple[str, str]] = [
     ("info", "str"),  # JSON: params, quant, health
 ]
 
+# /limits (1.1): i8 [2]: the max_bytes cap the writer ran with (0: none) and the step at which it
+# was reached (-1: never). Reaching it stops every append; the ring keeps turning in place.
+LIMITS_DATASET = "limits"
+
 META_KEYS = ("environment", "capture_options", "status", "outcome")
 
 
@@ -184,6 +212,10 @@ def record_dtype() -> np.dtype:
 
 def incident_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in INCIDENT_COLUMNS])
+
+
+def trigger_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in TRIGGER_COLUMNS])
 
 
 def snapshot_dtype() -> np.dtype:

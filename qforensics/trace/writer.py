@@ -8,6 +8,12 @@ you) and holds every batch flushed before the kill. Nothing here imports torch.
 
 Write order within a flush: flat arrays, records, snapshots, then the step rows, then flush; a
 step row on disk therefore always has its records on disk.
+
+Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
+marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
+(never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
+`/triggers`; `max_bytes` stops every append once the next flush could pass it (noted in
+`/limits` and the closing status) while the ring keeps turning.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import h5py
@@ -47,6 +53,17 @@ class StepBatch:
     incidents: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.incident_dtype()))
     # /engine/<table> rows (schema.ENGINE_TABLES); self-describing, nothing to rebase
     engine: dict[str, np.ndarray] = field(default_factory=dict)
+    # 1.1: this step's channel block goes to the ring (its records carry FLAG_RING and offsets
+    # relative to the block), earlier ring blocks to keep for good, and the triggers it crossed
+    ring: bool = False
+    promote: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    triggers: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.trigger_dtype()))
+
+
+def _rebase_channels(rec: np.ndarray, base: int) -> None:
+    """Shift the absolute channel offsets of records by `base` (ring-relative ones stay)."""
+    absolute = (rec["chan_offset"] >= 0) & ((rec["flags"] & schema.FLAG_RING) == 0)
+    rec["chan_offset"] = np.where(absolute, rec["chan_offset"] + base, rec["chan_offset"])
 
 
 def merge_batches(batches: list[StepBatch]) -> StepBatch:
@@ -55,7 +72,7 @@ def merge_batches(batches: list[StepBatch]) -> StepBatch:
     chan = tok = ids = data = rec_base = 0
     for b in batches:
         r = b.records.copy()
-        r["chan_offset"] = np.where(r["chan_offset"] >= 0, r["chan_offset"] + chan, -1)
+        _rebase_channels(r, chan)
         r["tok_offset"] = np.where(r["tok_offset"] >= 0, r["tok_offset"] + tok, -1)
         st = b.steps.copy()
         st["record_offset"] += rec_base
@@ -83,6 +100,8 @@ def merge_batches(batches: list[StepBatch]) -> StepBatch:
         incidents=np.concatenate([b.incidents for b in batches]),
         engine={t: np.concatenate([b.engine[t] for b in batches if t in b.engine])
                 for t in schema.ENGINE_TABLES if any(t in b.engine for b in batches)},
+        promote=[p for b in batches for p in b.promote],
+        triggers=np.concatenate([b.triggers for b in batches]),
     )
 
 
@@ -102,6 +121,8 @@ class TraceWriter:
         capture_options: dict[str, Any],
         channel_dtype: str = "float32",
         flush_interval: float = 1.0,
+        ring_slots: int = 0,
+        max_bytes: int | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.flush_interval = float(flush_interval)
@@ -114,6 +135,9 @@ class TraceWriter:
         self._closed = False
         self.steps_written = 0
         self.bytes_hint = 0
+        self.ring_slots = max(0, int(ring_slots))
+        self.max_bytes = int(max_bytes) if max_bytes else 0
+        self.capped_at: int | None = None  # step at which max_bytes was reached
         self._create(modules, environment, capture_options)
         self._thread = threading.Thread(target=self._run, name="qforensics-writer", daemon=True)
         self._thread.start()
@@ -172,6 +196,26 @@ class TraceWriter:
                 path, shape=(0,), maxshape=(None,), dtype=dt, chunks=(chunk,), **comp
             )
         f["channels"].attrs["dtype"] = self.channel_dtype.name
+        prom = f["channels"].create_group("promoted")
+        for name, dt, _ in schema.PROMOTED_COLUMNS:
+            self._cols[f"channels/promoted/{name}"] = prom.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
+        trig = f.create_group("triggers")
+        for name, dt, _ in schema.TRIGGER_COLUMNS:
+            self._cols[f"triggers/{name}"] = trig.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
+        k = max(self.ring_slots, 1)
+        ring = f.create_group("ring")
+        ring.attrs["slots"] = self.ring_slots
+        for path in schema.RING_DATASETS:  # fixed K rows; the width is set by the first block
+            self._cols[path] = f.create_dataset(
+                path, shape=(k, 0), maxshape=(k, None), dtype=self.channel_dtype,
+                chunks=(1, 4096))
+        for path in schema.RING_INDEX:
+            self._cols[path] = f.create_dataset(path, data=np.full(k, -1 if path.endswith(
+                "step") else 0, np.int64))
+        self._cols[schema.LIMITS_DATASET] = f.create_dataset(
+            schema.LIMITS_DATASET, data=np.array([self.max_bytes, -1], np.int64))
         f.flush()
         f.swmr_mode = True
         self._file = f
@@ -220,12 +264,90 @@ class TraceWriter:
             with self._lock:
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
-                self._append_batch(merge_batches(batches) if len(batches) > 1 else batches[0])
+                todo = []
+                for b in batches:  # ring blocks are written in place, never appended
+                    if b.ring:
+                        if len(b.chan_min):
+                            self._write_ring(b)
+                        empty = np.zeros(0, self.channel_dtype)
+                        b = replace(b, chan_min=empty, chan_max=empty, ring=False)
+                    if self.capped_at is None:
+                        todo.append(b)
+                if todo:
+                    merged = merge_batches(todo) if len(todo) > 1 else todo[0]
+                    if self._fits(merged):
+                        self._append_batch(merged)
                 self._file.flush()
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
+
+    def _fits(self, b: StepBatch) -> bool:
+        """False (and the cap noted in /limits) when appending `b` could pass max_bytes."""
+        if not self.max_bytes:
+            return True
+        n_chan = len(b.chan_min) + sum(len(p[1]) for p in b.promote)
+        grow = [("channels/min", n_chan), ("channels/max", n_chan),
+                ("tokens/absmax", len(b.tok_absmax)), ("tokens/input_ids", len(b.input_ids)),
+                ("snapshots/data", len(b.snapshot_bytes))]
+        for table, columns, n in (("steps", schema.STEP_COLUMNS, len(b.steps)),
+                                  ("records", schema.RECORD_COLUMNS, len(b.records)),
+                                  ("snapshots/index", schema.SNAPSHOT_COLUMNS, len(b.snapshots)),
+                                  ("incidents", schema.INCIDENT_COLUMNS, len(b.incidents)),
+                                  ("triggers", schema.TRIGGER_COLUMNS, len(b.triggers)),
+                                  ("channels/promoted", schema.PROMOTED_COLUMNS,
+                                   len(b.promote))):
+            grow += [(f"{table}/{name}", n) for name, _, _ in columns]
+        if self._within_cap(sum(self._chunk_growth(p, n) for p, n in grow)):
+            return True
+        self._reach_cap(int(b.steps["step"][0]) if len(b.steps) else -1)
+        return False
+
+    def _chunk_growth(self, path: str, n: int) -> int:
+        """Upper bound of the bytes appending n rows to a dataset allocates: whole chunks,
+        uncompressed (compression only shrinks them)."""
+        if n <= 0:
+            return 0
+        ds = self._cols[path]
+        c = ds.chunks[0] if ds.chunks else 1
+        row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+        have = ds.shape[0]
+        return (-(-(have + n) // c) - -(-have // c)) * c * row
+
+    def _within_cap(self, extra: int) -> bool:
+        # 64 KiB for HDF5's own metadata (B-tree nodes, heaps) that a flush may add
+        return not self.max_bytes or os.path.getsize(self.path) + extra + (64 << 10) <= (
+            self.max_bytes)
+
+    def _reach_cap(self, first: int) -> None:
+        self.capped_at = first
+        self._cols[schema.LIMITS_DATASET][1] = first
+        log.warning("qforensics: trace reached max_bytes=%d at step %d; appending stops, the "
+                    "ring of the last steps keeps turning", self.max_bytes, first)
+
+    def _write_ring(self, b: StepBatch) -> None:
+        """The step's channel block into slot step % K of the fixed-size circular region."""
+        if not self.ring_slots or not len(b.steps):
+            return
+        step = int(b.steps["step"][0])
+        slot = step % self.ring_slots
+        n = len(b.chan_min)
+        dmin, dmax = self._cols["ring/min"], self._cols["ring/max"]
+        if n > dmin.shape[1]:
+            width = -(-n // 4096) * 4096
+            if self.capped_at is not None or not self._within_cap(
+                    2 * dmin.shape[0] * (width - dmin.shape[1]) * dmin.dtype.itemsize):
+                if self.capped_at is None:
+                    self._reach_cap(step)
+                return
+            dmin.resize((dmin.shape[0], width))
+            dmax.resize((dmax.shape[0], width))
+        self._cols["ring/step"][slot] = -1  # invalid while the slot is rewritten
+        dmin[slot, :n] = np.asarray(b.chan_min, self.channel_dtype)
+        dmax[slot, :n] = np.asarray(b.chan_max, self.channel_dtype)
+        self._cols["ring/count"][slot] = n
+        self._cols["ring/step"][slot] = step
 
     def _append(self, path: str, values: np.ndarray) -> int:
         ds = self._cols[path]
@@ -242,6 +364,14 @@ class TraceWriter:
         return base
 
     def _append_batch(self, b: StepBatch) -> None:
+        for step, pmin, pmax in b.promote:  # ring blocks kept for good after a trigger
+            off = self._append("channels/min", np.asarray(pmin, self.channel_dtype))
+            self._append("channels/max", np.asarray(pmax, self.channel_dtype))
+            row = np.zeros(1, [(n, t) for n, t, _ in schema.PROMOTED_COLUMNS])
+            row["step"], row["offset"], row["count"] = step, off, len(pmin)
+            self._append_table("channels/promoted", schema.PROMOTED_COLUMNS, row)
+        if len(b.triggers):
+            self._append_table("triggers", schema.TRIGGER_COLUMNS, b.triggers)
         cmin = np.asarray(b.chan_min, dtype=self.channel_dtype)
         cmax = np.asarray(b.chan_max, dtype=self.channel_dtype)
         chan_base = self._append("channels/min", cmin)
@@ -249,7 +379,7 @@ class TraceWriter:
         tok_base = self._append("tokens/absmax", np.asarray(b.tok_absmax, np.float32))
         ids_base = self._append("tokens/input_ids", np.asarray(b.input_ids, np.int64))
         rec = b.records.copy()
-        rec["chan_offset"] = np.where(rec["chan_offset"] >= 0, rec["chan_offset"] + chan_base, -1)
+        _rebase_channels(rec, chan_base)
         rec["tok_offset"] = np.where(rec["tok_offset"] >= 0, rec["tok_offset"] + tok_base, -1)
         rec_base = self._append_table("records", schema.RECORD_COLUMNS, rec)
         if len(b.snapshots):
@@ -288,6 +418,8 @@ class TraceWriter:
         st = dict(status or {})
         st.setdefault("state", "complete")
         st["steps_written"] = self.steps_written
+        if self.capped_at is not None:
+            st["max_bytes_reached"] = {"max_bytes": self.max_bytes, "step": self.capped_at}
         if self._failed:
             st["writer_error"] = self._failed
         try:

@@ -226,7 +226,7 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
 
 
 def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog):
-    import qforensics.hooks.reduce as reduce_mod
+    import qforensics.hooks.reduce as reduce_mod  # the session calls reduce.fast_group
 
     def broken(*a, **k):
         raise ValueError("odd tensor")

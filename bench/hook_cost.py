@@ -1,0 +1,84 @@
+"""Host-side cost of capture per decode step, without the model (steadier than end-to-end
+timing on a shared machine).
+
+    python bench/hook_cost.py [--steps 200]
+
+Feeds SmolLM2-135M-shaped decode tensors (30 layers: q/k/v/o, gate/up/down, the block) through
+what the hooks do, single-threaded, and prints CPU milliseconds per step for:
+  bare          one per-channel absmax (abs + amax) per Linear input, as the bare pre-hook does
+  take          qforensics' hook-time work (PendingStep.take: copies, bookkeeping)
+  take+reduce   plus the end-of-step batched reduction (reduce_on_device)
+Compare with a plain decode step of the model on the same machine (about 80 ms here on one
+thread). Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+from qforensics.hooks.pending import PendingStep
+
+D, F, KV = 576, 1536, 192  # SmolLM2-135M hidden, MLP and k/v widths
+
+
+def layer_tensors() -> dict[str, torch.Tensor]:
+    shapes = dict(ain=D, q=D, k=KV, v=KV, oin=D, o=D, min=D, g=F, u=F, din=F, dn=D, bin=D,
+                  bout=D)
+    return {k: torch.randn(1, 1, n) for k, n in shapes.items()}
+
+
+CALLS = (("ain", "q"), ("ain", "k"), ("ain", "v"), ("oin", "o"), ("min", "g"), ("min", "u"),
+         ("din", "dn"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    layers = [layer_tensors() for _ in range(30)]
+    p = PendingStep()
+    p.track, p.nograd = False, True  # as under torch.inference_mode()
+
+    def bare() -> None:
+        kept = []
+        for lt in layers:
+            for inp, _ in CALLS:
+                kept.append(lt[inp].abs().amax(dim=(0, 1)))
+
+    def take() -> None:
+        ci = 0
+        for lt in layers:
+            for inp, out in CALLS:
+                p.take(ci, 1, 0, 0, lt[inp])
+                p.take(ci, 1, 1, 0, lt[out])
+                ci += 1
+            p.take(ci, 2, 0, 0, lt["bin"])
+            p.take(ci, 2, 1, 0, lt["bout"])
+            ci += 1
+
+    def take_reduce() -> None:
+        take()
+        p.reduce_on_device()
+
+    runs: dict[str, Callable[[], None]] = {"bare": bare, "take": take,
+                                           "take+reduce": take_reduce}
+    with torch.inference_mode():
+        for name, fn in runs.items():
+            for _ in range(5):
+                fn()
+                p.clear()
+            t = time.process_time()
+            for _ in range(args.steps):
+                fn()
+                p.clear()
+            print(f"{name:<12} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU "
+                  "per step")
+
+
+if __name__ == "__main__":
+    main()

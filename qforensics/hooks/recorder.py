@@ -1,0 +1,129 @@
+"""The flight-recorder policy: which steps keep their per-channel ranges for good.
+
+Scalars, per-token maxima and logits are kept for every step. Per-channel ranges (most of a
+trace's bytes) are kept for good only for:
+- the prefill (step 0, or any step with more than one input token);
+- a step that crosses a trigger, together with the `window` steps before it: non-finite values
+  (the first such step always; then at most `limit`), outlier growth (the largest GEMM-input
+  absmax of the step beyond `growth` x the largest of the last `slots` steps) and a logits
+  anomaly (the same test on the logits' absmax), at most `limit` steps of each kind;
+- every other step goes to a rolling window of the last `slots` steps, held here in memory (to
+  promote it when a trigger fires) and by the writer in a fixed-size circular region of the file
+  (so a kill -9 keeps the last window).
+
+Host-side numpy on a handful of numbers per step; nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Callable, Iterable
+
+import numpy as np
+
+from qforensics.trace import schema
+from qforensics.trace.writer import StepBatch
+
+def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
+    """channel_steps: None/"auto"/"all", "none", "0-3,8,16" style ranges, an iterable, or a
+    callable. "auto" reduces channels at every step; the flight recorder decides what stays."""
+    if spec is None or spec in ("all", "auto"):
+        return lambda s: True
+    if spec == "none":
+        return lambda s: False
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):
+        chosen: set[int] = set()
+        open_from: int | None = None
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if part.endswith("-"):
+                open_from = int(part[:-1])
+            elif "-" in part:
+                a, b = part.split("-", 1)
+                chosen.update(range(int(a), int(b) + 1))
+            else:
+                chosen.add(int(part))
+        return lambda s: s in chosen or (open_from is not None and s >= open_from)
+    chosen = {int(s) for s in spec}
+    return lambda s: s in chosen
+
+
+_MIN_HISTORY = 4  # steps of history before a growth trigger may fire
+
+
+class FlightRecorder:
+    def __init__(self, *, slots: int, window: int, limit: int, growth: float,
+                 gemm_ids: np.ndarray) -> None:
+        self.slots = max(1, int(slots))
+        self.window = max(0, min(int(window), self.slots))
+        self.limit = max(0, int(limit))
+        self.growth = float(growth)
+        self._gemm_ids = gemm_ids
+        self._memory: collections.deque = collections.deque(maxlen=self.slots)
+        self._outliers: collections.deque = collections.deque(maxlen=self.slots)
+        self._logits: collections.deque = collections.deque(maxlen=self.slots)
+        self._kept = collections.Counter()
+        self._seen_nonfinite = False
+
+    def apply(self, batch: StepBatch) -> None:
+        """Decide where this step's channel block goes; mark the batch accordingly."""
+        if len(batch.steps) != 1:
+            return
+        s = batch.steps[0]
+        step = int(s["step"])
+        rec = batch.records
+        triggers = self._triggers(s, rec)
+        keep = step == 0 or int(s["token_count"]) > 1
+        if triggers:
+            # the first non-finite step is always kept; beyond it each kind has `limit` steps
+            first_bad = triggers[0][0] == "nonfinite" and not self._seen_nonfinite
+            self._seen_nonfinite |= triggers[0][0] == "nonfinite"
+            kept = first_bad or any(self._kept[k] < self.limit for k, _, _ in triggers)
+            for k, _, _ in triggers:
+                self._kept[k] += 1
+            rows = np.zeros(len(triggers), schema.trigger_dtype())
+            for i, (kind, value, ref) in enumerate(triggers):
+                rows[i] = (step, kind.encode(), value, ref, 1 if kept else 0)
+            batch.triggers = rows
+            if kept:
+                keep = True
+                first = step - self.window
+                batch.promote = [(st, cmin, cmax) for st, cmin, cmax in self._memory
+                                 if st >= first]
+                self._memory = collections.deque(
+                    (m for m in self._memory if m[0] < first), maxlen=self.slots)
+        if keep or not len(batch.chan_min):
+            return
+        batch.ring = True
+        held = rec["chan_offset"] >= 0
+        rec["flags"] = np.where(held, rec["flags"] | schema.FLAG_RING, rec["flags"])
+        self._memory.append((step, batch.chan_min, batch.chan_max))
+
+    def _triggers(self, s: np.void, rec: np.ndarray) -> list[tuple[str, float, float]]:
+        out: list[tuple[str, float, float]] = []
+        bad = int(s["n_nonfinite_records"]) + int(s["logits_nan"]) + int(s["logits_inf"])
+        if bad:
+            out.append(("nonfinite", float(bad), math.nan))
+        gemm_in = (rec["io"] == schema.IO_INPUT) & np.isin(rec["module_id"], self._gemm_ids)
+        vals = rec["absmax"][gemm_in]
+        vals = vals[np.isfinite(vals)]
+        if len(vals):
+            out += self._grew("outlier_growth", float(vals.max()), self._outliers)
+        if int(s["has_logits"]):
+            lg = max(abs(float(s["logits_min"])), abs(float(s["logits_max"])))
+            if math.isfinite(lg):
+                out += self._grew("logits", lg, self._logits)
+        return out
+
+    def _grew(self, kind: str, value: float, history: collections.deque
+              ) -> list[tuple[str, float, float]]:
+        ref = float(max(history)) if len(history) >= _MIN_HISTORY else math.nan
+        history.append(value)
+        if math.isfinite(ref) and ref > 0 and value > self.growth * ref:
+            return [(kind, value, ref)]
+        return []

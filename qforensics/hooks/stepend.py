@@ -1,0 +1,124 @@
+"""The end of a step: finish the device side of what the hooks took, bring it to the host in
+one transfer per device, assemble the step's records and hand one StepBatch to the writer.
+
+A mixin of the capture session (hooks/session.py): it reads the session's step state
+(`_pending`, `_logits`, `_step_ids`, `_partial`, ...) and writes nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from qforensics.hooks import reduce
+from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
+from qforensics.trace import schema
+
+if TYPE_CHECKING:
+    from qforensics.hooks.pending import PendingStep
+    from qforensics.hooks.recorder import FlightRecorder
+    from qforensics.hooks.snapshots import Snapshots
+    from qforensics.trace.writer import TraceWriter
+
+
+class StepEnd:
+    _pending: "PendingStep"
+    _logits: torch.Tensor | None
+    _step_ids: torch.Tensor | None
+    _partial: list[dict[str, Any]]
+    _snaps: "Snapshots | None"
+    _recorder: "FlightRecorder | None"
+    _writer: "TraceWriter | None"
+    _incidents: list[np.ndarray]
+    _track_versions: bool
+    _step_t0: float
+    _step_first_call: int
+    _next_call: int
+    options: dict[str, Any]
+    step: int
+
+    def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
+        """Finish the device side of what the hooks took (see hooks/pending.py) and bring it
+        to the host in ONE transfer per device.
+
+        Fast pass (reduce.fast_group / fast_one): sums, sums of squares, per-channel and
+        per-token min/max, all NaN-propagating, so a record whose stats come back finite provably
+        had no NaN/Inf. Only records whose stats are not finite get the exact, finite-only pass
+        (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
+        it."""
+        p = self._pending
+        chan_io = self.options["channel_io"]
+        plan, per_dev = p.reduce_on_device()
+        logit_dev = ids_dev = None
+        if final and self._logits is not None:
+            lp = reduce.fast_logits(self._logits)
+            logit_dev = lp.device
+            per_dev.setdefault(lp.device, []).append(lp)
+        n_ids = 0
+        if final and self._step_ids is not None and self._step_ids.numel():
+            ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float32)  # exact < 2**24
+            n_ids = ids_t.numel()
+            ids_dev = ids_t.device
+            per_dev.setdefault(ids_dev, []).append(ids_t)
+        # ONE device->host transfer per device
+        host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
+        cursor = {dev: 0 for dev in host}
+
+        meta_arr, which, versions = p.record_arrays()
+        orig, seen_u = p.column(0), p.column(4)
+        n_u = len(orig)
+        need = np.zeros(n_u, bool)
+        if chan_io == "all":
+            need[:] = True
+        elif chan_io == "inputs":
+            need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
+        st = UniqueStats(n_u, need)
+        st.describe_all(p.column(3))
+        st.unpack(plan, host, cursor)
+        logits_row = None
+        ids_host = np.zeros(0, np.int64)
+        if logit_dev is not None:
+            c = cursor[logit_dev]
+            logits_row = reduce.logits_row(host[logit_dev][c:c + 15], self._logits)
+            cursor[logit_dev] = c + 15
+        if ids_dev is not None:
+            c = cursor[ids_dev]
+            ids_host = host[ids_dev][c:c + n_ids].astype(np.int64)
+            cursor[ids_dev] = c + n_ids
+
+        bad = np.nonzero(st.computed & ~np.isfinite(st.sc).all(axis=1))[0]
+        if len(bad):  # failing step: exact finite-only stats for the records that need them
+            src = seen_u
+            if self._track_versions:  # an original changed since its hook: not what it saw
+                src = [None if x is not None and x is u[0] and x._version != u[1] else x
+                       for x, u in zip(src, p.units)]
+            st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
+
+        seen = [seen_u[j] for j in which.tolist()]  # each record's tensor as its hook saw it
+        part = assemble_records(self.step, self._track_versions, meta_arr,
+                                [orig[j] for j in which.tolist()], versions, which, st,
+                                chan_io)
+        assert self._snaps is not None
+        self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()], seen,
+                                   self.step)
+        self._partial.append(part)
+        p.clear()
+        if final:
+            self._emit(logits_row, ids_host, complete)
+
+    def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
+        assert self._writer is not None and self._snaps is not None
+        snaps, data = self._snaps.take()
+        incidents = (np.concatenate(self._incidents) if self._incidents
+                     else np.zeros(0, schema.incident_dtype()))
+        self._incidents = []
+        batch = build_batch(
+            self._partial, step=self.step, t0=self._step_t0, first_call=self._step_first_call,
+            next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
+            snaps=snaps, data=data, incidents=incidents,
+            channel_dtype=self.options["channel_dtype"])
+        if self._recorder is not None:
+            self._recorder.apply(batch)
+        self._writer.submit(batch)
