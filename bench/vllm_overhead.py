@@ -89,6 +89,13 @@ def main() -> int:
     print(f"generate, fastest of {a.repeat}: plain {tp:.3f} s, captured {tc:.3f} s, "
           f"ratio {tc / tp:.3f} (target <= 1.10)")
     print(f"texts identical: {same}")
+    # vLLM's CPU batches are not batch-invariant: a different schedule (steps) can change bf16
+    # greedy tokens by itself. Say whether each side agrees with itself across its repeats.
+    for name, runs in (("plain", texts_p), ("captured", texts_c)):
+        print(f"  {name}: repeats agree with each other: {all(r == runs[0] for r in runs)}")
+    differ = sum(x != y for rp, rc in zip(texts_p, texts_c) for x, y in zip(rp, rc))
+    print(f"  requests whose tokens differ between plain and captured: {differ} of "
+          f"{sum(len(r) for r in texts_p)}")
     print(f"trace: {size:,} bytes, {n_steps} steps, {size / max(n_steps, 1):,.0f} bytes/step")
     return 0 if same else 1
 
