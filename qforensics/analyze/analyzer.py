@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
+from qforensics.analyze.engine import find_engine_findings, warmup_steps, without_warmup
 from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.evidence import (
     collect_evidence,
@@ -199,6 +200,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         notes.append(end.reason)
 
     _guarded(trace, lambda: trace.modules, None)  # validates the module kinds up front
+    # a serving engine's warm-up / profile forwards are recorded but never drive a verdict
+    warm = warmup_steps(trace)
+    steps = without_warmup(steps, warm)
     fail_row = find_first_bad_step(steps)
     fail_row = _cross_check(trace, steps, fail_row, notes)
     first = None
@@ -283,6 +287,11 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
                  int(r.inf_count), str(r.detail))
         for r in _guarded(trace, lambda: trace.incidents, pd.DataFrame()).itertuples(index=False)
     ]
+    engine = find_engine_findings(
+        trace, first.step if first is not None else None,
+        first.module if first is not None and first.tensor == "output" else None)
+    if engine is not None:
+        notes.extend(engine.lines())
     ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)
            if reference is not None else None)
     verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable, cause=cause,
@@ -309,7 +318,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         nonfinite_logits=nonfinite_logits, evidence=evidence,
         parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
         parameter_summary=summarize_parameters(infos, th),
-        thresholds_rationale=dict(RATIONALE), reference=ref,
+        thresholds_rationale=dict(RATIONALE), reference=ref, engine=engine,
     )
 
 

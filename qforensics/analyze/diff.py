@@ -19,6 +19,7 @@ import os
 import numpy as np
 import pandas as pd
 
+from qforensics.analyze.engine import hf_aligned_records
 from qforensics.analyze.findings import (
     FAILED,
     PASSED,
@@ -143,7 +144,8 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
         n_r = n_s = 0
         for s in steps:
             try:
-                a, b = _with_occ(ref.records(s)), _with_occ(sus.records(s))
+                a = _with_occ(hf_aligned_records(ref, ref.records(s)))
+                b = _with_occ(hf_aligned_records(sus, sus.records(s)))
                 m = a.merge(b, on=_KEY, suffixes=("_r", "_s"), sort=False)
                 if len(m):
                     m["channel_div"] = _channel_div(ref, sus, m)

@@ -341,6 +341,7 @@ class Findings:
     tied: list[list[str]] = field(default_factory=list)  # parameter names sharing storage
     reference: ReferenceComparison | None = None
     thresholds_rationale: dict[str, str] = field(default_factory=dict)
+    engine: Any = None  # analyze.engine.EngineFindings of a serving-engine (vLLM) trace
 
     @property
     def status(self) -> str:

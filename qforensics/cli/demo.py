@@ -22,9 +22,12 @@ from qforensics.cli.options import capture_kwargs, capture_options
 @click.option("--prompt", default=None, help="Chat prompt (default: the fixed demo prompt).")
 @click.option("--no-report", is_flag=True, help="Skip the analysis and HTML reports.")
 @click.option("--list", "list_only", is_flag=True, help="List the scenarios and exit.")
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+              help="hf: transformers' generate; vllm: the vLLM engine (run from the venv of "
+                   "scripts/install-vllm.sh), its real kernels, quantized checkpoints.")
 @capture_options
 def command(out_dir: str, scenarios: tuple[str, ...], max_new_tokens: int, prompt: str | None,
-            no_report: bool, list_only: bool, **capture: Any) -> None:
+            no_report: bool, list_only: bool, engine: str, **capture: Any) -> None:
     """Run SmolLM2-135M under each quantization scenario with capture on.
 
     Writes OUT/<scenario>.h5 (trace), OUT/<scenario>.json (analysis) and
@@ -37,7 +40,11 @@ def command(out_dir: str, scenarios: tuple[str, ...], max_new_tokens: int, promp
     Example:
         qforensics demo -o out/
         qforensics demo -s fp8-e4m3-nosat-act --max-new-tokens 16
+        .venv-vllm/bin/qforensics demo --engine vllm -o out-vllm/
     """
+    if engine == "vllm":
+        _vllm_demo(out_dir, scenarios, max_new_tokens, prompt, no_report, list_only)
+        return
     from qforensics.demo.scenarios import PROMPT, SCENARIOS, run_scenarios
 
     if list_only:
@@ -67,6 +74,46 @@ def command(out_dir: str, scenarios: tuple[str, ...], max_new_tokens: int, promp
     for oc, _, report in rows:
         click.echo(f"  {oc.scenario}: {oc.trace}" + (f"  report: {report}" if report != "-"
                                                       else ""))
+
+
+def _vllm_demo(out_dir: str, scenarios: tuple[str, ...], max_tokens: int, prompt: str | None,
+               no_report: bool, list_only: bool) -> None:
+    from qforensics.demo.vllm_scenarios import NOT_RUN, VLLM_SCENARIOS, run_vllm_scenarios
+    from qforensics.demo.vllm_serve import DEFAULT_PROMPTS
+    from qforensics.errors import QForensicsError
+
+    if list_only:
+        for sc in VLLM_SCENARIOS.values():
+            click.echo(f"{sc.name:26s} {sc.description}")
+        for name, why in NOT_RUN.items():
+            click.echo(f"{name:26s} (not run: {why})")
+        return
+    try:
+        results = run_vllm_scenarios(list(scenarios) or None, out_dir,
+                                     prompts=[prompt] if prompt else DEFAULT_PROMPTS,
+                                     max_tokens=max_tokens,
+                                     progress=lambda m: click.echo(m, err=True))
+    except QForensicsError as exc:
+        raise click.UsageError(str(exc)) from None
+    out = Path(out_dir)
+    click.echo("")
+    worst = 0
+    for r in results:
+        if r["returncode"] != 0:
+            click.echo(f"{r['scenario']:26s} vLLM run failed ({r['returncode']}):\n"
+                       f"{r['stderr']}")
+            worst = 3
+            continue
+        verdict, report = ("-", "-") if no_report else _analyze_and_report(Path(r["trace"]), out)
+        click.echo(f"{r['scenario']:26s} {verdict}")
+        for t in r["texts"]:
+            click.echo(f"{'':26s}   text: {t[:70]!r}")
+        if report != "-":
+            click.echo(f"{'':26s}   report: {report}")
+    for name, why in NOT_RUN.items():
+        click.echo(f"{name:26s} not run: {why}")
+    if worst:
+        sys.exit(worst)
 
 
 def _analyze_and_report(trace: Path, out: Path) -> tuple[str, str]:

@@ -20,7 +20,8 @@ from qforensics.errors import QForensicsError
 BOOTSTRAP = Path(__file__).resolve().parent.parent / "hooks" / "_bootstrap"
 
 
-def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None) -> dict[str, str]:
+def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None,
+         eager: bool = False) -> dict[str, str]:
     env = {
         "QFORENSICS_TRACE": os.path.abspath(out),
         "QFORENSICS_OPTIONS": json.dumps(opts),
@@ -30,6 +31,8 @@ def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None) -> dict
     }
     if guard:
         env["QFORENSICS_GUARD"] = guard
+    if eager:
+        env["QFORENSICS_VLLM_EAGER"] = "1"
     return env
 
 
@@ -61,27 +64,33 @@ def _summarize(pattern: str) -> list[str]:
 @click.option("--guard-check", type=click.Choice(["logits", "modules"]), default="logits",
               show_default=True, help="Guard: check only the logits (one sync per step) or "
                                       "every quantized linear.")
+@click.option("--eager", is_flag=True,
+              help="vLLM: run the model without torch.compile and CUDA graphs (enforce_eager), "
+                   "so that every layer's hooks run.")
 @click.option("--print-env", is_flag=True,
               help="Print the environment variables that attach capture (for launchers that "
                    "cannot be wrapped) and exit.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def command(out: str, attach: str, guard_on: bool, guard_check: str, print_env: bool,
-            cmd: tuple[str, ...], **capture: Any) -> None:
+def command(out: str, attach: str, guard_on: bool, guard_check: str, eager: bool,
+            print_env: bool, cmd: tuple[str, ...], **capture: Any) -> None:
     """Run an unmodified program with capture hooks on the first torch model it runs.
 
     Works for any Python program started by CMD (also through shell scripts and
-    launchers such as torchrun, which pass the environment on). The exit code is the
+    launchers such as torchrun, which pass the environment on). In vLLM, capture attaches
+    in each worker process that runs the model, one file per rank. The exit code is the
     program's own. A crash or kill keeps every step flushed before it.
 
     \b
     Example:
         qforensics record -o trace.h5 -- python serve_once.py --prompt "hi"
         qforensics record -o 'trace-{rank}.h5' -- torchrun --nproc-per-node 2 run.py
+        qforensics record --eager -o 't-{rank}.h5' -- python serve_with_vllm.py
         qforensics record --guard -o guarded.h5 -- python serve_once.py
         eval "$(qforensics record -o trace.h5 --print-env)"   # then start your launcher
     """
     opts = capture_kwargs(**capture)
-    env = _env(out, opts, attach, json.dumps({"check": guard_check}) if guard_on else None)
+    env = _env(out, opts, attach, json.dumps({"check": guard_check}) if guard_on else None,
+               eager)
     if print_env:
         for k, v in env.items():
             click.echo(f"export {k}={shlex.quote(v)}")

@@ -149,6 +149,12 @@ class Trace(ChannelAccess, SnapshotAccess):
         self._has_incidents = isinstance(_get(f, "incidents"), h5py.Group)
         if self._has_incidents:
             self._lengths["incidents"] = self._check_table("incidents", schema.INCIDENT_COLUMNS)
+        # /engine arrived in a 1.0 minor revision: tolerate its absence
+        self._engine_tables = [t for t in schema.ENGINE_TABLES
+                               if isinstance(self._f.get(f"engine/{t}"), h5py.Group)]
+        for t in self._engine_tables:
+            self._lengths[f"engine/{t}"] = self._check_table(f"engine/{t}",
+                                                             schema.ENGINE_TABLES[t])
         for path, dt in schema.FLAT_ARRAYS.items():
             ds = self._dataset(path)
             if ds is None:
@@ -465,6 +471,19 @@ class Trace(ChannelAccess, SnapshotAccess):
     def records_end(self) -> int:
         """One past the last record row any readable step points to."""
         return _span_end(self._step_arrays)
+
+    def engine_table(self, table: str) -> pd.DataFrame:
+        """One /engine table (steps | rows | requests | sampled) of a serving-engine run (vLLM);
+        empty for a plain HF run or an older trace."""
+        if table not in schema.ENGINE_TABLES:
+            raise ValueError(f"unknown engine table {table!r}")
+        cols = schema.ENGINE_TABLES[table]
+        if table not in self._engine_tables:
+            return pd.DataFrame({c: np.zeros(0, dt) for c, dt, _ in cols})
+        df = pd.DataFrame(self._read_table(f"engine/{table}", cols))
+        if table == "requests":
+            df["request_id"] = [v.decode("utf-8", "replace") for v in df["request_id"]]
+        return df
 
     @cached_property
     def triggers(self) -> pd.DataFrame:

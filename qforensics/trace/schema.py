@@ -124,6 +124,41 @@ INCIDENT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
 INCIDENT_ACTIONS = ("fallback", "breaker_open", "breaker_fallback", "sanitize_logits",
                     "no_rollback")
 
+# /engine/*: what a serving engine's step means (vLLM). Tables of self-describing rows (no
+# offsets), all empty for a plain HF run; a reader tolerates their absence (older 1.0 files).
+ENGINE_STEP_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("warmup", "i1", ()),  # 1: a warm-up / profile / dummy forward, not driven by a request
+    ("n_rows", "i8", ()),  # token rows in this forward
+    ("n_requests", "i4", ()),
+]
+ENGINE_ROW_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("row", "i8", ()),  # token row in the step's flattened batch
+    ("request", "i4", ()),  # index into /engine/requests (-1: padding or unknown)
+    ("position", "i8", ()),  # the token's position in its request's sequence
+    ("phase", "i1", ()),  # ENGINE_PHASES
+]
+ENGINE_REQUEST_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("request", "i4", ()),
+    ("request_id", "S64", ()),  # the engine's id for it (truncated to 64 bytes)
+    ("prompt_tokens", "i8", ()),
+    ("first_step", "i4", ()),
+]
+ENGINE_SAMPLED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("request", "i4", ()),
+    ("token", "i8", ()),  # the token the engine sampled for this request from this step's logits
+]
+ENGINE_TABLES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
+    "steps": ENGINE_STEP_COLUMNS, "rows": ENGINE_ROW_COLUMNS,
+    "requests": ENGINE_REQUEST_COLUMNS, "sampled": ENGINE_SAMPLED_COLUMNS,
+}
+ENGINE_PHASES = {0: "prefill", 1: "decode", -1: "unknown"}
+# Engine runs: extra output records of the root module at the logits call, shape [rows, 1], 1.0
+# where that row of the logits (one per request) / of the model's final hidden states (one per
+# token row) holds a NaN/Inf; read through their per-token absmax.
+ENGINE_ROW_FLAG_SLOTS = {"logits": 1, "hidden": 2}
 # /channels/promoted (1.1): ring blocks copied into /channels when a trigger fired after them.
 PROMOTED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("step", "i8", ()),
@@ -187,3 +222,7 @@ def trigger_dtype() -> np.dtype:
 
 def snapshot_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in SNAPSHOT_COLUMNS])
+
+
+def engine_dtype(table: str) -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in ENGINE_TABLES[table]])

@@ -51,6 +51,8 @@ class StepBatch:
     snapshots: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.snapshot_dtype()))
     snapshot_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     incidents: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.incident_dtype()))
+    # /engine/<table> rows (schema.ENGINE_TABLES); self-describing, nothing to rebase
+    engine: dict[str, np.ndarray] = field(default_factory=dict)
     # 1.1: this step's channel block goes to the ring (its records carry FLAG_RING and offsets
     # relative to the block), earlier ring blocks to keep for good, and the triggers it crossed
     ring: bool = False
@@ -96,6 +98,8 @@ def merge_batches(batches: list[StepBatch]) -> StepBatch:
         snapshots=np.concatenate(snaps),
         snapshot_bytes=np.concatenate([b.snapshot_bytes for b in batches]),
         incidents=np.concatenate([b.incidents for b in batches]),
+        engine={t: np.concatenate([b.engine[t] for b in batches if t in b.engine])
+                for t in schema.ENGINE_TABLES if any(t in b.engine for b in batches)},
         promote=[p for b in batches for p in b.promote],
         triggers=np.concatenate([b.triggers for b in batches]),
     )
@@ -181,6 +185,12 @@ class TraceWriter:
             self._cols[f"incidents/{name}"] = inc.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
             )
+        eng = f.create_group("engine")
+        for table, columns in schema.ENGINE_TABLES.items():
+            for name, dt, shape in columns:
+                self._cols[f"engine/{table}/{name}"] = eng.require_group(table).create_dataset(
+                    name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,), **_COMPRESSION
+                )
         for path, dt in schema.FLAT_ARRAYS.items():
             if path.startswith("channels/"):
                 dt = self.channel_dtype.str
@@ -397,6 +407,9 @@ class TraceWriter:
             self._append_table("snapshots/index", schema.SNAPSHOT_COLUMNS, snaps)
         if len(b.incidents):
             self._append_table("incidents", schema.INCIDENT_COLUMNS, b.incidents)
+        for table, rows in b.engine.items():
+            if len(rows):
+                self._append_table(f"engine/{table}", schema.ENGINE_TABLES[table], rows)
         steps = b.steps.copy()
         steps["record_offset"] += rec_base
         steps["token_offset"] += ids_base

