@@ -61,8 +61,8 @@ def install() -> None:
     if _state["installed"]:
         return
     _state["installed"] = True
-    try:  # vLLM: attach where its worker builds the model (hooks/engines/vllm.py)
-        from qforensics.hooks.engines import vllm as _vllm
+    try:  # vLLM: attach where its worker builds the model (engines/vllm.py)
+        from qforensics.engines import vllm as _vllm
 
         _vllm.install()
     except Exception as exc:
@@ -108,8 +108,8 @@ def _global_pre_hook(module: Any, args: Any) -> None:
     if id(module) in _state["seen"]:
         return
     _state["seen"].add(id(module))
-    if "qforensics.hooks.engines.vllm" in sys.modules and sys.modules[
-            "qforensics.hooks.engines.vllm"].owns_process():
+    if "qforensics.engines.vllm" in sys.modules and sys.modules[
+            "qforensics.engines.vllm"].owns_process():
         return  # a vLLM worker: the adapter attaches at the runner's load_model
     try:
         if not _has_linear(module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from qforensics.hooks.engines import vllm as adapter
+from qforensics.engines import vllm as adapter
 from qforensics.trace.reader import open_trace
 
 
@@ -90,7 +90,7 @@ def _runner_module(name: str = "fake_model_runner") -> types.ModuleType:
 
 @pytest.fixture
 def fresh_adapter(monkeypatch):
-    from qforensics.hooks import autoattach
+    from qforensics import autoattach
 
     monkeypatch.setattr(adapter, "_state", {"patched": [], "watching": False, "unmapped": []})
     monkeypatch.setattr(autoattach, "_state", {**autoattach._state, "captures": [],

@@ -48,7 +48,7 @@ def _record(path, name, io):
 
 def _session(kind):
     if kind == "vllm":
-        from qforensics.hooks.engines.vllm_capture import VllmCapture
+        from qforensics.engines.vllm_capture import VllmCapture
 
         runner = _Runner()
         return lambda model, path: VllmCapture(model, path, runner=runner)

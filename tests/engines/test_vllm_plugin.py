@@ -21,7 +21,7 @@ def test_the_plugin_attaches_capture_in_the_worker(tmp_path, bf16_model_dir):
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("qforensics") == "qforensics.hooks.engines.vllm:register_plugin"
+    assert eps.get("qforensics") == "qforensics.engines.vllm:register_plugin"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"QFORENSICS_TRACE": str(tmp_path / "p-{rank}.h5"), "VLLM_CPU_KVCACHE_SPACE": "1"})
     out = tmp_path / "o.json"

@@ -320,8 +320,8 @@ def _enum_name(v: Any) -> str:
 
 
 def _attach(runner: Any) -> None:
-    from qforensics.hooks import autoattach
-    from qforensics.hooks.engines.vllm_capture import VllmCapture
+    from qforensics import autoattach
+    from qforensics.engines.vllm_capture import VllmCapture
 
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     path = os.environ.get("QFORENSICS_TRACE")

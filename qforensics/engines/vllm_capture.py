@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qforensics.hooks.session import Capture
-from qforensics.hooks.engines import vllm as adapter
+from qforensics.engines import vllm as adapter
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
 
