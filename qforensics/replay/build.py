@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from qforensics.errors import ReplayError
+from qforensics.errors import QForensicsError, ReplayError
 from qforensics.replay import layouts
 from qforensics.replay.bundle import (
     _FLOAT,
@@ -168,6 +168,8 @@ def build_bundle(
         "step": meta.get("step"),
         "module": meta.get("module"),
         "module_type": meta.get("module_type"),
+        "library_version": meta.get("library_version"),
+        "snapshot_kept": meta.get("snapshot_kept"),
         "reason": meta.get("reason"),
         "source": meta.get("source"),
         "notes": notes,
@@ -255,6 +257,22 @@ def layout_meta(mtype: str | None, info: dict[str, Any], snapshot_names: set[str
     return meta
 
 
+def _call_facts(raw: np.ndarray | None, where: Any) -> dict[str, Any]:
+    """The `call.json` capture keeps beside a snapshot (class, library and version, dtypes,
+    layout hints), bounded and checked; {} for traces written before it existed."""
+    if raw is None:
+        return {}
+    from qforensics.trace.validate import parse_json
+
+    try:
+        facts = parse_json(np.asarray(raw, dtype=np.uint8).tobytes(), f"{where}: snapshot call.json")
+    except QForensicsError as exc:
+        raise ReplayError(str(exc)) from exc
+    if not isinstance(facts, dict):
+        raise ReplayError(f"{where}: snapshot call.json is not a JSON object")
+    return {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool, dict, list)) or v is None}
+
+
 def build_bundle_from_trace(
     trace_path: str | Path,
     out_path: str | Path | None = None,
@@ -276,6 +294,7 @@ def build_bundle_from_trace(
             have = sorted({int(c) for c in snaps["call_index"]})
             raise ReplayError(f"{trace_path}: no snapshot for call {call_index}; calls with snapshots: {have}")
         tensors = t.snapshot_tensors(call_index)
+        facts = _call_facts(tensors.pop("call.json", None), trace_path)
         row = rows.iloc[0]
         module = str(row["module"]) if "module" in rows.columns else None
         mtype, info = _module_row(getattr(t, "modules", None), module)
@@ -285,7 +304,14 @@ def build_bundle_from_trace(
             f"{trace_path}: the snapshot of call {call_index} is truncated (byte budget); "
             "re-record with a larger snapshot budget to replay it"
         )
-    meta = layout_meta(mtype, info, set(tensors))
+    meta = layout_meta(facts.get("module_type") or mtype, info, set(tensors))
+    meta.update({key: facts[key] for key in ("layout", "kernel", "library", "library_version") if facts.get(key)})
+    wdt = (facts.get("params") or {}).get("weight", {}).get("dtype") if isinstance(facts.get("params"), dict) else None
+    if isinstance(wdt, str) and wdt.startswith("float8"):
+        meta.update(layout=meta.get("layout") or "fp8", weight_dtype=wdt)
+    if facts.get("input_dtype") in ("float16", "bfloat16", "float32"):
+        meta["compute_dtype"] = facts["input_dtype"]
+    meta["snapshot_kept"] = facts.get("kept")
     meta.update({
         "call_index": int(call_index),
         "step": int(row["step"]) if "step" in rows.columns else None,

@@ -162,6 +162,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "compute_dtype": (str,), "fake_quant": (str, type(None)), "weight_dtype": (str, type(None)),
     "saturate": (bool,), "zero_plus_one": (bool,), "module": (str, type(None)), "notes": (list,),
     "weight_block_size": (list, type(None)), "first_nonfinite": (list, type(None)),
+    "library_version": (str, type(None)), "snapshot_kept": (str, type(None)),
 }
 _META_INTS = ("M_full", "N_full", "row_start", "row_stop", "col_start", "col_stop")
 

@@ -3,6 +3,8 @@ degradation instead of crashes."""
 
 from __future__ import annotations
 
+import json
+
 import logging
 
 import numpy as np
@@ -217,9 +219,13 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
         snaps = t.snapshots
         assert set(snaps.reason) == {"first_nonfinite_output"}
         kept = t.snapshot_tensors(int(first["call_index"]))
-        assert set(kept) >= {"input.0", "output.0", "weight", "weight_rows", "bias",
+        assert set(kept) >= {"input.0", "output.0", "weight", "bias", "call.json",
                              "nonfinite_positions"}
         np.testing.assert_array_equal(kept["weight"], m.layers[1].up.weight.detach().numpy())
+        facts = json.loads(kept["call.json"].tobytes())  # the layer is small: kept whole
+        assert facts["kept"] == "whole" and facts["module_type"] == type(m.layers[1].up).__name__
+        assert facts["params"]["weight"]["shape"] == list(m.layers[1].up.weight.shape)
+        assert facts["input_dtype"] == "float32" and facts["library"] == "torch"
         pos = kept["nonfinite_positions"]
         assert pos.shape[1] == 3
         assert not np.isfinite(kept["output.0"][tuple(pos[0])])
@@ -339,4 +345,5 @@ def test_awq_module_is_recognised_and_snapshotted_packed(tmp_path):
         kept = t.snapshot_tensors(1)
         assert kept["qweight"].dtype == np.int32 and kept["qweight"].shape == (16, 2)
         assert kept["scales"].dtype == np.float16 and kept["scales"].shape == (2, 16)
-        assert kept["weight_cols"].tolist() == [0, 16, 16]
+        assert "weight_cols" not in kept  # small enough to keep whole: no tile span
+        assert json.loads(kept["call.json"].tobytes())["kept"] == "whole"
