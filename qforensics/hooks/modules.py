@@ -100,6 +100,13 @@ def _quant_meta(module: nn.Module) -> dict[str, Any]:
         v = getattr(module, attr, None)
         if isinstance(v, int):
             meta["group_size"] = v
+    # a serving engine's layer states its quantization config (vLLM: quant_method.quant_config);
+    # its loaded tensors may be repacked, so shapes would mislead
+    qcfg = getattr(getattr(module, "quant_method", None), "quant_config", None)
+    for attr, key in (("group_size", "group_size"), ("weight_bits", "bits")):
+        v = getattr(qcfg, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and key not in meta:
+            meta[key] = v
     tname = type(module).__name__
     if hasattr(module, "qweight"):
         meta["format"] = "awq" if "WQLinear" in tname else "gptq"

@@ -64,7 +64,7 @@ class Layout:
     name: str
     required: tuple[str, ...]
     check: Callable[[dict[str, np.ndarray], dict[str, Any]], str | None]
-    weight_kn: Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
+    dequantize: Callable[[dict[str, np.ndarray], dict[str, Any]], np.ndarray]
     input_as_seen: Callable[[np.ndarray, dict[str, np.ndarray], dict[str, Any]], np.ndarray] | None = None
     fixture: bool = False
 
@@ -77,6 +77,11 @@ class Layout:
         except (LayoutError, ValueError, TypeError, KeyError) as exc:
             why = str(exc)
         return (why is None), (f"{self.name}: {why}" if why else f"{self.name}: ok")
+
+    def weight_kn(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
+        """The float64 weight [K, N]; corrupt parameters give NaN/Inf entries, silently."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            return self.dequantize(tensors, meta)
 
     def effective_input(self, x: np.ndarray, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
         x64 = np.asarray(x, dtype=np.float64)

@@ -75,3 +75,22 @@ def test_analysis_names_layer_step_column_and_scale(awq_inf_run):
     assert first.inf_count == n_rows and first.nan_count == 0  # one Inf per token row
     text = "\n".join(f.notes)
     assert f"{sc.AWQ_INF_LAYER}.scales" in text and "1 Inf" in text
+
+
+@pytest.mark.vllm
+def test_replay_says_why_it_cannot_read_the_w4a8_blocked_layout(awq_inf_run):
+    """On AMX CPUs vLLM runs AWQ through its W4A8 path by default; replay refuses that blocked
+    layout and says how to record the W4A16 one (AMX present: the layer says use_w4a8)."""
+    import torch
+
+    from qforensics.errors import ReplayError
+    from qforensics.replay.run import replay
+
+    if not torch.cpu._is_amx_tile_supported():  # vLLM took its W4A16 path: replay reads it
+        from qforensics.replay.verdict import Verdict
+
+        out = replay(awq_inf_run["files"][0], gpu_probe=lambda: (False, "test"))
+        assert out.results[0].verdict is Verdict.DATA
+        return
+    with pytest.raises(ReplayError, match="VLLM_CPU_INT4_W4A8=0"):
+        replay(awq_inf_run["files"][0], gpu_probe=lambda: (False, "test"))

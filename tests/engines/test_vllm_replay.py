@@ -1,7 +1,8 @@
-"""vLLM's CPU W4A16 kernel under judgement, on weights repacked by vLLM's own loading code.
+"""Replay with vLLM's own CPU W4A16 kernel under judgement: on weights repacked by vLLM's loading
+code, and end to end on a real vLLM run of the AWQ checkpoint with one group scale set to +Inf.
 
 Runs where vLLM imports (the `vllm` marker: scripts/run-tests.sh runs these in the vLLM venv).
-The reference is dequantized here from the AWQ checkpoint layout, independently of the adapter.
+Expectations come from the AWQ checkpoint layout and from the corruption the test itself names.
 """
 
 from __future__ import annotations
@@ -10,15 +11,24 @@ import types
 
 import numpy as np
 import pytest
-from replay_helpers import make_awq
+from conftest import PROMPT_A, PROMPT_B, run_recorded
 
 from qforensics.replay import awq
 from qforensics.replay.build import build_bundle
 from qforensics.replay.judge import judge_numeric
+from qforensics.replay.run import replay
 from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import Verdict
 
 pytestmark = pytest.mark.vllm
+
+
+def make_awq(m: int, n: int, k: int, g: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"input.0": rng.standard_normal((m, k)).astype(np.float32),
+            "qweight": awq.pack_int4(rng.integers(0, 16, (k, n))),
+            "qzeros": awq.pack_int4(rng.integers(0, 16, (k // g, n))),
+            "scales": (rng.random((k // g, n)) * 0.01 + 0.001).astype(np.float32)}
 
 
 def _vllm_repack(snap: dict[str, np.ndarray], monkeypatch) -> dict[str, np.ndarray]:
@@ -31,11 +41,14 @@ def _vllm_repack(snap: dict[str, np.ndarray], monkeypatch) -> dict[str, np.ndarr
     # one process, no tensor parallelism: rank 0 of 1 (vLLM's parameters ask the TP group)
     monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: 1)
-    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
-    from vllm.model_executor.layers.quantization.auto_awq import _convert_awq_to_standard_format
-    from vllm.scalar_type import scalar_types
-
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import (
+        CPUWNA16LinearKernel,
+    )
+    from vllm.model_executor.layers.quantization.auto_awq import (
+        _convert_awq_to_standard_format,
+    )
     from vllm.model_executor.parameter import GroupQuantScaleParameter
+    from vllm.scalar_type import scalar_types
 
     layer = torch.nn.Module()
     for name in ("qweight", "qzeros"):
@@ -83,3 +96,22 @@ def test_vllm_cpu_wna16_on_vllm_repacked_weights_and_an_inf_scale_is_data(monkey
     facts = res2.details["facts"]["nonfinite_weight"]
     assert facts["groups"] == [1] and facts["output_columns"] == [37]
     assert "scales holds non-finite values" in res2.summary
+
+
+def test_replay_of_a_real_vllm_awq_run_with_an_inf_group_scale_is_data(tmp_path_factory, monkeypatch):
+    """The vLLM AWQ scenario, recorded in vLLM's W4A16 path, replayed through cpu_gemm_wna16."""
+    from qforensics.demo import vllm_scenarios as sc
+    from qforensics.demo.vllm_checkpoints import checkpoint_dir
+
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")  # the workers inherit it: W4A16 layout, not W4A8
+    run = run_recorded(tmp_path_factory.mktemp("awq-inf-w4a16"), checkpoint_dir("awq", "inf-group-scale"),
+                       [PROMPT_A, PROMPT_B], 2)
+    out = replay(run["files"][0], gpu_probe=lambda: (False, "test"))
+    meta = out.bundle.meta
+    assert meta["module"] == sc.AWQ_INF_LAYER and meta["layout"] == "vllm-cpu-w4a16"
+    assert meta["kernel"] == "vllm-cpu-wna16" and meta["compute_dtype"] == "bfloat16"
+    data = out.results[0]
+    assert data.verdict is Verdict.DATA, data.line()
+    facts = data.details["facts"]["nonfinite_weight"]
+    assert facts["groups"] == [sc.AWQ_INF_GROUP] and facts["output_columns"] == [sc.AWQ_INF_COLUMN]
+    assert out.results[1].verdict is Verdict.INCONCLUSIVE  # no GPU here: never a clean sanitizer line
