@@ -97,6 +97,15 @@ def _group(meta: dict[str, Any], k: int) -> int:
     return k if g == -1 else g
 
 
+def _group_rows_mismatch(rows: int, meta: dict[str, Any]) -> str | None:
+    """Why `rows` groups of scales cannot cover K with the stated group size (None: they can)."""
+    k = _k(meta)
+    g = _group(meta, k)
+    if rows != math.ceil(k / g):
+        return f"{rows} scale rows, but K={k} with group_size={g} needs {math.ceil(k / g)}"
+    return None
+
+
 def _is_int(a: np.ndarray) -> bool:
     return a.dtype.kind in "iu"
 
@@ -132,10 +141,7 @@ def _awq_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
     n = qw.shape[1] * 8
     if sc.shape[1] != n or qz.shape[1] * 8 != n:
         return f"scales {sc.shape} / qzeros {qz.shape} do not match N={n} from qweight {qw.shape}"
-    g = _group(meta, k)
-    if "g_idx" not in t and sc.shape[0] != math.ceil(k / g):
-        return f"{sc.shape[0]} scale rows, but K={k} with group_size={g} needs {math.ceil(k / g)}"
-    return None
+    return None if "g_idx" in t else _group_rows_mismatch(sc.shape[0], meta)
 
 
 def _awq_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
@@ -183,9 +189,8 @@ def _gptq_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | None:
             return f"g_idx has {g.size} entries, K={k}"
         if g.size and (g.min() < 0 or g.max() >= sc.shape[0]):
             return f"g_idx holds groups outside 0..{sc.shape[0] - 1} (min {g.min()}, max {g.max()})"
-    elif sc.shape[0] != math.ceil(k / _group(meta, k)):
-        return f"{sc.shape[0]} scale rows, but K={k} with group_size={_group(meta, k)} needs {math.ceil(k / _group(meta, k))}"
-    return None
+        return None
+    return _group_rows_mismatch(sc.shape[0], meta)
 
 
 def _gptq_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
@@ -297,9 +302,7 @@ def _vllm_cpu_check(t: dict[str, np.ndarray], meta: dict[str, Any]) -> str | Non
     zp = t.get("qzeros")
     if zp is not None and (zp.ndim != 2 or zp.shape != (sc.shape[0], n // 8)):
         return f"qzeros {zp.shape} is not [groups={sc.shape[0]}, N/8={n // 8}]"
-    if sc.shape[0] != math.ceil(k / _group(meta, k)):
-        return f"{sc.shape[0]} scale rows, but K={k} with group_size={_group(meta, k)} needs {math.ceil(k / _group(meta, k))}"
-    return None
+    return _group_rows_mismatch(sc.shape[0], meta)
 
 
 def _vllm_cpu_w(t: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
