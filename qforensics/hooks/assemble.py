@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from qforensics.formats import FP16_MAX
 from qforensics.hooks.reduce import dtype_code, exact_group
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
-
 
 _DESCRIBED: dict[Any, tuple[int, int, int, int]] = {}
 
@@ -300,6 +300,6 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call
 
 def to_f16(a: np.ndarray) -> np.ndarray:
     """float16 without turning large finite values into inf (clip finite values to 65504)."""
-    lim = np.float64(65504.0)
+    lim = np.float64(FP16_MAX)
     a = np.asarray(a, np.float64)
     return np.where(np.isfinite(a), np.clip(a, -lim, lim), a).astype(np.float16)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qforensics.formats import E4M3_MAX, E5M2_MAX, symmetric_qmax
+
 __all__ = ["DOMINANCE_RATIO", "SAMPLE_ROWS", "param_health", "static_input", "tied_groups"]
 
 SAMPLE_ROWS = 32  # rows read for the per-group summaries (levels, dominance)
@@ -177,7 +179,7 @@ def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, A
             fmt = "fp8-e5m2"
         else:
             fmt = "fp8-e4m3"
-    qmax = {"int8": 127.0, "fp8-e4m3": 448.0, "fp8-e5m2": 57344.0}.get(fmt, 448.0)
+    qmax = {"int8": float(symmetric_qmax(8)), "fp8-e4m3": E4M3_MAX, "fp8-e5m2": E5M2_MAX}.get(fmt, E4M3_MAX)
     return {"scale": hi, "scale_min": lo, "numel": numel, "format": fmt, "qmax": qmax,
             "range": hi * qmax}
 

@@ -29,13 +29,14 @@ import torch
 from torch import nn
 
 from qforensics.errors import CaptureError
+from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
 from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.recorder import FlightRecorder, parse_steps
-from qforensics.hooks.stepend import StepEnd
 from qforensics.hooks.snapshots import Snapshots
+from qforensics.hooks.stepend import StepEnd
 from qforensics.incidents import register_sink
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch, TraceWriter
@@ -80,7 +81,7 @@ class Capture(StepEnd):
         channel_io: str = "all",
         snapshot_budget: int = 64 << 20,
         snapshot_tile_rows: int = 256,
-        outlier_threshold: float = 448.0,
+        outlier_threshold: float = E4M3_MAX,
         pending_budget: int = 256 << 20,
         ring_steps: int = 16,
         trigger_window: int = 8,
@@ -192,7 +193,7 @@ class Capture(StepEnd):
             self._kinds = [k for _, _, k in chosen]
             self._modules = [m for _, m, _ in chosen]
             self._gemm_ids = np.array([i for i, k in enumerate(self._kinds)
-                                       if k in ("linear", "quantized_linear")], np.int64)
+                                       if k in GEMM_KINDS], np.int64)
             self._snaps = Snapshots(
                 budget=self.options["snapshot_budget"],
                 tile_rows=self.options["snapshot_tile_rows"],

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+from qforensics.formats import E4M3_MAX, E5M2_MAX
+
+FP8_MAX = {"float8_e4m3fn": E4M3_MAX, "float8_e5m2": E5M2_MAX}
 _FLOAT_KINDS = "f"
 
 

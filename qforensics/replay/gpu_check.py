@@ -38,6 +38,7 @@ import numpy as np
 from qforensics.replay import awq
 from qforensics.replay.build import build_bundle, build_bundle_from_trace
 from qforensics.replay.bundle import Bundle
+from qforensics.replay.fp8bits import FP8_MAX
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.kernel import build_kernel, detect_arch, run_project_kernel
 from qforensics.replay.layouts import encode_fp8, quantize_fp8
@@ -54,7 +55,7 @@ def tile_bundles(trace: Path) -> dict[str, Bundle]:
     x = dense.tensors["x"].astype(np.float32)
     w = dense.tensors["weight"].astype(np.float64)  # [N, K]
     base = {"call_index": dense.meta["call_index"], "module": dense.meta["module"], "source": str(trace)}
-    ws = float(np.abs(w).max()) / 448.0
+    ws = float(np.abs(w).max()) / FP8_MAX["float8_e4m3fn"]
     fp8 = build_bundle({"input.0": x, "weight": encode_fp8(quantize_fp8(w / ws)),
                         "weight_scale": np.array([ws], np.float32), "input_scale": np.array([1.0], np.float32)},
                        {**base, "layout": "fp8", "weight_dtype": "float8_e4m3fn", "kernel": "torch-scaled-mm"})

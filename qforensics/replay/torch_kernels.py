@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from qforensics.replay.fp8bits import FP8_MAX
 from qforensics.replay.layouts import LAYOUTS, Layout, choose_layout, quantize_fp8
 
 INT4_LAYOUTS = ("awq-gemm", "gptq", "ct-pack-quantized")
@@ -200,7 +201,7 @@ def _scaled_operands(t: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[np
         sa = float(np.asarray(t["input_scale"], dtype=np.float64).reshape(-1)[0])
     else:
         amax = float(np.nanmax(np.abs(np.where(np.isfinite(x), x, 0.0)))) if x.size else 0.0
-        sa = amax / 448.0 if amax > 0 else 1.0
+        sa = amax / FP8_MAX["float8_e4m3fn"] if amax > 0 else 1.0
     xq = quantize_fp8(x / sa, "float8_e4m3fn", saturate=bool(meta.get("saturate", True)))
     sb = float(np.asarray(t["weight_scale"], dtype=np.float64).reshape(-1)[0])
     return xq, sa, sb
