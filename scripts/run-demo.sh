@@ -11,6 +11,7 @@ VPY=$(bash scripts/install-vllm.sh | tail -n 1)
 VBIN=$(dirname "$VPY")
 # vLLM's W4A16 path (not the W4A8 one it takes on AMX CPUs), so that replay can read the layer
 VLLM_CPU_INT4_W4A8=0 "$VBIN/qforensics" demo --engine vllm -o "$OUT/vllm"
+rm -rf "$OUT/vllm/replay-repro"  # --export writes into a new or empty folder
 set +e  # replay exits 1 on its finding (DATA here)
 VLLM_CPU_INT4_W4A8=0 "$VBIN/qforensics" replay "$OUT/vllm/vllm-awq-inf-scale.h5" \
     --json "$OUT/vllm/replay.json" --export "$OUT/vllm/replay-repro"
