@@ -12,6 +12,8 @@ Cases, each under `compute-sanitizer --tool memcheck`:
    on the tile - numeric leg on CUDA against the float64 reference, then memcheck;
 3. torch_int4pack_mm: torch's aten._weight_int4pack_mm (tinygemm) on the tile as AWQ INT4 g128 -
    numeric leg on CUDA, then memcheck;
+3b. torch_compile_triton: the same tile through a torch.compile'd dequantize + matmul, i.e. the
+   Triton kernels Inductor generates - numeric leg on CUDA, then memcheck;
 4. planted_oob_fixture: the project's UNCHECKED build (a planted-bug fixture, not a user kernel) on
    3 of the tile's rows, fewer than its 8-row tile - expects KERNEL FAULT, a read past `x`.
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     case("reference_kernel", {Verdict.NOT_REPRODUCED}, reference)
     case("torch_scaled_mm", {Verdict.NOT_REPRODUCED}, torch_case("fp8", "torch-scaled-mm"))
     case("torch_int4pack_mm", {Verdict.NOT_REPRODUCED}, torch_case("int4", "torch-int4pack"))
+    case("torch_compile_triton", {Verdict.NOT_REPRODUCED}, torch_case("int4", "torch-compile"))
     case("planted_oob_fixture", {Verdict.KERNEL_FAULT}, planted)
     summary["total_s"] = round(time.time() - t0, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -46,7 +46,8 @@ from qforensics.replay.verdict import (
 
 # torch kernels that have a CUDA --launcher entry point for the sanitizer leg
 CUDA_LAUNCHERS = {"torch-int4pack": "qforensics.replay.torch_kernels:cuda_int4pack_mm",
-                  "torch-scaled-mm": "qforensics.replay.torch_kernels:cuda_scaled_mm"}
+                  "torch-scaled-mm": "qforensics.replay.torch_kernels:cuda_scaled_mm",
+                  "torch-compile": "qforensics.replay.torch_kernels:cuda_compiled_dequant_mm"}
 
 
 def detect_gpu() -> tuple[bool, str]:

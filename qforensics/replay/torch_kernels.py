@@ -114,9 +114,9 @@ def _fake_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
 
 # -- torch int4 (tinygemm) ------------------------------------------------------------------
 
-def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(q [N, K] 0..15, scale [K/G, N], zero [K/G, N]) in tinygemm's convention
-    W[k, n] = (q - 8) * scale + zero, rebuilt from the layout's own fields."""
+def _int4_qzs(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(q [K, N], z [G, N], s [G, N], group size) with W[k, n] = (q - z[g(k)]) * s[g(k)],
+    rebuilt from the layout's own fields."""
     from qforensics.replay import awq
     from qforensics.replay.layouts import unpack_sequential
 
@@ -137,8 +137,16 @@ def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layou
         zp = t.get("weight_zero_point")
         z = (np.full_like(s, 8.0) if zp is None
              else unpack_sequential(zp, 0)[: q.shape[1]].T.astype(np.float64))
-    # (q - z) * s == (q - 8) * s + (8 - z) * s
-    return np.ascontiguousarray(q.T, dtype=np.int32), s, (8.0 - z) * s, g
+    return q, z, s, g
+
+
+def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(q [N, K] 0..15, scale [K/G, N], zero [K/G, N]) in tinygemm's convention
+    W[k, n] = (q - 8) * scale + zero: (q - z) * s == (q - 8) * s + (8 - z) * s."""
+    q, z, s, g = _int4_qzs(t, meta, layout)
+    with np.errstate(invalid="ignore", over="ignore"):
+        zero = (8.0 - z) * s
+    return np.ascontiguousarray(q.T, dtype=np.int32), s, zero, g
 
 
 def _int4_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> tuple[bool, str]:
@@ -218,8 +226,42 @@ def _scaled_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, 
     return y.double().cpu().numpy()
 
 
+# -- torch.compile (Inductor: Triton kernels on CUDA, C++ on CPU) ---------------------------
+
+def _dequant_mm(x: Any, q: Any, z: Any, s: Any, g: Any) -> Any:
+    """The dequantize-then-matmul graph a torch.compile'd quantized linear runs."""
+    return x @ ((q.float() - z.float()[g]) * s.float()[g])
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> tuple[bool, str]:
+    torch = _torch()
+    if layout.name not in INT4_LAYOUTS:
+        return False, f"torch-compile runs the 4-bit layouts {', '.join(INT4_LAYOUTS)}; this layout is {layout.name}"
+    if device == "cuda" and not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, f"torch.compile'd dequantize + matmul (Inductor: {'Triton' if device == 'cuda' else 'C++'} kernels)"
+
+
+def _compiled_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> np.ndarray:
+    torch = _torch()
+    q, z, s, g = _int4_qzs(t, meta, layout)
+    k = int(meta["K"])
+    groups = (np.asarray(t["g_idx"], np.int64).reshape(-1) if "g_idx" in t else np.arange(k) // g)
+    fn = _COMPILED.setdefault(device, torch.compile(_dequant_mm, dynamic=False))
+    args = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in
+            (np.asarray(t["x"], np.float32), q.astype(np.int32), z.astype(np.float32),
+             s.astype(np.float32), groups)]
+    with torch.no_grad():
+        y = fn(*args)
+    return y.double().cpu().numpy()
+
+
 _CAN = {"torch-linear": _linear_can, "qforensics-fakequant": _fake_can, "torch-int4pack": _int4_can,
         "torch-scaled-mm": _scaled_can}
+_CAN["torch-compile"] = _compiled_can
 _RUN = {"torch-linear": _linear_run, "qforensics-fakequant": _fake_run, "torch-int4pack": _int4_run,
         "torch-scaled-mm": _scaled_run}
 def _vllm(name: str) -> Any:
@@ -228,6 +270,7 @@ def _vllm(name: str) -> Any:
     return getattr(vllm_kernels, name)
 
 
+_RUN["torch-compile"] = _compiled_run
 _CAN["vllm-cpu-wna16"] = lambda *a: _vllm("_wna16_can")(*a)
 _RUN["vllm-cpu-wna16"] = lambda *a: _vllm("_wna16_run")(*a)
 KERNELS: dict[str, TorchKernel] = {
@@ -235,6 +278,7 @@ KERNELS: dict[str, TorchKernel] = {
     "qforensics-fakequant": TorchKernel("qforensics-fakequant", "qforensics FakeQuantLinear.forward (fixture)"),
     "torch-int4pack": TorchKernel("torch-int4pack", "torch.ops.aten._weight_int4pack_mm[_for_cpu]"),
     "torch-scaled-mm": TorchKernel("torch-scaled-mm", "torch._scaled_mm"),
+    "torch-compile": TorchKernel("torch-compile", "torch.compile'd dequantize + matmul (Inductor Triton/C++)"),
     "vllm-cpu-wna16": TorchKernel("vllm-cpu-wna16", "vllm._custom_ops.cpu_gemm_wna16"),
 }
 
@@ -256,6 +300,10 @@ def cuda_int4pack_mm(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> An
 
 def cuda_scaled_mm(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Any:
     return _launch("torch-scaled-mm", tensors, meta)
+
+
+def cuda_compiled_dequant_mm(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Any:
+    return _launch("torch-compile", tensors, meta)
 
 
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
