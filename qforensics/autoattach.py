@@ -19,42 +19,18 @@ guard policy fields, or any other value for the defaults: also run the runtime N
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import logging
 import os
 import sys
 from typing import Any
 
+from qforensics.importwatch import AfterImport
+
 log = logging.getLogger(__name__)
 
 _state: dict[str, Any] = {"installed": False, "attached": 0, "handle": None, "done": False,
                           "captures": [], "seen": set()}
-
-
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Calls `_on_torch` right after `import torch` completes."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            orig(module)
-            try:
-                _on_torch()
-            except Exception as exc:
-                sys.stderr.write(f"qforensics: capture hook set-up failed: {exc}\n")
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def install() -> None:
@@ -70,7 +46,9 @@ def install() -> None:
     if "torch" in sys.modules:
         _on_torch()
     else:
-        sys.meta_path.insert(0, _TorchWatcher())
+        sys.meta_path.insert(0, AfterImport(
+            {"torch"}, lambda _m: _on_torch(), once=True,
+            on_error=lambda _n, exc: sys.stderr.write(f"qforensics: capture hook set-up failed: {exc}\n")))
     prev = sys.excepthook
 
     def excepthook(tp: Any, value: Any, tb: Any) -> None:

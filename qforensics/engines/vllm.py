@@ -22,8 +22,6 @@ whatever happens to capture.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import logging
 import os
@@ -34,6 +32,8 @@ from functools import wraps
 from typing import Any, Callable
 
 import numpy as np
+
+from qforensics.importwatch import AfterImport
 
 log = logging.getLogger(__name__)
 
@@ -58,35 +58,14 @@ def unmapped() -> list[str]:
 
 
 # -- import watching -------------------------------------------------------------------------------
-class _RunnerWatcher(importlib.abc.MetaPathFinder):
-    """Patches vLLM's model runner classes right after their module is imported."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in RUNNER_MODULES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            orig(module)
-            try:
-                patch_runner_module(module)
-            except Exception as exc:  # never break vLLM's import
-                _note_unmapped(f"{fullname}: {type(exc).__name__}: {exc}")
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Watch for vLLM's runner modules (idempotent); patch those already imported."""
     if _state["watching"]:
         return
     _state["watching"] = True
-    sys.meta_path.insert(0, _RunnerWatcher())
+    sys.meta_path.insert(0, AfterImport(
+        RUNNER_MODULES, patch_runner_module,
+        on_error=lambda name, exc: _note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
     for name in RUNNER_MODULES:
         mod = sys.modules.get(name)
         if mod is not None:

@@ -11,7 +11,6 @@ import types
 
 import numpy as np
 import pytest
-from conftest import PROMPT_A, PROMPT_B, run_recorded
 
 from qforensics.replay import awq
 from qforensics.replay.build import build_bundle
@@ -19,6 +18,7 @@ from qforensics.replay.judge import judge_numeric
 from qforensics.replay.run import replay
 from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import Verdict
+from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
 
 pytestmark = pytest.mark.vllm
 
