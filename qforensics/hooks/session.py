@@ -48,6 +48,20 @@ _MAX_INPUTS = 4
 _MAX_OUTPUTS = 2
 
 
+def ring_chunk(modules: list[nn.Module]) -> int:
+    """Ring chunk width for the trace writer: about a quarter of a step's channel block, which
+    holds roughly every hooked layer's input and output widths (a power of two, 4096-65536)."""
+    width = 0
+    for m in modules:
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            width += int(w.shape[0]) + int(w.shape[1])
+    chunk = 4096
+    while chunk < 65536 and chunk * 4 < width:
+        chunk *= 2
+    return chunk
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
@@ -194,6 +208,8 @@ class Capture(StepEnd):
             self._modules = [m for _, m, _ in chosen]
             self._gemm_ids = np.array([i for i, k in enumerate(self._kinds)
                                        if k in GEMM_KINDS], np.int64)
+            self._pending.n_mod = len(chosen)
+            self._pending.plan_budget = self._budget
             self._snaps = Snapshots(
                 budget=self.options["snapshot_budget"],
                 tile_rows=self.options["snapshot_tile_rows"],
@@ -212,6 +228,7 @@ class Capture(StepEnd):
                 flush_interval=self.options["flush_interval"],
                 ring_slots=self.options["ring_steps"] if auto else 0,
                 max_bytes=self.options["max_bytes"],
+                ring_chunk=ring_chunk(self._modules),
             )
             root_id = len(chosen) - 1
             for mid, (name, mod, kind) in enumerate(chosen):
@@ -341,6 +358,9 @@ class Capture(StepEnd):
         p.nograd = not torch.is_grad_enabled()
         p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
         p.chan_limit = self.options["channel_limit"]
+        # a step like an earlier one of the same key runs on that step's plan (hooks/plan.py)
+        p.start((None if self._step_ids is None else tuple(self._step_ids.shape), p.keep,
+                 p.track), self._next_call)
         self._logits = None
         self._partial = []
 

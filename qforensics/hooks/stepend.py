@@ -49,6 +49,7 @@ class StepEnd:
         (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
         it."""
         p = self._pending
+        p.settle()
         chan_io = self.options["channel_io"]
         plan, per_dev = p.reduce_on_device()
         logit_dev = ids_dev = None
@@ -75,7 +76,11 @@ class StepEnd:
         elif chan_io == "inputs":
             need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
         st = UniqueStats(n_u, need)
-        st.describe_all(p.column(3))
+        described = p.described()
+        if described is not None:
+            st.set_described(described)
+        else:
+            st.describe_all(p.column(3))
         st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
@@ -92,17 +97,19 @@ class StepEnd:
         if len(bad):  # failing step: exact finite-only stats for the records that need them
             src = seen_u
             if self._track_versions:  # an original changed since its hook: not what it saw
-                src = [None if x is not None and x is u[0] and x._version != u[1] else x
-                       for x, u in zip(src, p.units)]
+                src = [None if x is not None and x is o and x._version != v else x
+                       for x, o, v in zip(src, orig, p.column(1))]
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
-        w = which.tolist()
         part = assemble_records(self.step, self._track_versions, meta_arr,
-                                [orig[j] for j in w], versions, which, st, chan_io)
+                                p.record_tensors(which), versions, which, st, chan_io)
         assert self._snaps is not None
         if not self._snaps.done:  # each record's tensor as its hook saw it
-            self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()],
-                                       [seen_u[j] for j in w], self.step)
+            self._snaps.maybe_snapshot(part, lambda: (
+                [tuple(r) for r in meta_arr.tolist()], [seen_u[j] for j in which.tolist()]),
+                self.step)
+        if final and not self._partial:
+            p.learn()  # the whole step in one reduction: its plan serves the next like it
         self._partial.append(part)
         p.clear()
         if final:

@@ -105,6 +105,25 @@ def merge_batches(batches: list[StepBatch]) -> StepBatch:
     )
 
 
+# rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
+# gets small chunks
+_TABLE_CHUNKS = {"steps": 256, "records": 2048}
+
+
+def _put(ds: h5py.Dataset, i: int, value: int) -> None:
+    """ds[i] = value for a small 1-d int64 dataset, through h5py's low-level write."""
+    fspace = ds.id.get_space()
+    fspace.select_hyperslab((i,), (1,))
+    ds.id.write(h5py.h5s.create_simple((1,)), fspace, np.array([value], np.int64))
+
+
+def _table_compression(dt: Any) -> dict[str, Any]:
+    """Per-step table columns: integer columns (indices, counts, offsets) shrink several-fold
+    under gzip for little CPU; float statistics are noise that gzip barely shrinks, while every
+    flush would recompress their open chunk (the writer thread's largest cost). Stored raw."""
+    return {} if np.dtype(dt).kind == "f" else _COMPRESSION
+
+
 def _json_attr(obj: Any) -> str:
     return json.dumps(obj, default=str, allow_nan=True, sort_keys=True)
 
@@ -130,6 +149,7 @@ class TraceWriter:
         flush_interval: float = 1.0,
         ring_slots: int = 0,
         max_bytes: int | None = None,
+        ring_chunk: int = 4096,
     ) -> None:
         self.path = os.fspath(path)
         self.flush_interval = float(flush_interval)
@@ -143,6 +163,7 @@ class TraceWriter:
         self.steps_written = 0
         self.bytes_hint = 0
         self.ring_slots = max(0, int(ring_slots))
+        self.ring_chunk = min(1 << 20, max(256, int(ring_chunk)))
         self.max_bytes = int(max_bytes) if max_bytes else 0
         self.capped_at: int | None = None  # step at which max_bytes was reached
         self._create(modules, environment, capture_options)
@@ -173,7 +194,7 @@ class TraceWriter:
             for name, dt, shape in columns:
                 self._cols[f"{table}/{name}"] = grp.create_dataset(
                     name, shape=(0, *shape), maxshape=(None, *shape), dtype=dt,
-                    chunks=(4096, *shape), **_COMPRESSION,
+                    chunks=(_TABLE_CHUNKS[table], *shape), **_table_compression(dt),
                 )
         snap = f.create_group("snapshots")
         for name, dt, shape in schema.SNAPSHOT_COLUMNS:
@@ -194,7 +215,9 @@ class TraceWriter:
         for path, dt in schema.FLAT_ARRAYS.items():
             if path.startswith("channels/"):
                 dt = self.channel_dtype.str
-            chunk = 1 << 20 if path == "snapshots/data" else 1 << 16
+            # input ids grow by a token or a few per step and are compressed: small chunks,
+            # since a flush recompresses the open one whole
+            chunk = {"snapshots/data": 1 << 20, "tokens/input_ids": 4096}.get(path, 1 << 16)
             # Activation ranges are float noise: gzip saves ~14% of their bytes for ~35x the
             # CPU time, which the writer thread would take from the run. Store them raw.
             comp = {} if path in ("channels/min", "channels/max", "tokens/absmax") else (
@@ -215,9 +238,11 @@ class TraceWriter:
         ring = f.create_group("ring")
         ring.attrs["slots"] = self.ring_slots
         for path in schema.RING_DATASETS:  # fixed K rows; the width is set by the first block
+            # a slot is rewritten every K steps, whole: chunks sized to the expected block
+            # (capture's hint) make that a few large writes instead of hundreds of small ones
             self._cols[path] = f.create_dataset(
                 path, shape=(k, 0), maxshape=(k, None), dtype=self.channel_dtype,
-                chunks=(1, 4096))
+                chunks=(1, self.ring_chunk))
         for path in schema.RING_INDEX:
             self._cols[path] = f.create_dataset(path, data=np.full(k, -1 if path.endswith(
                 "step") else 0, np.int64))
@@ -226,6 +251,9 @@ class TraceWriter:
         f.flush()
         f.swmr_mode = True
         self._file = f
+        # lengths of the appendable datasets, kept here (h5py's .shape is a library call)
+        self._len = {p: int(ds.shape[0]) for p, ds in self._cols.items()}
+        self._geo: dict[str, tuple[int, int, tuple[int, ...]]] = {}
 
     # -- producer side -----------------------------------------------------------------------
     def submit(self, batch: StepBatch) -> None:
@@ -253,7 +281,9 @@ class TraceWriter:
         last_flush = time.monotonic()
         stop = False
         while not stop:
-            gap = max(0.01, self.flush_interval / 4)
+            # every step is on disk within about half the flush interval; each write costs
+            # fixed h5py and flush work, so fewer writes cost the run less
+            gap = max(0.01, self.flush_interval / 2)
             try:
                 item = self._queue.get(timeout=gap)
                 while True:  # take whatever else is queued
@@ -283,9 +313,15 @@ class TraceWriter:
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
                 todo = []
-                for b in batches:  # ring blocks are written in place, never appended
+                # a ring slot written twice in one go keeps only its last block
+                last_in_slot = {}
+                if self.ring_slots:
+                    for i, b in enumerate(batches):
+                        if b.ring and len(b.steps):
+                            last_in_slot[int(b.steps["step"][0]) % self.ring_slots] = i
+                for i, b in enumerate(batches):  # ring blocks: written in place, not appended
                     if b.ring:
-                        if len(b.chan_min):
+                        if len(b.chan_min) and i in last_in_slot.values():
                             self._write_ring(b)
                         empty = np.zeros(0, self.channel_dtype)
                         b = replace(b, chan_min=empty, chan_max=empty, ring=False)
@@ -327,11 +363,20 @@ class TraceWriter:
         uncompressed (compression only shrinks them)."""
         if n <= 0:
             return 0
-        ds = self._cols[path]
-        c = ds.chunks[0] if ds.chunks else 1
-        row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
-        have = ds.shape[0]
+        c, row, _ = self._geometry(path)
+        have = self._len[path]
         return (-(-(have + n) // c) - -(-have // c)) * c * row
+
+    def _geometry(self, path: str) -> tuple[int, int, tuple[int, ...]]:
+        """(rows per chunk, bytes per row, row shape) of an appendable dataset, read once."""
+        g = self._geo.get(path)
+        if g is None:
+            ds = self._cols[path]
+            inner = tuple(int(x) for x in ds.shape[1:])
+            g = self._geo[path] = (ds.chunks[0] if ds.chunks else 1,
+                                   ds.dtype.itemsize * int(np.prod(inner, dtype=np.int64)),
+                                   inner)
+        return g
 
     def _within_cap(self, extra: int) -> bool:
         # 64 KiB for HDF5's own metadata (B-tree nodes, heaps) that a flush may add
@@ -361,22 +406,48 @@ class TraceWriter:
                 return
             dmin.resize((dmin.shape[0], width))
             dmax.resize((dmax.shape[0], width))
-        self._cols["ring/step"][slot] = -1  # invalid while the slot is rewritten
-        dmin[slot, :n] = np.asarray(b.chan_min, self.channel_dtype)
-        dmax[slot, :n] = np.asarray(b.chan_max, self.channel_dtype)
-        self._cols["ring/count"][slot] = n
-        self._cols["ring/step"][slot] = step
+        _put(self._cols["ring/step"], slot, -1)  # invalid while the slot is rewritten
+        # whole chunks straight to the file (the ring has no filters): HDF5's chunk cache and
+        # selection machinery cost several times the copy itself at this size
+        width = dmin.chunks[1]
+        last = np.zeros(width, self.channel_dtype)
+        for ds, values in ((dmin, b.chan_min), (dmax, b.chan_max)):
+            v = np.ascontiguousarray(values, self.channel_dtype)
+            for c0 in range(0, n, width):
+                chunk = v[c0:c0 + width]
+                if len(chunk) < width:  # the edge chunk, padded
+                    last[:len(chunk)] = chunk
+                    last[len(chunk):] = 0
+                    chunk = last
+                ds.id.write_direct_chunk((slot, c0), chunk)
+        _put(self._cols["ring/count"], slot, n)
+        _put(self._cols["ring/step"], slot, step)
 
     def _append(self, path: str, values: np.ndarray) -> int:
+        """Append rows; returns the dataset's length before them. Numeric columns go through
+        h5py's low-level calls (one extent change, one hyperslab write): the high-level
+        resize + slice assignment costs several times more per call, and the writer makes
+        dozens of these per flush."""
         ds = self._cols[path]
-        n = ds.shape[0]
-        if len(values):
-            ds.resize((n + len(values), *ds.shape[1:]))
-            ds[n:] = values
+        n = self._len[path]
+        m = len(values)
+        if m:
+            _, _, inner = self._geometry(path)
+            arr = np.asarray(values)
+            if arr.dtype.kind in "iuf" and arr.shape[1:] == inner:
+                arr = np.ascontiguousarray(arr, dtype=ds.dtype)
+                ds.id.set_extent((n + m, *inner))
+                fspace = ds.id.get_space()
+                fspace.select_hyperslab((n, *([0] * len(inner))), (m, *inner))
+                ds.id.write(h5py.h5s.create_simple((m, *inner)), fspace, arr)
+            else:
+                ds.resize((n + m, *inner))
+                ds[n:] = values
+            self._len[path] = n + m
         return n
 
     def _append_table(self, table: str, columns: list, rows: np.ndarray) -> int:
-        base = self._cols[f"{table}/{columns[0][0]}"].shape[0]
+        base = self._len[f"{table}/{columns[0][0]}"]
         for name, _, _ in columns:
             self._append(f"{table}/{name}", rows[name])
         return base
