@@ -2,7 +2,8 @@
 
 Scalars, per-token maxima and logits are kept for every step. Per-channel ranges (most of a
 trace's bytes) are kept for good only for:
-- the prefill (step 0, or any step with more than one input token);
+- the prefill (step 0, or any step with more than one input token; an engine adapter says
+  which steps are prefills and which are warm-up forwards, see `apply`);
 - a step that crosses a trigger, together with the `window` steps before it: non-finite values
   (the first such step always; then at most `limit`), outlier growth (the largest GEMM-input
   absmax of the step beyond `growth` x the largest of the last `slots` steps) and a logits
@@ -70,15 +71,27 @@ class FlightRecorder:
         self._kept = collections.Counter()
         self._seen_nonfinite = False
 
-    def apply(self, batch: StepBatch) -> None:
-        """Decide where this step's channel block goes; mark the batch accordingly."""
+    def apply(self, batch: StepBatch, *, prefill: bool | None = None,
+              warmup: bool = False) -> None:
+        """Decide where this step's channel block goes; mark the batch accordingly.
+
+        An engine adapter may say what the step is: `prefill` (the step computes prompt
+        tokens; otherwise a step with more than one input token counts as a prefill, which is
+        right for `generate` but not for a serving engine, whose decode steps carry one row per
+        request) and `warmup` (a warm-up / profile forward on dummy data: it goes to the ring,
+        never triggers and never enters the histories the growth triggers compare with)."""
         if len(batch.steps) != 1:
             return
         s = batch.steps[0]
         step = int(s["step"])
         rec = batch.records
-        triggers = self._triggers(s, rec)
-        keep = step == 0 or int(s["token_count"]) > 1
+        triggers = [] if warmup else self._triggers(s, rec)
+        if warmup:
+            keep = False
+        elif prefill is None:
+            keep = step == 0 or int(s["token_count"]) > 1
+        else:
+            keep = bool(prefill)
         if triggers:
             # the first non-finite step is always kept; beyond it each kind has `limit` steps
             first_bad = triggers[0][0] == "nonfinite" and not self._seen_nonfinite

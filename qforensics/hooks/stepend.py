@@ -115,6 +115,11 @@ class StepEnd:
         if final:
             self._emit(logits_row, ids_host, complete)
 
+    def _step_kind(self) -> dict[str, Any]:
+        """What an engine adapter knows about the step for the flight recorder (prefill,
+        warmup); nothing for a plain model."""
+        return {}
+
     def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
         assert self._writer is not None and self._snaps is not None
         snaps, data = self._snaps.take()
@@ -127,5 +132,5 @@ class StepEnd:
             snaps=snaps, data=data, incidents=incidents,
             channel_dtype=self.options["channel_dtype"])
         if self._recorder is not None:
-            self._recorder.apply(batch)
+            self._recorder.apply(batch, **self._step_kind())
         self._writer.submit(batch)
