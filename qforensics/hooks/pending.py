@@ -40,7 +40,7 @@ class PendingStep:
 
     __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
                  "track", "nograd", "clone_limit", "plans", "plan", "key", "first", "pos",
-                 "refs", "vers", "missed", "n_mod", "plan_budget", "_misses")
+                 "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses")
 
     def __init__(self, clone_limit: int = CLONE_LIMIT, plan_budget: int = 256 << 20) -> None:
         self.clone_limit = clone_limit
@@ -69,6 +69,8 @@ class PendingStep:
         if pl is not None:
             self.refs = [None] * pl.n
             self.vers = [0] * pl.n if self.track else None
+            if pl.singles:
+                self.outs = [None] * pl.n
 
     def clear(self) -> None:
         # record: (call_index, module_id, io, slot, unique index, version when its hook ran)
@@ -84,6 +86,7 @@ class PendingStep:
         self.pos = 0
         self.refs: list[Any] | None = None  # plan mode: the tensor of each take
         self.vers: list[int] | None = None  # plan mode, with version counters: their versions
+        self.outs: list[Any] | None = None  # plan mode: vectors of tensors reduced in hooks
         if getattr(self, "plan", None) is not None:
             self.plan = None
 
@@ -99,6 +102,14 @@ class PendingStep:
                     * SLOTS + slot and t.shape == pl.shapes[k] and t.dtype is pl.dtypes[k]
                     and t.device == pl.devices[k]):
                 s = pl.share[k]
+                if s < 0 and pl.views[k] is None:  # a large tensor: reduced right here
+                    self.outs[k] = reduce.fast_one(  # type: ignore[index]
+                        t.detach(), *pl.reduced[k])
+                    if self.track:
+                        self.vers[k] = t._version  # type: ignore[index]
+                    self.refs[k] = t  # type: ignore[index]
+                    self.pos = k + 1
+                    return
                 if self.track:
                     ver = t._version
                     if s < 0:
@@ -172,9 +183,9 @@ class PendingStep:
         pl, n = self.plan, self.pos
         if pl is None:
             return
-        refs, vers = self.refs or [], self.vers
+        refs, vers, outs = self.refs or [], self.vers, self.outs
         self.plan = None
-        self.refs = self.vers = None
+        self.refs = self.vers = self.outs = None
         self.missed = True
         unit_of: dict[int, int] = {}
         for i in range(n):
@@ -188,8 +199,13 @@ class PendingStep:
                 self.uniq[id(t)] = j
                 key = pl.desc[int(pl.which[i])]
                 uver = ver if vers is not None else (-1 if io else 0)
-                self.units.append([t, uver, ci if vers is None else -2, key, pl.views[i]])
-                self.groups.setdefault(key, []).append(j)
+                red = pl.reduced[i]
+                self.units.append([t, uver, ci if vers is None else -2, key,
+                                   t if red is not None else pl.views[i]])
+                if red is not None:
+                    self.singles.append((j, *red, outs[i]))  # type: ignore[index]
+                else:
+                    self.groups.setdefault(key, []).append(j)
                 self.nbytes += t.numel() * t.element_size()
             else:
                 j = unit_of[s]
@@ -209,7 +225,8 @@ class PendingStep:
         if self._misses.get(key, 0) > MAX_MISSES or key in self.plans:
             return
         spent = sum(p.nbytes for p in self.plans.values())
-        pl = build_plan(self.recs, self.units, first_call=self.first, n_mod=self.n_mod,
+        pl = build_plan(self.recs, self.units, self.singles, first_call=self.first,
+                        n_mod=self.n_mod,
                         keep=self.keep, chan_limit=self.chan_limit,
                         budget=self.plan_budget - spent)
         if pl is None:
@@ -263,7 +280,10 @@ class PendingStep:
             if k == 3:
                 return pl.desc
             if k == 4:
-                return pl.seen
+                if not pl.singles:
+                    return pl.seen
+                refs = self.refs or []
+                return [refs[pl.first_pos[j]] if v is None else v for j, v in enumerate(pl.seen)]
             raise IndexError(k)
         return [u[k] for u in self.units]
 
@@ -276,7 +296,7 @@ class PendingStep:
         (plan, per-device packed vectors), plan rows (unique ids, rows, chans, keep, device,
         size) in the order of the packed vectors."""
         if self.plan is not None:
-            return self.plan.reduce()
+            return self.plan.reduce(self.outs or [])
         plan: list = []
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         for j, rows, chans, keep, packed in self.singles:

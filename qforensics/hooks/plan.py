@@ -51,16 +51,21 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "misses")
+                 "nbytes", "misses", "reduced", "singles")
 
     def __init__(self) -> None:
         self.misses = 0
 
-    def reduce(self) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
-        """reduce.fast_parts over each buffer chunk: (plan rows, per-device vectors, to be
+    def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
+        """The vectors of the tensors reduced in their hooks (`outs`, by take), then
+        reduce.fast_parts over each buffer chunk: (plan rows, per-device vectors, to be
         concatenated in this order), in the layout of PendingStep.reduce_on_device."""
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         plan = []
+        for k, row in self.singles:
+            packed = outs[k]
+            per_dev.setdefault(packed.device, []).append(packed)
+            plan.append(row)
         for x, row in self.red:
             idx, rows, chans, keep, dev, size = row
             parts = per_dev.get(dev)
@@ -71,20 +76,23 @@ class StepPlan:
         return plan, per_dev
 
 
-def build(recs: list, units: list, *, first_call: int, n_mod: int, keep: bool,
+def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int, keep: bool,
           chan_limit: int, budget: int) -> StepPlan | None:
-    """A plan from one generic step's takes (PendingStep.recs / units), or None when the step
-    does not fit one: a tensor reduced in its hook (large), an empty or meta tensor, a call
-    outside the step, a slot past SLOTS, or buffers over `budget` bytes."""
+    """A plan from one generic step's takes (PendingStep.recs / units / singles), or None when
+    the step does not fit one: an empty or meta tensor, a call outside the step, a slot past
+    SLOTS, or buffers over `budget` bytes. A tensor the generic step reduced in its hook (a
+    large one: logits of a batch, a prefill) is reduced in its hook on the plan too."""
     n = len(recs)
     if not n or not units:
         return None
     nbytes = 0
-    for u in units:
+    reduced = {j: (rows, chans, kp) for j, rows, chans, kp, _ in singles}
+    for j, u in enumerate(units):
         seen = u[4]
-        if seen is None or seen is u[0]:
-            return None  # not copied at hook time: reduced in the hook, or empty / meta
-        nbytes += seen.numel() * seen.element_size()
+        if seen is None or (seen is u[0] and j not in reduced):
+            return None  # empty / meta
+        if j not in reduced:
+            nbytes += seen.numel() * seen.element_size()
     if nbytes > budget:
         return None
     pl = StepPlan()
@@ -115,7 +123,8 @@ def build(recs: list, units: list, *, first_call: int, n_mod: int, keep: bool,
     # one buffer per (shape, dtype, device), rows in order of first occurrence
     groups: dict[Any, list[int]] = {}
     for j, d in enumerate(pl.desc):
-        groups.setdefault(d, []).append(j)
+        if j not in reduced:
+            groups.setdefault(d, []).append(j)
     seen: list[Any] = [None] * len(units)
     red = []
     with torch.no_grad():
@@ -133,8 +142,15 @@ def build(recs: list, units: list, *, first_call: int, n_mod: int, keep: bool,
                 red.append((buf[k:k + len(sub)], (np.array(sub, np.int64), rows, chans, kp,
                                                    device, packed_size(len(sub), rows, chans,
                                                                        kp))))
-    pl.seen = seen
     pl.red = red
-    pl.views = [seen[j] if share[k] < 0 else None for k, j in enumerate(which.tolist())]
+    # reduced in the hook, at the take that first sees the tensor: (rows, chans, keep)
+    pl.reduced = [reduced.get(j) if share[k] < 0 else None for k, j in enumerate(which.tolist())]
+    pl.singles = []
+    for j, rows, chans, kp, packed in singles:
+        pl.singles.append((first_pos[j], (np.array([j], np.int64), rows, chans, kp,
+                                          packed.device, int(packed.numel()))))
+    pl.seen = seen  # None for the tensors reduced in their hook: the original, per step
+    pl.views = [seen[j] if share[k] < 0 and j not in reduced else None
+                for k, j in enumerate(which.tolist())]
     pl.described = describe(pl.desc)
     return pl
