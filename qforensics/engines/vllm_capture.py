@@ -91,9 +91,9 @@ class VllmCapture(Capture):
                 for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
                             and t.numel():
-                        flags = (~torch.isfinite(t)).reshape(-1, t.shape[-1]).any(-1, True)
+                        ok = torch.isfinite(t).reshape(-1, t.shape[-1]).all(-1, True)
                         self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
-                                           flags.to(torch.float32))
+                                           (~ok).to(torch.float32))
                 self._next_call += 1
                 if output.is_floating_point() and output.numel():
                     self._logits = output
