@@ -7,7 +7,8 @@ trace's bytes) are kept for good only for:
 - a step that crosses a trigger, together with the `window` steps before it: non-finite values
   (the first such step always; then at most `limit`), outlier growth (the largest GEMM-input
   absmax of the step beyond `growth` x the largest of the last `slots` steps) and a logits
-  anomaly (the same test on the logits' absmax), at most `limit` steps of each kind;
+  anomaly (the same test on the logits' absmax), at most `limit` steps of each kind; the
+  growth tests compare steps that are not prefills (a prefill is kept anyway);
 - every other step goes to a rolling window of the last `slots` steps, held here in memory (to
   promote it when a trigger fires) and by the writer in a fixed-size circular region of the file
   (so a kill -9 keeps the last window).
@@ -85,13 +86,16 @@ class FlightRecorder:
         s = batch.steps[0]
         step = int(s["step"])
         rec = batch.records
-        triggers = [] if warmup else self._triggers(s, rec)
         if warmup:
             keep = False
         elif prefill is None:
             keep = step == 0 or int(s["token_count"]) > 1
         else:
             keep = bool(prefill)
+        # a prefill is kept anyway, and its maxima (many tokens, the first positions' large
+        # activations) are no trend of the decode steps: it neither trips nor feeds the growth
+        # triggers, only the non-finite one
+        triggers = [] if warmup else self._triggers(s, rec, growth=not keep)
         if triggers:
             # the first non-finite step is always kept; beyond it each kind has `limit` steps
             first_bad = triggers[0][0] == "nonfinite" and not self._seen_nonfinite
@@ -117,11 +121,14 @@ class FlightRecorder:
         rec["flags"] = np.where(held, rec["flags"] | schema.FLAG_RING, rec["flags"])
         self._memory.append((step, batch.chan_min, batch.chan_max))
 
-    def _triggers(self, s: np.void, rec: np.ndarray) -> list[tuple[str, float, float]]:
+    def _triggers(self, s: np.void, rec: np.ndarray, growth: bool = True
+                  ) -> list[tuple[str, float, float]]:
         out: list[tuple[str, float, float]] = []
         bad = int(s["n_nonfinite_records"]) + int(s["logits_nan"]) + int(s["logits_inf"])
         if bad:
             out.append(("nonfinite", float(bad), math.nan))
+        if not growth:
+            return out
         gemm_in = (rec["io"] == schema.IO_INPUT) & np.isin(rec["module_id"], self._gemm_ids)
         vals = rec["absmax"][gemm_in]
         vals = vals[np.isfinite(vals)]

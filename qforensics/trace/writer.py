@@ -18,10 +18,10 @@ marked `ring` writes its channel block in place into slot step % K of the fixed-
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -156,7 +156,11 @@ class TraceWriter:
         self.channel_dtype = np.dtype(channel_dtype)
         if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
             raise ValueError("channel_dtype must be float32 or float16")
-        self._queue: queue.Queue[StepBatch | _Barrier | None] = queue.Queue()
+        # submit appends here without waking the writer (a wake-up per step is a thread switch
+        # and a GIL hand-over in the middle of the run); the writer drains it on its own
+        # schedule, and at once for a barrier or close (`_wake`)
+        self._items: collections.deque[StepBatch | _Barrier | None] = collections.deque()
+        self._wake = threading.Event()
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -259,7 +263,7 @@ class TraceWriter:
     def submit(self, batch: StepBatch) -> None:
         if self._closed or self._failed:
             return
-        self._queue.put(batch)
+        self._items.append(batch)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Block until every batch submitted before this call is written and flushed to disk (a
@@ -267,7 +271,8 @@ class TraceWriter:
         if self._closed:
             return self._failed is None
         barrier = _Barrier()
-        self._queue.put(barrier)
+        self._items.append(barrier)
+        self._wake.set()
         return barrier.done.wait(timeout) and self._failed is None
 
     @property
@@ -284,22 +289,21 @@ class TraceWriter:
             # every step is on disk within about half the flush interval; each write costs
             # fixed h5py and flush work, so fewer writes cost the run less
             gap = max(0.01, self.flush_interval / 2)
-            try:
-                item = self._queue.get(timeout=gap)
-                while True:  # take whatever else is queued
-                    if item is None:
-                        stop = True
-                    elif isinstance(item, _Barrier):
-                        barriers.append(item)
-                    else:
-                        pending.append(item)
-                    item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
+            self._wake.wait(max(0.0, last_flush + gap - time.monotonic()))
+            self._wake.clear()
+            while self._items:  # take whatever is queued
+                item = self._items.popleft()
+                if item is None:
+                    stop = True
+                elif isinstance(item, _Barrier):
+                    barriers.append(item)
+                else:
+                    pending.append(item)
             now = time.monotonic()
-            if pending and (stop or barriers or now - last_flush >= gap):
-                self._write(pending)
-                pending = []
+            if stop or barriers or now - last_flush >= gap:
+                if pending:
+                    self._write(pending)
+                    pending = []
                 last_flush = now
             for b in barriers:
                 b.done.set()
@@ -496,7 +500,8 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._items.append(None)
+        self._wake.set()
         self._thread.join(timeout=60)
         try:
             with self._lock:

@@ -247,3 +247,54 @@ def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
         assert before is not None and np.isfinite(before[0]).all()
         inp = t.channels_for("layers.1", first_bad)  # its input: still finite
         assert inp is not None and np.isfinite(inp[0]).all()
+
+
+def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
+        tmp_path, monkeypatch, fresh_adapter):
+    """A prefill arriving between decode steps (continuous batching) reads a token whose
+    embedding is 1,000x the others: kept as a prefill, it trips no outlier-growth trigger (its
+    maxima are no trend of the decode steps) and copies no window out of the ring. The same
+    token read by a later decode step does trip it."""
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
+    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
+    mod = _runner_module("prefill_model_runner")
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    with torch.no_grad():
+        r.model.embed.weight[49] *= 1000.0
+    cap = fresh_adapter._captures[id(r)]
+    ib = r.input_batch
+    try:
+        ib.req_ids = ["A"]
+        ib.num_prompt_tokens[:1] = [2]
+        r.execute_model(_sched(["A"], [2], [5, 6], [0, 1], [1]))  # step 0: prefill of A
+        r.sample_tokens()
+        for k in range(1, 11):  # steps 1-10: A decodes
+            ib.num_computed_tokens_cpu[:1] = [1 + k]
+            r.execute_model(_sched(["A"], [1], [10 + k], [1 + k], [0]))
+            r.sample_tokens()
+        ib.req_ids = ["A", "B"]  # step 11: B's prefill (with token 49) beside A's decode
+        ib.num_computed_tokens_cpu[:2] = [12, 0]
+        ib.num_prompt_tokens[:2] = [2, 3]
+        r.execute_model(_sched(["A", "B"], [1, 3], [21, 7, 49, 8], [12, 0, 1, 2], [0, 3]))
+        r.sample_tokens()
+        for k in range(1, 11):  # steps 12-21: both decode; step 17 reads token 49
+            ib.num_computed_tokens_cpu[:2] = [12 + k, 2 + k]
+            tok_b = 49 if k == 6 else 30 + k
+            r.execute_model(_sched(["A", "B"], [1, 1], [21 + k, tok_b], [12 + k, 2 + k],
+                                   [0, 1]))
+            r.sample_tokens()
+    finally:
+        cap.close()
+    with open_trace(tmp_path / "t-0.h5") as t:
+        trig = t.triggers
+        growth = trig[trig["kind"] == "outlier_growth"]
+        assert growth["step"].tolist() == [17]
+        cols = t.record_columns(["step", "chan_offset"])
+        kept = set(np.unique(cols["step"][cols["chan_offset"] >= 0]).tolist())
+    with h5py.File(tmp_path / "t-0.h5", "r") as f:
+        promoted = f["channels/promoted/step"][:].tolist()
+    # only the decode trigger's window, 9-16, less the prefill (kept for good, not in the ring)
+    assert promoted == [s for s in range(17 - 8, 17) if s != 11]
+    assert {0, 11, 17} <= kept
