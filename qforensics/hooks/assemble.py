@@ -122,8 +122,9 @@ class UniqueStats:
                     if sel.any():
                         m = int(sel.sum())
                         self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
-                        self._cmin.append(cmin[sel].reshape(-1))
-                        self._cmax.append(cmax[sel].reshape(-1))
+                        every = m == g  # then views, not copies
+                        self._cmin.append((cmin if every else cmin[sel]).reshape(-1))
+                        self._cmax.append((cmax if every else cmax[sel]).reshape(-1))
                         self._chan_len += m * chans
                 else:
                     vmin = flat[off:off + g].astype(np.float64)
