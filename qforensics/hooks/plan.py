@@ -51,10 +51,7 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "misses", "reduced", "singles")
-
-    def __init__(self) -> None:
-        self.misses = 0
+                 "nbytes", "reduced", "singles")
 
     def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
@@ -67,7 +64,7 @@ class StepPlan:
             per_dev.setdefault(packed.device, []).append(packed)
             plan.append(row)
         for x, row in self.red:
-            idx, rows, chans, keep, dev, size = row
+            _, rows, chans, keep, dev, _ = row
             parts = per_dev.get(dev)
             if parts is None:
                 parts = per_dev[dev] = []

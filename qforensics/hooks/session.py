@@ -32,7 +32,7 @@ from qforensics.errors import CaptureError
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
-from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
+from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.recorder import FlightRecorder, parse_steps
 from qforensics.hooks.snapshots import Snapshots
@@ -46,20 +46,6 @@ log = logging.getLogger("qforensics.hooks.capture")
 _HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
 _MAX_INPUTS = 4
 _MAX_OUTPUTS = 2
-
-
-def ring_chunk(modules: list[nn.Module]) -> int:
-    """Ring chunk width for the trace writer: about a quarter of a step's channel block, which
-    holds roughly every hooked layer's input and output widths (a power of two, 4096-65536)."""
-    width = 0
-    for m in modules:
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            width += int(w.shape[0]) + int(w.shape[1])
-    chunk = 4096
-    while chunk < 65536 and chunk * 4 < width:
-        chunk *= 2
-    return chunk
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
@@ -377,26 +363,6 @@ class Capture(StepEnd):
             self._logits = None
             self._step_ids = None
 
-    # -- incidents (runtime guard) ---------------------------------------------------------
-    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
-                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
-        """Note a runtime-guard trip; it is written with the current (or next) step."""
-        try:
-            row = np.zeros(1, schema.incident_dtype())
-            row["step"] = max(self.step, 0)
-            row["call_index"] = call_index
-            try:
-                row["module_id"] = self._names.index(module)
-            except ValueError:
-                row["module_id"] = -1
-            row["module"] = module.encode("utf-8", "replace")[:128]
-            row["action"] = action.encode()[:24]
-            row["nan_count"], row["inf_count"] = nan_count, inf_count
-            row["detail"] = detail.encode("utf-8", "replace")[:160]
-            self._incidents.append(row)
-        except Exception as exc:
-            log.warning("qforensics: could not record an incident (%s)", exc)
-
     # -- failure handling and teardown -------------------------------------------------------
     def _degrade(self, exc: BaseException) -> None:
         if self._degraded is None:
@@ -456,28 +422,3 @@ class Capture(StepEnd):
     @property
     def hooks_attached(self) -> int:
         return len(self._handles)
-
-
-def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **options: Any
-            ) -> Capture:
-    """Capture per-call statistics of `model` into an HDF5 trace at `path`.
-
-    >>> with qforensics.capture(model, "trace.h5"):       # doctest: +SKIP
-    ...     model.generate(input_ids, max_new_tokens=64)
-
-    Options: modules (None | "linear" | names | callable), flush_interval (s, default 1),
-    channel_dtype ("float32" | "float16"), channel_limit (widest last dim whose per-channel
-    ranges are stored, default 8192), channel_steps ("auto" | "all" | "none" | "0-3,8" |
-    callable; "auto", the default, is the flight recorder: per-channel ranges of the prefill, of
-    the last ring_steps steps (default 16, in memory and in a fixed-size circular region of the
-    file) and of every step that crosses a trigger plus the trigger_window steps before it
-    (default 8; at most trigger_limit=32 triggered steps; triggers: non-finite values, GEMM-input
-    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (hard cap on
-    the file, default 4 GiB, None: no cap; recorded in /limits when reached), channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
-    snapshot_tile_rows (weight rows kept around the first bad output, default 256),
-    outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
-    (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the
-    environment), rank / world_size (default from RANK / WORLD_SIZE). A path with "{rank}", or
-    any path when world_size > 1, gives one file per rank.
-    """
-    return Capture(model, path, **options)

@@ -1,12 +1,15 @@
 """The end of a step: finish the device side of what the hooks took, bring it to the host in
-one transfer per device, assemble the step's records and hand one StepBatch to the writer.
+one transfer per device, assemble the step's records (with the runtime guard's incidents noted
+since the last step) and hand one StepBatch to the writer.
 
 A mixin of the capture session (hooks/session.py): it reads the session's step state
-(`_pending`, `_logits`, `_step_ids`, `_partial`, ...) and writes nothing else.
+(`_pending`, `_logits`, `_step_ids`, `_partial`, ...) and writes nothing else but the
+incidents it notes.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,6 +18,8 @@ import torch
 from qforensics.hooks import reduce
 from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.trace import schema
+
+log = logging.getLogger("qforensics.hooks.capture")
 
 if TYPE_CHECKING:
     from qforensics.hooks.pending import PendingStep
@@ -32,6 +37,7 @@ class StepEnd:
     _recorder: "FlightRecorder | None"
     _writer: "TraceWriter | None"
     _incidents: list[np.ndarray]
+    _names: list[str]
     _track_versions: bool
     _step_t0: float
     _step_first_call: int
@@ -114,6 +120,26 @@ class StepEnd:
         p.clear()
         if final:
             self._emit(logits_row, ids_host, complete)
+
+    # -- incidents (runtime guard) ---------------------------------------------------------
+    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
+                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
+        """Note a runtime-guard trip; it is written with the current (or next) step."""
+        try:
+            row = np.zeros(1, schema.incident_dtype())
+            row["step"] = max(self.step, 0)
+            row["call_index"] = call_index
+            try:
+                row["module_id"] = self._names.index(module)
+            except ValueError:
+                row["module_id"] = -1
+            row["module"] = module.encode("utf-8", "replace")[:128]
+            row["action"] = action.encode()[:24]
+            row["nan_count"], row["inf_count"] = nan_count, inf_count
+            row["detail"] = detail.encode("utf-8", "replace")[:160]
+            self._incidents.append(row)
+        except Exception as exc:  # noqa: BLE001 - never break the guard or the run
+            log.warning("qforensics: could not record an incident (%s)", exc)
 
     def _step_kind(self) -> dict[str, Any]:
         """What an engine adapter knows about the step for the flight recorder (prefill,

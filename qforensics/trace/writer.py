@@ -9,6 +9,9 @@ you) and holds every batch flushed before the kill. Nothing here imports torch.
 Write order within a flush: flat arrays, records, snapshots, then the step rows, then flush; a
 step row on disk therefore always has its records on disk.
 
+The batches are trace/batch.py's; how their bytes reach the datasets (low-level appends, ring
+slots, the byte cap) is trace/columns.py's.
+
 Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
 marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
 (never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
@@ -24,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import h5py
@@ -32,89 +35,19 @@ import numpy as np
 
 from qforensics.version import __version__
 from qforensics.trace import schema
+from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
+from qforensics.trace.columns import ColumnWriter
+
+__all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
 
 log = logging.getLogger(__name__)
 
 _COMPRESSION = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
 
 
-@dataclass
-class StepBatch:
-    """Everything one step produced. Offsets inside are relative to this batch's own arrays."""
-
-    steps: np.ndarray  # structured, schema.step_dtype(), usually one row
-    records: np.ndarray  # structured, schema.record_dtype()
-    chan_min: np.ndarray  # flat
-    chan_max: np.ndarray
-    tok_absmax: np.ndarray  # flat float32
-    input_ids: np.ndarray  # flat int64
-    snapshots: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.snapshot_dtype()))
-    snapshot_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    incidents: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.incident_dtype()))
-    # /engine/<table> rows (schema.ENGINE_TABLES); self-describing, nothing to rebase
-    engine: dict[str, np.ndarray] = field(default_factory=dict)
-    # 1.1: this step's channel block goes to the ring (its records carry FLAG_RING and offsets
-    # relative to the block), earlier ring blocks to keep for good, and the triggers it crossed
-    ring: bool = False
-    promote: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
-    triggers: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.trigger_dtype()))
-
-
-def _rebase_channels(rec: np.ndarray, base: int) -> None:
-    """Shift the absolute channel offsets of records by `base` (ring-relative ones stay)."""
-    absolute = (rec["chan_offset"] >= 0) & ((rec["flags"] & schema.FLAG_RING) == 0)
-    rec["chan_offset"] = np.where(absolute, rec["chan_offset"] + base, rec["chan_offset"])
-
-
-def merge_batches(batches: list[StepBatch]) -> StepBatch:
-    """Concatenate consecutive step batches, rebasing their relative offsets."""
-    recs, steps, snaps = [], [], []
-    chan = tok = ids = data = rec_base = 0
-    for b in batches:
-        r = b.records.copy()
-        _rebase_channels(r, chan)
-        r["tok_offset"] = np.where(r["tok_offset"] >= 0, r["tok_offset"] + tok, -1)
-        st = b.steps.copy()
-        st["record_offset"] += rec_base
-        st["token_offset"] += ids
-        st["first_nonfinite_record"] = np.where(st["first_nonfinite_record"] >= 0,
-                                                st["first_nonfinite_record"] + rec_base, -1)
-        sn = b.snapshots.copy()
-        sn["offset"] += data
-        recs.append(r)
-        steps.append(st)
-        snaps.append(sn)
-        chan += len(b.chan_min)
-        tok += len(b.tok_absmax)
-        ids += len(b.input_ids)
-        data += len(b.snapshot_bytes)
-        rec_base += len(r)
-    return StepBatch(
-        steps=np.concatenate(steps), records=np.concatenate(recs),
-        chan_min=np.concatenate([b.chan_min for b in batches]),
-        chan_max=np.concatenate([b.chan_max for b in batches]),
-        tok_absmax=np.concatenate([b.tok_absmax for b in batches]),
-        input_ids=np.concatenate([b.input_ids for b in batches]),
-        snapshots=np.concatenate(snaps),
-        snapshot_bytes=np.concatenate([b.snapshot_bytes for b in batches]),
-        incidents=np.concatenate([b.incidents for b in batches]),
-        engine={t: np.concatenate([b.engine[t] for b in batches if t in b.engine])
-                for t in schema.ENGINE_TABLES if any(t in b.engine for b in batches)},
-        promote=[p for b in batches for p in b.promote],
-        triggers=np.concatenate([b.triggers for b in batches]),
-    )
-
-
 # rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
 # gets small chunks
 _TABLE_CHUNKS = {"steps": 256, "records": 2048}
-
-
-def _put(ds: h5py.Dataset, i: int, value: int) -> None:
-    """ds[i] = value for a small 1-d int64 dataset, through h5py's low-level write."""
-    fspace = ds.id.get_space()
-    fspace.select_hyperslab((i,), (1,))
-    ds.id.write(h5py.h5s.create_simple((1,)), fspace, np.array([value], np.int64))
 
 
 def _table_compression(dt: Any) -> dict[str, Any]:
@@ -135,7 +68,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter:
+class TraceWriter(ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -341,121 +274,6 @@ class TraceWriter:
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
 
-    def _fits(self, b: StepBatch) -> bool:
-        """False (and the cap noted in /limits) when appending `b` could pass max_bytes."""
-        if not self.max_bytes:
-            return True
-        n_chan = len(b.chan_min) + sum(len(p[1]) for p in b.promote)
-        grow = [("channels/min", n_chan), ("channels/max", n_chan),
-                ("tokens/absmax", len(b.tok_absmax)), ("tokens/input_ids", len(b.input_ids)),
-                ("snapshots/data", len(b.snapshot_bytes))]
-        for table, columns, n in (("steps", schema.STEP_COLUMNS, len(b.steps)),
-                                  ("records", schema.RECORD_COLUMNS, len(b.records)),
-                                  ("snapshots/index", schema.SNAPSHOT_COLUMNS, len(b.snapshots)),
-                                  ("incidents", schema.INCIDENT_COLUMNS, len(b.incidents)),
-                                  ("triggers", schema.TRIGGER_COLUMNS, len(b.triggers)),
-                                  ("channels/promoted", schema.PROMOTED_COLUMNS,
-                                   len(b.promote))):
-            grow += [(f"{table}/{name}", n) for name, _, _ in columns]
-        if self._within_cap(sum(self._chunk_growth(p, n) for p, n in grow)):
-            return True
-        self._reach_cap(int(b.steps["step"][0]) if len(b.steps) else -1)
-        return False
-
-    def _chunk_growth(self, path: str, n: int) -> int:
-        """Upper bound of the bytes appending n rows to a dataset allocates: whole chunks,
-        uncompressed (compression only shrinks them)."""
-        if n <= 0:
-            return 0
-        c, row, _ = self._geometry(path)
-        have = self._len[path]
-        return (-(-(have + n) // c) - -(-have // c)) * c * row
-
-    def _geometry(self, path: str) -> tuple[int, int, tuple[int, ...]]:
-        """(rows per chunk, bytes per row, row shape) of an appendable dataset, read once."""
-        g = self._geo.get(path)
-        if g is None:
-            ds = self._cols[path]
-            inner = tuple(int(x) for x in ds.shape[1:])
-            g = self._geo[path] = (ds.chunks[0] if ds.chunks else 1,
-                                   ds.dtype.itemsize * int(np.prod(inner, dtype=np.int64)),
-                                   inner)
-        return g
-
-    def _within_cap(self, extra: int) -> bool:
-        # 64 KiB for HDF5's own metadata (B-tree nodes, heaps) that a flush may add
-        return not self.max_bytes or os.path.getsize(self.path) + extra + (64 << 10) <= (
-            self.max_bytes)
-
-    def _reach_cap(self, first: int) -> None:
-        self.capped_at = first
-        self._cols[schema.LIMITS_DATASET][1] = first
-        log.warning("qforensics: trace reached max_bytes=%d at step %d; appending stops, the "
-                    "ring of the last steps keeps turning", self.max_bytes, first)
-
-    def _write_ring(self, b: StepBatch) -> None:
-        """The step's channel block into slot step % K of the fixed-size circular region."""
-        if not self.ring_slots or not len(b.steps):
-            return
-        step = int(b.steps["step"][0])
-        slot = step % self.ring_slots
-        n = len(b.chan_min)
-        dmin, dmax = self._cols["ring/min"], self._cols["ring/max"]
-        if n > dmin.shape[1]:
-            width = -(-n // 4096) * 4096
-            if self.capped_at is not None or not self._within_cap(
-                    2 * dmin.shape[0] * (width - dmin.shape[1]) * dmin.dtype.itemsize):
-                if self.capped_at is None:
-                    self._reach_cap(step)
-                return
-            dmin.resize((dmin.shape[0], width))
-            dmax.resize((dmax.shape[0], width))
-        _put(self._cols["ring/step"], slot, -1)  # invalid while the slot is rewritten
-        # whole chunks straight to the file (the ring has no filters): HDF5's chunk cache and
-        # selection machinery cost several times the copy itself at this size
-        width = dmin.chunks[1]
-        last = np.zeros(width, self.channel_dtype)
-        for ds, values in ((dmin, b.chan_min), (dmax, b.chan_max)):
-            v = np.ascontiguousarray(values, self.channel_dtype)
-            for c0 in range(0, n, width):
-                chunk = v[c0:c0 + width]
-                if len(chunk) < width:  # the edge chunk, padded
-                    last[:len(chunk)] = chunk
-                    last[len(chunk):] = 0
-                    chunk = last
-                ds.id.write_direct_chunk((slot, c0), chunk)
-        _put(self._cols["ring/count"], slot, n)
-        _put(self._cols["ring/step"], slot, step)
-
-    def _append(self, path: str, values: np.ndarray) -> int:
-        """Append rows; returns the dataset's length before them. Numeric columns go through
-        h5py's low-level calls (one extent change, one hyperslab write): the high-level
-        resize + slice assignment costs several times more per call, and the writer makes
-        dozens of these per flush."""
-        ds = self._cols[path]
-        n = self._len[path]
-        m = len(values)
-        if m:
-            _, _, inner = self._geometry(path)
-            arr = np.asarray(values)
-            if arr.dtype.kind in "iuf" and arr.shape[1:] == inner:
-                arr = np.ascontiguousarray(arr, dtype=ds.dtype)
-                ds.id.set_extent((n + m, *inner))
-                fspace = ds.id.get_space()
-                fspace.select_hyperslab((n, *([0] * len(inner))), (m, *inner))
-                ds.id.write(h5py.h5s.create_simple((m, *inner)), fspace, arr)
-            else:
-                ds.resize((n + m, *inner))
-                ds[n:] = values
-            self._len[path] = n + m
-        return n
-
-    def _append_table(self, table: str, columns: list, rows: np.ndarray) -> int:
-        base = self._len[f"{table}/{columns[0][0]}"]
-        for name, _, _ in columns:
-            self._append(f"{table}/{name}", rows[name])
-        return base
-
     def _append_batch(self, b: StepBatch) -> None:
         for step, pmin, pmax in b.promote:  # ring blocks kept for good after a trigger
             off = self._append("channels/min", np.asarray(pmin, self.channel_dtype))
@@ -472,7 +290,7 @@ class TraceWriter:
         tok_base = self._append("tokens/absmax", np.asarray(b.tok_absmax, np.float32))
         ids_base = self._append("tokens/input_ids", np.asarray(b.input_ids, np.int64))
         rec = b.records.copy()
-        _rebase_channels(rec, chan_base)
+        rebase_channels(rec, chan_base)
         rec["tok_offset"] = np.where(rec["tok_offset"] >= 0, rec["tok_offset"] + tok_base, -1)
         rec_base = self._append_table("records", schema.RECORD_COLUMNS, rec)
         if len(b.snapshots):

@@ -139,7 +139,7 @@ def test_repeated_steps_on_the_step_plan_see_what_each_hook_saw(tmp_path, infere
         for i, x in enumerate(xs):
             current[0] = i
             m(x.clone())
-            on_plan.append(bool(cap._pending.plans))  # noqa: SLF001 - the path under test
+            on_plan.append(bool(cap._pending.plans))  # the path under test
     for h in handles:
         h.remove()
     assert on_plan[1:] == [True] * 5  # steps 1-5 ran on the plan learnt from step 0
