@@ -1,8 +1,9 @@
 """Append-only, crash-safe HDF5 trace writer.
 
 The capture side hands over one `StepBatch` per step (plain numpy arrays, offsets relative to the
-batch); a background thread appends batches to column datasets and flushes at least every
-`flush_interval` seconds. The file runs in HDF5 single-writer/multiple-reader (SWMR) mode, so a
+batch); every `flush_interval / 2` seconds the submitting thread appends what waits to the column
+datasets and flushes (a background thread does it when no step comes for longer), so a batch is
+on disk within `flush_interval`. The file runs in HDF5 single-writer/multiple-reader (SWMR) mode, so a
 process killed with SIGKILL leaves a file that opens (with `swmr=True`, which the reader does for
 you) and holds every batch flushed before the kill. Nothing here imports torch.
 
@@ -89,11 +90,16 @@ class TraceWriter(ColumnWriter):
         self.channel_dtype = np.dtype(channel_dtype)
         if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
             raise ValueError("channel_dtype must be float32 or float16")
-        # submit appends here without waking the writer (a wake-up per step is a thread switch
-        # and a GIL hand-over in the middle of the run); the writer drains it on its own
-        # schedule, and at once for a barrier or close (`_wake`)
+        # Batches wait here. Every `gap` seconds the thread that submits writes them itself, at
+        # the end of its step: the cost is then its CPU time, whereas a writer thread holding
+        # the GIL in h5py calls while the model thread waits for it (after every torch op)
+        # costs the run several times that. The writer thread only writes what the model
+        # thread left for longer (a long step, an idle server), and at once for flush / close.
         self._items: collections.deque[StepBatch | _Barrier | None] = collections.deque()
         self._wake = threading.Event()
+        self._drain = threading.Lock()  # one drainer at a time: batches stay in order
+        self._gap = max(0.005, self.flush_interval / 2)
+        self._last_write = time.monotonic()
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -197,6 +203,11 @@ class TraceWriter(ColumnWriter):
         if self._closed or self._failed:
             return
         self._items.append(batch)
+        if time.monotonic() - self._last_write >= self._gap and self._drain.acquire(False):
+            try:
+                self._drain_items()
+            finally:
+                self._drain.release()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Block until every batch submitted before this call is written and flushed to disk (a
@@ -214,17 +225,25 @@ class TraceWriter(ColumnWriter):
 
     # -- writer thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        pending: list[StepBatch] = []
-        barriers: list[_Barrier] = []
-        last_flush = time.monotonic()
         stop = False
         while not stop:
-            # every step is on disk within about half the flush interval; each write costs
-            # fixed h5py and flush work, so fewer writes cost the run less
-            gap = max(0.01, self.flush_interval / 2)
-            self._wake.wait(max(0.0, last_flush + gap - time.monotonic()))
+            # the submitting thread writes every `gap`; this thread takes over after 1.5 gaps
+            # (a step longer than that, or no steps at all), so a batch is on disk within
+            # 0.75 x flush_interval plus the write itself
+            late = self._last_write + 1.5 * self._gap - time.monotonic()
+            woken = self._wake.wait(max(0.0, late))
             self._wake.clear()
-            while self._items:  # take whatever is queued
+            if woken or time.monotonic() - self._last_write >= 1.5 * self._gap:
+                with self._drain:
+                    stop = self._drain_items()
+
+    def _drain_items(self) -> bool:
+        """Write everything queued (caller holds `_drain`); True when close was queued."""
+        pending: list[StepBatch] = []
+        barriers: list[_Barrier] = []
+        stop = False
+        try:
+            while self._items:
                 item = self._items.popleft()
                 if item is None:
                     stop = True
@@ -232,15 +251,13 @@ class TraceWriter(ColumnWriter):
                     barriers.append(item)
                 else:
                     pending.append(item)
-            now = time.monotonic()
-            if stop or barriers or now - last_flush >= gap:
-                if pending:
-                    self._write(pending)
-                    pending = []
-                last_flush = now
+            if pending:
+                self._write(pending)
+        finally:
+            self._last_write = time.monotonic()
             for b in barriers:
                 b.done.set()
-            barriers = []
+        return stop
 
     def _write(self, batches: list[StepBatch]) -> None:
         if self._failed:
