@@ -114,6 +114,7 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                      f"{first.inf_count} output values passed 65,504", module,
                      format="fp16", limit=FORMAT_LIMITS["fp16"])
     st = infos.static_inputs.get(module)
+    st = st if st is not None and st.applied else None
     lim = _format_limit(infos.quant.get(module, {}), st.range if st else None)
     if lim is not None:
         over = [o for o in outliers if o.module == module and o.io == schema.IO_INPUT

@@ -26,11 +26,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="serve the prompts this many times")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="write the outputs here as JSON")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM workers splitting each layer (one trace file per rank)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="vLLM workers each running a slice of the layers")
+    ap.add_argument("--memory-utilization", type=float, default=0.5,
+                    help="share of the machine's memory vLLM may claim (its "
+                         "gpu_memory_utilization; vLLM refuses to start when less is free)")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0)
+    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0,
+              tensor_parallel_size=a.tensor_parallel_size,
+              pipeline_parallel_size=a.pipeline_parallel_size,
+              gpu_memory_utilization=a.memory_utilization)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     prompts = a.prompt or DEFAULT_PROMPTS
     runs = []
