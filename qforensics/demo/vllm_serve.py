@@ -5,6 +5,11 @@ token ids per request, seconds spent generating) as JSON. It knows nothing about
 is the unmodified program that `qforensics record`, the tests and bench/vllm_overhead.py run.
 
     qforensics record -o 't-{rank}.h5' -- python -m qforensics.demo.vllm_serve DIR --out o.json
+
+With ``--score-ids FILE`` (a JSON list of token-id lists) it scores instead of generating:
+each list is served as a prompt with ``prompt_logprobs=1``, and the output gives, for every
+position after the first, the logprob of the token that is there and the model's own top-1
+token (teacher forcing: perplexity and top-1 agreement without free-running divergence).
 """
 
 from __future__ import annotations
@@ -26,11 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="serve the prompts this many times")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="write the outputs here as JSON")
+    ap.add_argument("--score-ids", metavar="FILE",
+                    help="score these token-id lists (JSON) with prompt logprobs instead")
+    ap.add_argument("--max-model-len", type=int, default=512)
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0)
+    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
+              seed=0)
+    if a.score_ids:
+        return _score(llm, a)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     prompts = a.prompt or DEFAULT_PROMPTS
     runs = []
@@ -48,6 +59,32 @@ def main(argv: list[str] | None = None) -> int:
     for o in runs[-1]["outputs"]:
         print(f"{o['request_id']}: {o['text']!r}")
     sys.stdout.flush()
+    return 0
+
+
+def _score(llm: object, a: argparse.Namespace) -> int:
+    from vllm import SamplingParams, TokensPrompt
+
+    with open(a.score_ids) as f:
+        id_lists = json.load(f)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+                         for ids in id_lists], params, use_tqdm=False)  # type: ignore[attr-defined]
+    scores = []
+    for ids, o in zip(id_lists, outs):
+        lps, top1 = [], []
+        for tok, d in zip(ids[1:], (o.prompt_logprobs or [None])[1:]):
+            d = d or {}
+            lp = d.get(int(tok))
+            lps.append(float(lp.logprob) if lp is not None else float("nan"))
+            best = [t for t, v in d.items() if v.rank == 1]
+            top1.append(int(best[0]) if best else -1)
+        scores.append({"request_id": o.request_id, "token_logprobs": lps, "top1": top1})
+    res = {"scores": scores, "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f)
     return 0
 
 

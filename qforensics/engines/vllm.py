@@ -317,6 +317,10 @@ def _attach(runner: Any) -> None:
         _captures[id(runner)] = cap
     autoattach.adopt(cap)
     _seal_at_process_exit(cap)
+    if os.environ.get("QFORENSICS_GUARD"):  # record --guard: the guard inside vLLM
+        from qforensics.engines.vllm_guard import install_guard
+
+        install_guard(runner, model)
     for line in engine["not_visible"]:
         sys.stderr.write(f"qforensics: vLLM: cannot see: {line} (record --eager turns both "
                          "off)\n")
