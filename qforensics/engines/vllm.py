@@ -310,6 +310,9 @@ def _attach(runner: Any) -> None:
     opts = autoattach._options()
     meta = dict(opts.pop("metadata", None) or {})
     meta["engine"] = engine
+    src = model_source(runner)
+    if src:  # vLLM's `model=` argument: what `whatif` reruns by default
+        meta.setdefault("model_path", src)
     cap = VllmCapture(model, path, runner=runner, rank=engine["rank"],
                       world_size=engine["ranks"], metadata=meta, **opts)
     cap.attach()
@@ -326,6 +329,18 @@ def _attach(runner: Any) -> None:
                          "off)\n")
     sys.stderr.write(f"qforensics: vLLM worker rank {engine['rank']}: capturing "
                      f"{type(model).__name__} into {cap.path}\n")
+
+
+def model_source(runner: Any) -> str | None:
+    """vLLM's ``model=`` argument: an absolute path when it names a local folder or file (a
+    GGUF), else the string as given (a hub id: `whatif` then says it is not here)."""
+    try:
+        m = runner.vllm_config.model_config.model
+    except Exception:
+        return None
+    if not isinstance(m, str) or not m:
+        return None
+    return os.path.abspath(m) if os.path.exists(m) else m
 
 
 def _seal_at_process_exit(cap: Any) -> None:

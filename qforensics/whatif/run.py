@@ -307,6 +307,26 @@ def _absmax_for(whatif: WhatIf, trace_path: str | None, say: Callable[[str], Non
     return found, source
 
 
+def engine_prompt_ids(trace: Any) -> Any:
+    """A serving-engine (vLLM) trace: the prompt of its first request, gathered from its
+    prefill rows (a step's input ids hold the rows of several requests), else None."""
+    rows = trace.engine_table("rows")
+    if not len(rows):
+        return None
+    import numpy as np
+
+    first = rows[(rows["request"] == rows["request"].min()) & (rows["phase"] == 0)]
+    first = first.sort_values("position").drop_duplicates("position")
+    parts = []
+    for step, g in first.groupby("step", sort=True):
+        step_ids = np.asarray(trace.input_ids(int(step)))
+        idx = g["row"].to_numpy()
+        if len(idx) and int(idx.max()) >= len(step_ids):
+            return None  # rows beyond the recorded ids: not trustworthy
+        parts.append(step_ids[idx])
+    return np.concatenate(parts) if parts else None
+
+
 def run_whatif(
     trace: str | os.PathLike[str] | None,
     schemes: Sequence[str | WhatIfScheme],
@@ -345,12 +365,18 @@ def run_whatif(
 
         with open_trace(trace_path) as t:
             meta = t.meta
+            what = "step-0 input ids"
             if t.n_steps:
                 try:
-                    ids = t.input_ids(int(t.steps["step"].iloc[0]))
+                    ids = engine_prompt_ids(t)
+                    if ids is not None:
+                        what = "first request's prompt"
+                    else:
+                        ids = t.input_ids(int(t.steps["step"].iloc[0]))
                 except Exception as exc:  # malformed ids: say so, use the demo prompt
-                    log.warning("%s: cannot read step 0 input ids (%s)", trace_path, exc)
-            prompt_source = (f"the trace's step-0 input ids ({len(ids)} tokens)"
+                    log.warning("%s: cannot read the prompt's input ids (%s)", trace_path, exc)
+                    ids = None
+            prompt_source = (f"the trace's {what} ({len(ids)} tokens)"
                              if ids is not None and len(ids) else
                              "the demo prompt (the trace stores no input ids)")
             if ids is not None and not len(ids):

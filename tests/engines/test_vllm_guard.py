@@ -186,3 +186,10 @@ def test_guard_with_the_default_kernel(default_kernel_runs):
     print(f"default kernel ({'W4A8' if w4a8 else 'W4A16'}) guarded vs healthy, teacher-forced "
           f"top-1: {hit}/{total}")
     assert hit / total >= 0.6, (hit, total)
+
+
+def test_the_trace_records_vllms_model_argument(healthy):
+    from qforensics.demo.vllm_checkpoints import checkpoint_dir
+
+    with open_trace(healthy["trace"]) as t:
+        assert t.meta["environment"]["model_path"] == str(checkpoint_dir("awq", "ok").resolve())
