@@ -79,6 +79,11 @@ class WhatIfScheme:
     preset: str | None = None
 
     @property
+    def awq_group(self) -> int:
+        """The group size of an ``awq:w4a16-g<N>`` scheme."""
+        return int(str(self.preset).rsplit("-g", 1)[-1])
+
+    @property
     def needs_salient(self) -> bool:
         return self.weights is not None and self.weights.keep_salient is not None
 
@@ -117,6 +122,11 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
         preset = lib.group(2).upper()
         check_compressed_tensors_preset(preset)
         return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
+    from qforensics.whatif.through_vllm import awq_group
+
+    group = awq_group(spec)
+    if group is not None:  # AWQ W4A16: the published format, also servable by vLLM
+        return WhatIfScheme(f"awq:w4a16-g{group}", library="awq", preset=f"w4a16-g{group}")
     weights = activations = None
     for part in spec.strip().split("+"):
         part = part.strip()
@@ -238,6 +248,10 @@ class WhatIf:
                 from qforensics.whatif.library import applied_compressed_tensors
 
                 stack.enter_context(applied_compressed_tensors(self.model, sc.preset))
+            if sc.library == "awq":
+                from qforensics.whatif.through_vllm import applied_awq
+
+                stack.enter_context(applied_awq(self.model, sc.awq_group))
             if sc.weights is not None:
                 stack.enter_context(quantize_weights(self.model, sc.weights,
                                                      act_absmax=absmax if sc.needs_salient
@@ -338,6 +352,8 @@ def run_whatif(
     max_new_tokens: int = 32,
     text_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
+    engine: str = "hf",
+    vllm_python: str | None = None,
 ) -> WhatIfResult:
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
@@ -347,12 +363,25 @@ def run_whatif(
     else the demo model) is loaded (`qforensics.whatif.model`). With a trace, the model must
     match it (class, vocab size, module names, shapes): `UsageError` otherwise. ``progress``
     receives one line per scheme. Every weight change is undone before returning.
+    ``engine="vllm"`` also measures the ``awq:`` schemes through vLLM's own kernels
+    (`qforensics.whatif.through_vllm`; ``vllm_python``: the Python that has vLLM), next to the
+    HF fake-quant figures, in each result's ``vllm``.
     """
     say = progress or (lambda msg: None)
     parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
               for s in schemes]
     if not parsed:
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    if engine not in ("hf", "vllm"):
+        raise UsageError(f"unknown engine {engine!r}: hf or vllm")
+    python = None
+    if engine == "vllm":
+        from qforensics.whatif.through_vllm import resolve_vllm_python
+
+        if not any(s.library == "awq" for s in parsed):
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] schemes through vLLM; give "
+                             "one (e.g. --scheme awq:w4a16-g64)")
+        python = resolve_vllm_python(vllm_python)  # before loading anything
     from qforensics.whatif.model import (ModelSource, check_model_matches, load_model_source,
                                          resolve_model_source)
 
@@ -406,9 +435,31 @@ def run_whatif(
                           ref_ppl=wi.ref_ppl, positions=int(wi.targets.numel()),
                           text_tokens=int(wi.text_ids.shape[1]))
     for k, sc in enumerate(parsed):
+        if sc.library == "awq":
+            from qforensics.whatif.through_vllm import check_awq_fits
+
+            check_awq_fits(model, sc.awq_group)
         r = wi.measure(sc, absmax)
         result.schemes.append(r)
-        say(f"[{k + 1}/{len(parsed)}] {r.scheme}: top-1 {100 * r.top1:.1f}%, KL {r.kl:.4f}, "
-            f"ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
+        say(f"[{k + 1}/{len(parsed)}] {r.scheme} (HF fake-quant): top-1 {100 * r.top1:.1f}%, "
+            f"KL {r.kl:.4f}, ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
             + (" (NaN logits)" if r.nonfinite else "") + f" [{r.seconds:.1f}s]")
+    if python is not None:
+        from qforensics.whatif.through_vllm import measure_through_vllm
+
+        awq = [r for r, sc in zip(result.schemes, parsed) if sc.library == "awq"]
+        groups = sorted({sc.awq_group for sc in parsed if sc.library == "awq"})
+        figs = measure_through_vllm(model, tokenizer, groups, wi.text_ids[0].tolist(),
+                                    wi.ref_full[0].tolist(), wi.n_prompt, python=python,
+                                    progress=say)
+        for r in awq:
+            r.vllm = figs[int(r.scheme.rsplit("-g", 1)[-1])]
+            v = r.vllm
+            say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl {v['ppl']:.2f} "
+                f"(vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
+                f"{100 * v['recovered']:.1f}%; {v['path']}")
+        for r, sc in zip(result.schemes, parsed):
+            if sc.library != "awq":
+                r.vllm = {"skipped": "vLLM runs published checkpoint formats; this scheme is "
+                                     "measured by the HF path only"}
     return result
