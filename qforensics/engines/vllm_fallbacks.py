@@ -141,8 +141,8 @@ class VllmCpuW4A16(VllmLinearFallback):
             if shapes_only:  # what the layout's check reads: dtype kind, ndim, shape
                 return np.empty(tuple(t.shape), np.int32 if not t.is_floating_point()
                                 else np.float32)
-            t = t.detach().cpu()
-            return (t.float() if t.is_floating_point() else t.to(torch.int32)).numpy()
+            t = t.detach().cpu()  # a copy below: the estimate never touches vLLM's tensors
+            return (t.float() if t.is_floating_point() else t.to(torch.int32)).numpy().copy()
 
         out = {"qweight": arr(qw), "scales": arr(sc)}
         if isinstance(qz, torch.Tensor):

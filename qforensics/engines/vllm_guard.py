@@ -22,12 +22,12 @@ what vLLM changes:
   other vLLM linear (the W4A8 blocked layout on AMX CPUs, Marlin, FP8, unquantized) is
   dequantized through its own quantization method, ``quant_method.apply(layer, I)`` on an
   identity input (one GEMM of K x K x N, once). Either way once, on the layer's first trip, to
-  the activation dtype. Weight entries that come out non-finite (a NaN/Inf scale or weight in
-  the checkpoint) are set to 0 in the dense copy, and the incident ``dequantized`` says how
-  many: the group's contribution to those outputs is dropped instead of poisoning them.
+  the activation dtype. A NaN/Inf group scale in the checkpoint is re-estimated from its output
+  column's other scales; whatever still comes out non-finite is set to 0; the incident
+  ``dequantized`` says how, how long and what was replaced (engines.vllm_fallbacks).
 - **Warm-up forwards** (vLLM's profile and dummy runs, no scheduler output) are never checked.
 - **The engine never crashes**: any error inside the guard turns it off (passive) with one
-  stderr line and an incident ``guard_off``; ``on_unrecoverable="raise"`` is refused here.
+  stderr line and an incident ``guard_off``; ``on_unrecoverable="raise"`` becomes sanitizing.
 
 Tensor parallelism: a layer sharded across ranks (tp_size > 1) has no fallback (a row-parallel
 shard's output is only complete after vLLM's all-reduce); it is still located and reported.
@@ -36,7 +36,6 @@ shard's output is only complete after vLLM's all-reduce); it is still located an
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from typing import Any
@@ -54,8 +53,6 @@ from qforensics.guard.runtime import Guard
 from qforensics.guard.steps import HEALTHY
 
 __all__ = ["VllmGuard", "install_guard"]
-
-log = logging.getLogger("qforensics.guard")
 
 REQUEST = "(request)"  # module name of per-request incidents
 _MAX_NAMED = 1 << 16
