@@ -5,8 +5,9 @@ suspect layers on ``torch.where``, circuit breaker) on the model a vLLM model ru
 what vLLM changes:
 
 - **A step is one engine forward.** Its root output is the hidden states, not the logits; the
-  guard checks them when the model's forward returns, which is still inside vLLM's forward
-  context, so a failing forward can be rerun there in locate mode. The rerun writes the same KV
+  guard checks them when the model's forward returns (one on-device sum, one host read), which
+  is still inside vLLM's forward context, so a failing forward can be rerun there in locate
+  mode. The rerun writes the same KV
   cache slots again (vLLM's paged cache is addressed by the step's slot mapping), so the cache
   ends up holding the repaired keys and values: nothing to roll back.
 - **Per-request check of the logits** vLLM computes (a forward hook on the model's
