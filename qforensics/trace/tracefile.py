@@ -91,7 +91,7 @@ class TraceFile:
             log.warning("%s: trace format %s.%s is newer than %s; reading what is known",
                         p, major, minor, schema.FORMAT_VERSION_STR)
         self.format_version = (major, minor)
-        lost = check_self_contained(f, p)
+        lost = check_self_contained(f, p, found=self._objs)
         self._lost = {x.lstrip("/") for x in lost}
         if lost:
             self.unreadable.append("unreadable objects: " + ", ".join(lost[:6])

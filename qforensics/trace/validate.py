@@ -171,10 +171,12 @@ def _short(exc: object, limit: int = 300) -> str:
 
 
 # -- structure ---------------------------------------------------------------------------------
-def check_self_contained(f: h5py.File, path: str) -> list[str]:
+def check_self_contained(f: h5py.File, path: str,
+                         found: dict[str, h5py.Dataset] | None = None) -> list[str]:
     """Refuse soft/external links, virtual datasets and external storage anywhere in the file.
     Returns the groups that could not be listed (a damaged or cut-short file), which the caller
-    reports as unreadable."""
+    reports as unreadable. `found`, when given, receives every dataset checked, by path without
+    the leading slash (so that the reader need not look them up again)."""
     bad: list[str] = []
     unreadable: list[str] = []
     stack: list[h5py.Group] = [f]
@@ -209,6 +211,8 @@ def check_self_contained(f: h5py.File, path: str) -> list[str]:
                         bad.append(full + " (virtual dataset)")
                     elif obj.external:
                         bad.append(full + " (external storage)")
+                    elif found is not None:
+                        found[full.lstrip("/")] = obj
                 except _UNREADABLE:
                     unreadable.append(full)
     if bad:
