@@ -7,6 +7,7 @@ All per-channel math is vectorized numpy; no loop over channels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,8 @@ class ChannelRow:
     absmax: np.ndarray  # (C,) float64
     tokens: np.ndarray | None  # (T,) float32
 
-    @property
-    def median(self) -> float:
+    @cached_property
+    def median(self) -> float:  # absmax is never changed after the row is made
         return float(np.median(self.absmax)) if len(self.absmax) else 0.0
 
     @property

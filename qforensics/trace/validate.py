@@ -249,7 +249,8 @@ def parse_json(raw: Any, where: str, *, max_bytes: int = MAX_JSON_BYTES,
         raise TraceFormatError(f"{where}: expected a JSON string, found {type(raw).__name__}")
     if len(raw) > max_bytes:
         raise TraceFormatError(f"{where}: JSON larger than {max_bytes} bytes")
-    if json_depth(raw) > max_depth:
+    # depth <= the number of opening brackets: only a text with more of them needs the scan
+    if raw.count("[") + raw.count("{") > max_depth and json_depth(raw) > max_depth:
         raise TraceFormatError(f"{where}: JSON nested deeper than {max_depth} levels")
     try:
         return json.loads(raw, parse_constant=_no_constant)
