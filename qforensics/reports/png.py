@@ -1,10 +1,10 @@
 """A minimal PNG encoder for the report's figures: 8-bit RGB or RGBA pixels, one zlib stream.
 
-matplotlib's `savefig` hands the pixels to Pillow, whose first save imports five image-format
-plugins (about 60 ms, a twentieth of a report). The figures are drawn by matplotlib as before;
-only the last step, pixels to PNG bytes, is done here: signature, IHDR, pHYs, IDAT, IEND
-(ISO/IEC 15948). Scanlines use filter type 0 (none), which compresses plots of flat colours as
-well as Pillow's adaptive filters do. No torch import.
+The figures are drawn with Pillow (reports/raster.py), whose own PNG save first imports five
+image-format plugins (about 60 ms, a tenth of a report). Pixels to PNG bytes is done here
+instead: signature, IHDR, pHYs, IDAT, IEND (ISO/IEC 15948). Scanlines use filter type 0 (none),
+which compresses plots of flat colours as well as Pillow's adaptive filters do. No torch
+import.
 """
 
 from __future__ import annotations
