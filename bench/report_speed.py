@@ -4,9 +4,7 @@
 
 For each trace: seconds for `write_report` in this process (imports already paid), and the
 wall time of a fresh `qforensics report` process (imports included). The target is at most 2 s
-per sample trace. The compiled report template is cached after the first report (in
-$QFORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/qforensics or ~/.cache/qforensics, /templates), so
-the first trace is also timed once with an empty cache.
+per sample trace.
 """
 
 from __future__ import annotations
@@ -33,9 +31,6 @@ def main(argv: list[str]) -> int:
     print(f"import qforensics.reports: {time.perf_counter() - t0:.2f} s")
     worst = worst_cpu = 0.0
     with tempfile.TemporaryDirectory() as d:
-        cold = _cli(paths[0], Path(d) / "cold.html", {"QFORENSICS_CACHE_DIR": str(Path(d) / "c")})
-        print(f"{paths[0].name:32s} cli with an empty template cache {cold[0]:5.2f} s "
-              f"(cpu {cold[2]:.2f} s, exit {cold[1].returncode})")
         for p in paths:
             out = Path(d) / (p.stem + ".html")
             r = write_report(p, out)
@@ -54,8 +49,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _cli(trace: Path, out: Path, env: dict[str, str] | None = None
-         ) -> tuple[float, subprocess.CompletedProcess, float]:
+def _cli(trace: Path, out: Path) -> tuple[float, subprocess.CompletedProcess, float]:
     """(wall seconds, the process, its CPU seconds: user + system; the wall time also counts
     waiting for a CPU when the machine is shared)."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -63,7 +57,7 @@ def _cli(trace: Path, out: Path, env: dict[str, str] | None = None
     t1 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", "from qforensics.cli import main; main()",
                            "report", str(trace), "-o", str(out)], capture_output=True, text=True,
-                          check=False, env={**os.environ, **(env or {})})
+                          check=False)
     wall = time.perf_counter() - t1
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, proc, ru.ru_utime + ru.ru_stime - c0

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from qforensics.reports.png import encode_png
 
-__all__ = ["Axes", "Canvas", "log_ticks", "nice_ticks", "rgb", "tick_label", "viridis"]
+__all__ = ["Canvas", "Scale", "log_ticks", "nice_ticks", "rgb", "tick_label", "viridis"]
 
 DPI = 100
 SS = 2  # drawn at SS x the size, then reduced

@@ -71,45 +71,9 @@ class ReportResult:
     seconds: float
 
 
-class _TemplateCache(jinja2.FileSystemBytecodeCache):
-    """Compiled templates kept between runs: compiling the report template costs about 0.1 s
-    (as much as analyzing the sample traces). Jinja reuses an entry only when the template's
-    source checksum matches; a cache that cannot be read or written is skipped."""
-
-    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
-        try:
-            super().load_bytecode(bucket)
-        except OSError:
-            pass
-
-    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
-        try:
-            super().dump_bytecode(bucket)
-        except OSError:
-            pass
-
-
-def _template_cache() -> _TemplateCache | None:
-    """$QFORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/qforensics, else ~/.cache/qforensics; +
-    /templates (created private to the user); None when there is no such place."""
-    try:
-        root = os.environ.get("QFORENSICS_CACHE_DIR")
-        if root:
-            base = Path(root)
-        else:
-            xdg = os.environ.get("XDG_CACHE_HOME")
-            base = (Path(xdg) if xdg else Path.home() / ".cache") / "qforensics"
-        where = base / "templates"
-        where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except (OSError, RuntimeError):  # RuntimeError: no home directory
-        return None
-    return _TemplateCache(str(where))
-
-
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("qforensics.reports", "templates"),
-        bytecode_cache=_template_cache(),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
