@@ -298,7 +298,7 @@ def output_evidence(precursors: list[Precursor], th: Thresholds) -> list[Evidenc
 
 def _input_peaks(trace: Trace, names: set[str]) -> dict[str, float]:
     """Largest finite |input| each named module recorded over the whole trace."""
-    mods = trace.modules["name"].to_numpy()
+    mods = trace.module_names
     ids = np.nonzero(np.isin(mods, list(names)))[0]
     if not len(ids):
         return {}

@@ -207,8 +207,8 @@ def _text(v: Any) -> str:
 def read_module_infos(trace: Trace) -> ModuleInfos:
     """Parse and validate every module's info JSON once."""
     out = ModuleInfos()
-    for name, kind, raw in zip(trace.modules["name"], trace.modules["kind"],
-                               trace.modules["info"]):
+    cols = trace.module_columns
+    for name, kind, raw in zip(cols["name"], cols["kind"], cols["info"]):
         name = _name(name)
         try:
             info = json.loads(raw) if raw else {}
