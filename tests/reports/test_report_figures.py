@@ -100,3 +100,28 @@ def test_figures_draw_their_data():
     colours = {tuple(int(v) for v in p) for p in img.reshape(-1, 3)}
     assert (0xFD, 0xE7, 0x25) in colours and (0x44, 0x01, 0x54) in colours
     assert plots.RED in colours
+
+
+def test_figures_without_dejavu_fall_back_to_pillows_font(monkeypatch):
+    """A machine without DejaVu Sans: the labels come from Pillow's built-in font, and the figure
+    still renders with text drawn (pixels that are neither white nor the single line colour)."""
+    from PIL import ImageFont
+
+    from qforensics.reports import raster
+
+    real = ImageFont.truetype
+
+    def missing(font=None, *a, **k):
+        if isinstance(font, str):  # a font file looked up by name: not installed
+            raise OSError("cannot open resource")
+        return real(font, *a, **k)  # Pillow's built-in font, loaded from bytes
+
+    monkeypatch.setattr(ImageFont, "truetype", missing)
+    raster._font.cache_clear()
+    try:
+        img = _png(plots.plot_channels(np.array([0.5, 3.0, 900.0]), "fallback", [(2, 900.0)],
+                                       ("fp8-e4m3", 448.0), 10.0))
+        px = np.asarray(img)
+        assert (px.min(axis=2) < 128).sum() > 50  # dark pixels: tick labels and the title
+    finally:
+        raster._font.cache_clear()
