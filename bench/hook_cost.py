@@ -5,9 +5,14 @@ timing on a shared machine).
 
 Feeds SmolLM2-135M-shaped decode tensors (30 layers: q/k/v/o, gate/up/down, the block) through
 what the hooks do, single-threaded, and prints CPU milliseconds per step for:
-  bare          one per-channel absmax (abs + amax) per Linear input, as the bare pre-hook does
-  take          qforensics' hook-time work (PendingStep.take: copies, bookkeeping)
-  take+reduce   plus the end-of-step batched reduction (reduce_on_device)
+  bare               one per-channel absmax (abs + amax) per Linear input, as the bare
+                     pre-hook does
+  take               qforensics' hook-time work on the generic path (PendingStep.take:
+                     copies, bookkeeping), as in a step unlike any before it
+  take+reduce        plus the end-of-step batched reduction (reduce_on_device)
+  plan take          the same on the step plan (hooks/plan.py), as in every decode step
+                     after the first: checks, copy_ into preallocated buffers
+  plan take+reduce   plus the end-of-step reduction of those buffers
 Compare with a plain decode step of the model on the same machine (about 80 ms here on one
 thread). Not a test.
 """
@@ -51,6 +56,7 @@ def main() -> None:
                 kept.append(lt[inp].abs().amax(dim=(0, 1)))
 
     def take() -> None:
+        p.start("decode", 0)
         ci = 0
         for lt in layers:
             for inp, out in CALLS:
@@ -65,18 +71,30 @@ def main() -> None:
         take()
         p.reduce_on_device()
 
-    runs: dict[str, Callable[[], None]] = {"bare": bare, "take": take,
-                                           "take+reduce": take_reduce}
+    def no_plans() -> None:
+        p.plans.clear()
+
+    def learn() -> None:  # one generic step, whose plan the next steps of its key run on
+        take()
+        p.learn()
+        p.clear()
+
+    runs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+        "bare": (bare, no_plans), "take": (take, no_plans), "take+reduce": (take_reduce, no_plans),
+        "plan take": (take, learn), "plan take+reduce": (take_reduce, learn)}
     with torch.inference_mode():
-        for name, fn in runs.items():
+        for name, (fn, setup) in runs.items():
+            setup()
             for _ in range(5):
                 fn()
+                if name.startswith("plan"):
+                    assert p.on_plan, "the plan did not hold"
                 p.clear()
             t = time.process_time()
             for _ in range(args.steps):
                 fn()
                 p.clear()
-            print(f"{name:<12} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU "
+            print(f"{name:<17} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU "
                   "per step")
 
 

@@ -9,7 +9,7 @@ One run starts the engine twice through the same unmodified program
 the same 8 prompts x 64 greedy tokens `--repeat` times after its start-up; the time compared is
 the fastest `generate` call of each (engine start-up and the one-time attach are left out, as
 they are paid once per server). Prints the time ratio (target <= 1.10), whether the generated
-texts are identical, and the trace bytes per step.
+texts are identical, and the trace bytes per step, with the ring's fixed size apart.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--record-args", default="",
                     help='capture options for record, e.g. "--channel-steps 0-3"')
     a = ap.parse_args()
+    import h5py
+
     from qforensics.demo.vllm_model import vllm_model_dir
     from qforensics.trace.reader import open_trace
 
@@ -81,6 +83,11 @@ def main() -> int:
         size = path.stat().st_size
         with open_trace(path) as tr:
             n_steps = tr.n_steps
+            prefill = len(set(tr.engine_table("rows").query("phase == 0")["step"].tolist()))
+            n_trig = len(tr.triggers)
+        with h5py.File(path, "r") as f:  # the ring's fixed size, whatever the run's length
+            ring = sum(f[p].id.get_storage_size() for p in ("ring/min", "ring/max")
+                       if p in f)
     tp = min(r["seconds"] for r in plain["runs"])
     tc = min(r["seconds"] for r in cap["runs"])
     texts_p = [[o["token_ids"] for o in r["outputs"]] for r in plain["runs"]]
@@ -97,6 +104,9 @@ def main() -> int:
     print(f"  requests whose tokens differ between plain and captured: {differ} of "
           f"{sum(len(r) for r in texts_p)}")
     print(f"trace: {size:,} bytes, {n_steps} steps, {size / max(n_steps, 1):,.0f} bytes/step")
+    print(f"  of which the ring of the last steps' channel ranges (fixed size): {ring:,} bytes; "
+          f"the rest {(size - ring) / max(n_steps, 1):,.0f} bytes/step ({prefill} prefill "
+          f"steps with their channels, {n_trig} trigger rows)")
     return 0 if same else 1
 
 

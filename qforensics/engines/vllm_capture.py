@@ -45,6 +45,10 @@ class VllmCapture(Capture):
         self._logits_step = -1
         self._logits_reqs: list[int] = []
         self._hidden: torch.Tensor | None = None
+        # what the open step is, for the flight recorder: decode steps carry one row per
+        # request, so "more than one token" does not mean prefill here
+        self._step_prefill: bool | None = None
+        self._step_warmup = False
 
     def attach(self) -> None:
         super().attach()
@@ -87,9 +91,9 @@ class VllmCapture(Capture):
                 for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
                             and t.numel():
-                        flags = (~torch.isfinite(t)).reshape(-1, t.shape[-1]).any(-1, True)
+                        ok = torch.isfinite(t).reshape(-1, t.shape[-1]).all(-1, True)
                         self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
-                                           flags.to(torch.float32))
+                                           (~ok).to(torch.float32))
                 self._next_call += 1
                 if output.is_floating_point() and output.numel():
                     self._logits = output
@@ -112,11 +116,13 @@ class VllmCapture(Capture):
         st["step"] = self.step
         st["n_rows"] = n_rows
         self._step_reqs = []
+        self._step_prefill, self._step_warmup = None, sched is None
         if sched is None:
             st["warmup"] = 1
             self._writer_submit(_engine_batch(steps=st))
             return
         req_ids, prompt, req, pos, phase = adapter.runner_rows(runner, sched)
+        self._step_prefill = bool((np.asarray(phase) == 0).any())
         new = np.zeros(0, schema.engine_dtype("requests"))
         idx = np.empty(len(req_ids), np.int64)
         fresh = []
@@ -141,6 +147,9 @@ class VllmCapture(Capture):
         st["n_requests"] = len(req_ids)
         self._step_reqs = [int(j) for j in idx]
         self._writer_submit(_engine_batch(steps=st, rows=rows, requests=new))
+
+    def _step_kind(self) -> dict[str, Any]:
+        return {"prefill": self._step_prefill, "warmup": self._step_warmup}
 
     def on_runner_output(self, out: Any) -> None:
         """The runner's output of the last step: record each request's sampled token(s)."""

@@ -18,6 +18,30 @@ from qforensics.trace.writer import StepBatch
 _DESCRIBED: dict[Any, tuple[int, int, int, int]] = {}
 
 
+def describe(desc: list[tuple[Any, torch.dtype, torch.device]]
+             ) -> tuple[np.ndarray, ...] | None:
+    """(channels, numel, dtype code, flags) of tensors from their (shape, dtype, device)."""
+    cache = _DESCRIBED
+    rows = []
+    for d in desc:
+        r = cache.get(d)
+        if r is None:
+            shape, dtype, device = d
+            chans = int(shape[-1]) if len(shape) else 1
+            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+            flags = (schema.FLAG_META if device.type == "meta" else 0) | (
+                0 if dtype.is_floating_point else schema.FLAG_NONFLOAT)
+            r = cache[d] = (chans, numel, dtype_code(dtype), flags)
+            if len(cache) > 4096:
+                cache.clear()
+        rows.append(r)
+    if not rows:
+        return None
+    arr = np.array(rows, np.int64)
+    return arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].astype(np.int8), arr[:, 3].astype(
+        np.int8)
+
+
 class UniqueStats:
     """Host-side stats of the unique tensors of one reduction, filled group by group."""
 
@@ -43,26 +67,12 @@ class UniqueStats:
 
     def describe_all(self, desc: list[tuple[Any, torch.dtype, torch.device]]) -> None:
         """Shape facts of every unique tensor from its (shape, dtype, device)."""
-        cache = _DESCRIBED
-        rows = []
-        for d in desc:
-            r = cache.get(d)
-            if r is None:
-                shape, dtype, device = d
-                chans = int(shape[-1]) if len(shape) else 1
-                numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-                flags = (schema.FLAG_META if device.type == "meta" else 0) | (
-                    0 if dtype.is_floating_point else schema.FLAG_NONFLOAT)
-                r = cache[d] = (chans, numel, dtype_code(dtype), flags)
-                if len(cache) > 4096:
-                    cache.clear()
-            rows.append(r)
-        if rows:
-            arr = np.array(rows, np.int64)
-            self.chans[:] = arr[:, 0]
-            self.numel[:] = arr[:, 1]
-            self.dtype_code[:] = arr[:, 2]
-            self.flags[:] = arr[:, 3]
+        self.set_described(describe(desc))
+
+    def set_described(self, d: tuple[np.ndarray, ...] | None) -> None:
+        """Shape facts from `describe` (a step plan keeps them from step to step)."""
+        if d is not None:
+            self.chans[:], self.numel[:], self.dtype_code[:], self.flags[:] = d
 
     def unpack(self, plan: list, host: dict, cursor: dict) -> None:
         """Fast-pass results (layout of reduce.fast_group) into the arrays."""
@@ -88,9 +98,11 @@ class UniqueStats:
                         if sel.any():
                             m = int(sel.sum())
                             self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
-                            kept = vals[sel].reshape(-1)
+                            # one token: min and max of a channel are its value (one array
+                            # for both, read-only from here on)
+                            kept = vals.reshape(-1) if m == g else vals[sel].reshape(-1)
                             self._cmin.append(kept)
-                            self._cmax.append(kept.copy())
+                            self._cmax.append(kept)
                             self._chan_len += m * chans
                     self.sc[idx] = np.stack([vmin, vmax, mean, np.sqrt(var), absmax], axis=1)
                     self.rows[idx] = 1
@@ -110,8 +122,9 @@ class UniqueStats:
                     if sel.any():
                         m = int(sel.sum())
                         self.chan_off[idx[sel]] = self._chan_len + np.arange(m) * chans
-                        self._cmin.append(cmin[sel].reshape(-1))
-                        self._cmax.append(cmax[sel].reshape(-1))
+                        every = m == g  # then views, not copies
+                        self._cmin.append((cmin if every else cmin[sel]).reshape(-1))
+                        self._cmax.append((cmax if every else cmax[sel]).reshape(-1))
                         self._chan_len += m * chans
                 else:
                     vmin = flat[off:off + g].astype(np.float64)
@@ -153,9 +166,9 @@ class UniqueStats:
             plan.append((np.array(idx), rows, chans, keep, packed.device, packed.numel()))
         host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
         cursor = {dev: 0 for dev in host}
-        cmin_all = self.cmin()
-        cmax_all = self.cmax()
-        tok_all = self.tok()
+        cmin_all = self.cmin().copy()  # written below: never a view of another array
+        cmax_all = self.cmax().copy()
+        tok_all = self.tok().copy()
         for idx, rows, chans, keep, dev, size in plan:
             c = cursor[dev]
             flat = host[dev][c:c + size]
@@ -186,13 +199,28 @@ class UniqueStats:
         self.sc[bad[empty]] = np.nan
 
     def cmin(self) -> np.ndarray:
-        return np.concatenate(self._cmin) if self._cmin else np.zeros(0)
+        return _joined(self._cmin, np.float64)
 
     def cmax(self) -> np.ndarray:
-        return np.concatenate(self._cmax) if self._cmax else np.zeros(0)
+        return _joined(self._cmax, np.float64)
+
+    def channel_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) channel arrays; one array for both when every part is shared (decode
+        steps: a token's channel min and max are the same values). Read-only."""
+        lo = self.cmin()
+        same = len(self._cmin) == len(self._cmax) and all(
+            a is b for a, b in zip(self._cmin, self._cmax))
+        return lo, (lo if same else self.cmax())
 
     def tok(self) -> np.ndarray:
-        return np.concatenate(self._tok) if self._tok else np.zeros(0, np.float32)
+        return _joined(self._tok, np.float32)
+
+
+def _joined(parts: list[np.ndarray], empty: Any) -> np.ndarray:
+    """The parts as one array (the part itself when there is one: treat as read-only)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, empty)
 
 
 def assemble_records(step: int, track_versions: bool, meta_arr: np.ndarray, tensors: list,
@@ -226,7 +254,8 @@ def assemble_records(step: int, track_versions: bool, meta_arr: np.ndarray, tens
     rec["chan_offset"] = coff
     rec["tok_offset"] = st.tok_off[which]
     rec["tok_count"] = st.tok_cnt[which]
-    return {"records": rec, "cmin": st.cmin(), "cmax": st.cmax(), "tok": st.tok()}
+    cmin, cmax = st.channel_blocks()
+    return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": st.tok()}
 
 
 def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call: int,
@@ -248,9 +277,10 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call
         cmins.append(part["cmin"])
         cmaxs.append(part["cmax"])
         toks.append(part["tok"])
-    rec = np.concatenate(recs) if recs else np.zeros(0, schema.record_dtype())
-    order = np.argsort(rec["call_index"], kind="stable")
-    rec = rec[order]
+    rec = _joined(recs, schema.record_dtype())
+    ci = rec["call_index"]
+    if len(ci) > 1 and not (ci[1:] >= ci[:-1]).all():
+        rec = rec[np.argsort(ci, kind="stable")]
     st = np.zeros(1, dtype=schema.step_dtype())
     s = st[0]
     s["step"] = step
@@ -285,11 +315,12 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call
         for f in ("logits_min", "logits_max", "logits_mean", "logits_std", "logits_entropy"):
             s[f] = np.nan
         s["logits_top5_values"] = np.nan
+    chan_min = _joined(cmins, np.float64)
+    same = len(cmins) == len(cmaxs) and all(a is b for a, b in zip(cmins, cmaxs))
     batch = StepBatch(
         steps=st, records=rec,
-        chan_min=np.concatenate(cmins) if cmins else np.zeros(0),
-        chan_max=np.concatenate(cmaxs) if cmaxs else np.zeros(0),
-        tok_absmax=np.concatenate(toks) if toks else np.zeros(0, np.float32),
+        chan_min=chan_min, chan_max=chan_min if same else _joined(cmaxs, np.float64),
+        tok_absmax=_joined(toks, np.float32),
         input_ids=ids, snapshots=snaps, snapshot_bytes=data, incidents=incidents,
     )
     if channel_dtype == "float16":

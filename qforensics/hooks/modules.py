@@ -199,3 +199,17 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
             info["tied_error"] = str(exc)[:200]
     return {"name": name, "type": type(module).__name__, "kind": kind,
             "info": json.dumps(info, sort_keys=True)}
+
+
+def ring_chunk(modules: list[nn.Module]) -> int:
+    """Ring chunk width for the trace writer: about a quarter of a step's channel block, which
+    holds roughly every hooked layer's input and output widths (a power of two, 4096-65536)."""
+    width = 0
+    for m in modules:
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            width += int(w.shape[0]) + int(w.shape[1])
+    chunk = 4096
+    while chunk < 65536 and chunk * 4 < width:
+        chunk *= 2
+    return chunk

@@ -21,25 +21,56 @@ import numpy as np
 import torch
 
 from qforensics.hooks import reduce
+from qforensics.hooks.plan import SLOTS, StepPlan
+from qforensics.hooks.plan import build as build_plan
 
 # A tensor with at most this many elements is copied at hook time and reduced with others of
 # its shape at the end of the step; a larger one is reduced in the hook.
 CLONE_LIMIT = 1 << 16
+MAX_PLANS = 8  # step plans kept (keys: input shape, channels kept, version counters)
+MAX_MISSES = 4  # plans of one key that stopped matching before that key gets none
 
 
 class PendingStep:
-    """Records (call, module, io, slot -> unique tensor) and the unique tensors of one step."""
+    """Records (call, module, io, slot -> unique tensor) and the unique tensors of one step.
+
+    A step that repeats an earlier one of the same key runs on that step's `StepPlan`
+    (hooks/plan.py): `take` checks each tensor against the plan and copies it into the plan's
+    buffer; on the first mismatch `leave_plan` turns what was taken into the generic state."""
 
     __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
-                 "track", "nograd", "clone_limit")
+                 "track", "nograd", "clone_limit", "plans", "plan", "key", "first", "pos",
+                 "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses")
 
-    def __init__(self, clone_limit: int = CLONE_LIMIT) -> None:
+    def __init__(self, clone_limit: int = CLONE_LIMIT, plan_budget: int = 256 << 20) -> None:
         self.clone_limit = clone_limit
         self.keep = True
         self.chan_limit = 8192
         self.track = True
         self.nograd = False  # autograd off: a copy needs no detach
+        self.plans: dict[Any, StepPlan] = {}  # key -> plan (at most MAX_PLANS)
+        self._misses: dict[Any, int] = {}  # key -> plans that missed (past MAX_MISSES: none)
+        self.plan_budget = plan_budget
+        self.n_mod = 1
+        self.key: Any = None
+        self.first = 0
+        self.plan: StepPlan | None = None
+        self.missed = False
         self.clear()
+
+    def start(self, key: Any, first_call: int) -> None:
+        """A step begins: run it on the plan of its key when there is one."""
+        self.clear()
+        self.key = key
+        self.first = first_call
+        self.missed = False
+        pl = self.plans.get(key)
+        self.plan = pl
+        if pl is not None:
+            self.refs = [None] * pl.n
+            self.vers = [0] * pl.n if self.track else None
+            if pl.singles:
+                self.outs = [None] * pl.n
 
     def clear(self) -> None:
         # record: (call_index, module_id, io, slot, unique index, version when its hook ran)
@@ -52,12 +83,56 @@ class PendingStep:
         self.groups: dict[Any, list[int]] = {}  # (shape, dtype, device) -> uniques copied
         self.singles: list[tuple[int, int, int, bool, torch.Tensor]] = []  # reduced in the hook
         self.nbytes = 0
+        self.pos = 0
+        self.refs: list[Any] | None = None  # plan mode: the tensor of each take
+        self.vers: list[int] | None = None  # plan mode, with version counters: their versions
+        self.outs: list[Any] | None = None  # plan mode: vectors of tensors reduced in hooks
+        if getattr(self, "plan", None) is not None:
+            self.plan = None
 
     def __len__(self) -> int:
-        return len(self.recs)
+        return self.pos if self.plan is not None else len(self.recs)
 
     def take(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
         """Hot path: one call per recorded tensor."""
+        pl = self.plan
+        if pl is not None:
+            k = self.pos
+            if (k < pl.n and pl.sig[k] == (((ci - self.first) * pl.n_mod + mid) * 2 + io)
+                    * SLOTS + slot and t.shape == pl.shapes[k] and t.dtype is pl.dtypes[k]
+                    and t.device == pl.devices[k]):
+                s = pl.share[k]
+                if s < 0 and pl.views[k] is None:  # a large tensor: reduced right here
+                    self.outs[k] = reduce.fast_one(  # type: ignore[index]
+                        t.detach(), *pl.reduced[k])
+                    if self.track:
+                        self.vers[k] = t._version  # type: ignore[index]
+                    self.refs[k] = t  # type: ignore[index]
+                    self.pos = k + 1
+                    return
+                if self.track:
+                    ver = t._version
+                    if s < 0:
+                        pl.views[k].copy_(t if self.nograd else t.detach())
+                        self.vers[k] = ver  # type: ignore[index]
+                        self.refs[k] = t  # type: ignore[index]
+                        self.pos = k + 1
+                        return
+                    if self.refs[s] is t and self.vers[s] == ver:  # type: ignore[index]
+                        self.vers[k] = ver  # type: ignore[index]
+                        self.refs[k] = t  # type: ignore[index]
+                        self.pos = k + 1
+                        return
+                elif s < 0:
+                    pl.views[k].copy_(t)
+                    self.refs[k] = t  # type: ignore[index]
+                    self.pos = k + 1
+                    return
+                elif self.refs[s] is t:  # type: ignore[index]
+                    self.refs[k] = t  # type: ignore[index]
+                    self.pos = k + 1
+                    return
+            self.leave_plan()
         j = self.uniq.get(id(t))
         if self.track:
             ver = t._version
@@ -100,22 +175,128 @@ class PendingStep:
         self.nbytes += numel * t.element_size()
         return j
 
+    # -- plans ------------------------------------------------------------------------------
+    def leave_plan(self) -> None:
+        """The step stopped matching its plan: turn the takes so far into the generic state
+        (their copies stay in the plan's buffers, which nothing rewrites before the step ends)
+        and let the plan be rebuilt from this step."""
+        pl, n = self.plan, self.pos
+        if pl is None:
+            return
+        refs, vers, outs = self.refs or [], self.vers, self.outs
+        self.plan = None
+        self.refs = self.vers = self.outs = None
+        self.missed = True
+        unit_of: dict[int, int] = {}
+        for i in range(n):
+            rel, mid, io, slot = pl.meta[i]
+            ci = self.first + rel
+            t = refs[i]
+            s = pl.share[i]
+            ver = vers[i] if vers is not None else -1
+            if s < 0:
+                j = unit_of[i] = len(self.units)
+                self.uniq[id(t)] = j
+                key = pl.desc[int(pl.which[i])]
+                uver = ver if vers is not None else (-1 if io else 0)
+                red = pl.reduced[i]
+                self.units.append([t, uver, ci if vers is None else -2, key,
+                                   t if red is not None else pl.views[i]])
+                if red is not None:
+                    self.singles.append((j, *red, outs[i]))  # type: ignore[index]
+                else:
+                    self.groups.setdefault(key, []).append(j)
+                self.nbytes += t.numel() * t.element_size()
+            else:
+                j = unit_of[s]
+                if vers is None:
+                    self.units[j][2] = ci
+            self.recs.append((ci, mid, io, slot, j, ver))
+
+    def learn(self) -> None:
+        """At the end of a step reduced in one go: keep its plan for the next step of its key
+        (unless it ran on one, or plans keep missing for this key)."""
+        if self.plan is not None:
+            return
+        key = self.key
+        if self.missed:
+            self.plans.pop(key, None)
+            self._misses[key] = self._misses.get(key, 0) + 1
+        if self._misses.get(key, 0) > MAX_MISSES or key in self.plans:
+            return
+        spent = sum(p.nbytes for p in self.plans.values())
+        pl = build_plan(self.recs, self.units, self.singles, first_call=self.first,
+                        n_mod=self.n_mod,
+                        keep=self.keep, chan_limit=self.chan_limit,
+                        budget=self.plan_budget - spent)
+        if pl is None:
+            return
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = pl
+
+    @property
+    def on_plan(self) -> bool:
+        """This step ran entirely on its plan so far."""
+        return self.plan is not None
+
     # -- views for the end of the step (one pass each) --------------------------------------
+    def settle(self) -> None:
+        """Before the step's reduction: a step that took fewer tensors than its plan leaves
+        it."""
+        if self.plan is not None and self.pos != self.plan.n:
+            self.leave_plan()
+
     def record_arrays(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """(meta n x 4: call, module, io, slot), unique index per record, versions."""
+        pl = self.plan
+        if pl is not None:
+            meta = pl.meta_rel.copy()
+            meta[:, 0] += self.first
+            return meta, pl.which, (self.vers if self.vers is not None else [-1] * pl.n)
         if not self.recs:
             return np.zeros((0, 4), np.int64), np.zeros(0, np.int64), []
         arr = np.array(self.recs, dtype=np.int64)
         return arr[:, :4], arr[:, 4].copy(), arr[:, 5].tolist()
 
+    def record_tensors(self, which: np.ndarray) -> list[Any]:
+        """The original tensor of each record (for its version now)."""
+        if self.plan is not None:
+            return list(self.refs or [])
+        orig = self.column(0)
+        return [orig[j] for j in which.tolist()]
+
     def column(self, k: int) -> list[Any]:
         """One field of every unique tensor (0 original, 1 version, 3 description, 4 seen)."""
+        pl = self.plan
+        if pl is not None:
+            if k == 0:
+                refs = self.refs or []
+                return [refs[i] for i in pl.first_pos]
+            if k == 1:
+                vers = self.vers
+                return [vers[i] for i in pl.first_pos] if vers is not None else [
+                    0] * len(pl.first_pos)
+            if k == 3:
+                return pl.desc
+            if k == 4:
+                if not pl.singles:
+                    return pl.seen
+                refs = self.refs or []
+                return [refs[pl.first_pos[j]] if v is None else v for j, v in enumerate(pl.seen)]
+            raise IndexError(k)
         return [u[k] for u in self.units]
+
+    def described(self) -> tuple[np.ndarray, ...] | None:
+        """Shape facts of the unique tensors when a plan holds them, else None."""
+        return self.plan.described if self.plan is not None else None
 
     def reduce_on_device(self) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """Reduce the copies (batched per group) and gather the hook-time reductions:
         (plan, per-device packed vectors), plan rows (unique ids, rows, chans, keep, device,
         size) in the order of the packed vectors."""
+        if self.plan is not None:
+            return self.plan.reduce(self.outs or [])
         plan: list = []
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         for j, rows, chans, keep, packed in self.singles:

@@ -2,11 +2,13 @@
 
 Scalars, per-token maxima and logits are kept for every step. Per-channel ranges (most of a
 trace's bytes) are kept for good only for:
-- the prefill (step 0, or any step with more than one input token);
+- the prefill (step 0, or any step with more than one input token; an engine adapter says
+  which steps are prefills and which are warm-up forwards, see `apply`);
 - a step that crosses a trigger, together with the `window` steps before it: non-finite values
   (the first such step always; then at most `limit`), outlier growth (the largest GEMM-input
   absmax of the step beyond `growth` x the largest of the last `slots` steps) and a logits
-  anomaly (the same test on the logits' absmax), at most `limit` steps of each kind;
+  anomaly (the same test on the logits' absmax), at most `limit` steps of each kind; the
+  growth tests compare steps that are not prefills (a prefill is kept anyway);
 - every other step goes to a rolling window of the last `slots` steps, held here in memory (to
   promote it when a trigger fires) and by the writer in a fixed-size circular region of the file
   (so a kill -9 keeps the last window).
@@ -70,15 +72,30 @@ class FlightRecorder:
         self._kept = collections.Counter()
         self._seen_nonfinite = False
 
-    def apply(self, batch: StepBatch) -> None:
-        """Decide where this step's channel block goes; mark the batch accordingly."""
+    def apply(self, batch: StepBatch, *, prefill: bool | None = None,
+              warmup: bool = False) -> None:
+        """Decide where this step's channel block goes; mark the batch accordingly.
+
+        An engine adapter may say what the step is: `prefill` (the step computes prompt
+        tokens; otherwise a step with more than one input token counts as a prefill, which is
+        right for `generate` but not for a serving engine, whose decode steps carry one row per
+        request) and `warmup` (a warm-up / profile forward on dummy data: it goes to the ring,
+        never triggers and never enters the histories the growth triggers compare with)."""
         if len(batch.steps) != 1:
             return
         s = batch.steps[0]
         step = int(s["step"])
         rec = batch.records
-        triggers = self._triggers(s, rec)
-        keep = step == 0 or int(s["token_count"]) > 1
+        if warmup:
+            keep = False
+        elif prefill is None:
+            keep = step == 0 or int(s["token_count"]) > 1
+        else:
+            keep = bool(prefill)
+        # a prefill is kept anyway, and its maxima (many tokens, the first positions' large
+        # activations) are no trend of the decode steps: it neither trips nor feeds the growth
+        # triggers, only the non-finite one
+        triggers = [] if warmup else self._triggers(s, rec, growth=not keep)
         if triggers:
             # the first non-finite step is always kept; beyond it each kind has `limit` steps
             first_bad = triggers[0][0] == "nonfinite" and not self._seen_nonfinite
@@ -104,11 +121,14 @@ class FlightRecorder:
         rec["flags"] = np.where(held, rec["flags"] | schema.FLAG_RING, rec["flags"])
         self._memory.append((step, batch.chan_min, batch.chan_max))
 
-    def _triggers(self, s: np.void, rec: np.ndarray) -> list[tuple[str, float, float]]:
+    def _triggers(self, s: np.void, rec: np.ndarray, growth: bool = True
+                  ) -> list[tuple[str, float, float]]:
         out: list[tuple[str, float, float]] = []
         bad = int(s["n_nonfinite_records"]) + int(s["logits_nan"]) + int(s["logits_inf"])
         if bad:
             out.append(("nonfinite", float(bad), math.nan))
+        if not growth:
+            return out
         gemm_in = (rec["io"] == schema.IO_INPUT) & np.isin(rec["module_id"], self._gemm_ids)
         vals = rec["absmax"][gemm_in]
         vals = vals[np.isfinite(vals)]

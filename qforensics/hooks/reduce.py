@@ -33,15 +33,29 @@ def dtype_code(dt: torch.dtype) -> int:
     return schema.DTYPE_CODES["other"]
 
 def fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
-    """g same-shaped tensors -> one float32 vector: sum (g), sum of squares (g), then per-channel
-    min (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then per-token absmax
-    (g*R). NaN/Inf propagate. The host derives min/max/absmax/mean/std from these.
+    """g same-shaped tensors -> one float32 vector (the layout of fast_stacked)."""
+    return fast_stacked(torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0), rows, chans,
+                        keep_ch)
 
-    Only plain reductions (sum, amin, amax): on CPU builds var_mean, aminmax and vector_norm are
-    3-4x slower for these shapes. Single-token tensors (decoding) skip the per-channel pass: their
-    channel ranges are the values themselves."""
+
+def fast_stacked(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> torch.Tensor:
+    """The vector of fast_parts in one tensor."""
+    parts = fast_parts(x, rows, chans, keep_ch)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def fast_parts(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> list[torch.Tensor]:
+    """g tensors stacked on dim 0 -> float32 vectors to concatenate: sum (g), sum of squares (g), then
+    per-channel min (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then
+    per-token absmax (g*R). NaN/Inf propagate. The host derives min/max/absmax/mean/std from
+    these.
+
+    Only plain reductions (sum, amin, amax): on CPU builds var_mean and aminmax are 3-4x slower
+    for these shapes; the 2-norm is faster than (x * x).sum but less accurate, which the
+    variance the host derives (sumsq / n - mean^2) cannot afford. Single-token tensors
+    (decoding) skip the per-channel pass: their channel ranges are the values themselves, and their per-token absmax is max(|min|, |max|),
+    which the host derives: [sum, sumsq, min, max] (g each), then the values (g*C) when kept."""
     with torch.no_grad():
-        x = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
         g = x.shape[0]
         if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
@@ -52,14 +66,17 @@ def fast_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) -> 
                 parts.append(x2.reshape(-1))
         else:
             x = x.reshape(g, rows, chans)
-            cmin, cmax = x.amin(1), x.amax(1)
-            tok = torch.maximum(x.amax(2), -x.amin(2))
+            tmax, tmin = x.amax(2), x.amin(2)  # per token
+            tok = torch.maximum(tmax, -tmin)
             parts = [x.sum((1, 2)), (x * x).sum((1, 2))]
-            parts += ([cmin.reshape(-1), cmax.reshape(-1)] if keep_ch
-                      else [cmin.amin(1), cmax.amax(1)])
+            # the tensor's min and max: from the per-channel ranges when they are kept (the
+            # host takes them), else from the per-token ones (no per-channel pass at all)
+            parts += ([x.amin(1).reshape(-1), x.amax(1).reshape(-1)] if keep_ch
+                      else [tmin.amin(1), tmax.amax(1)])
             parts.append(tok.reshape(-1))
-        out = torch.cat(parts)
-        return out if out.dtype == torch.float32 else out.to(torch.float32)
+        if x.dtype != torch.float32:
+            parts = [p.to(torch.float32) for p in parts]
+        return parts
 
 
 def _row_chunks(rows: int, chans: int):

@@ -32,7 +32,7 @@ from qforensics.errors import CaptureError
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
-from qforensics.hooks.modules import ModuleFilter, describe_module, select_modules
+from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.recorder import FlightRecorder, parse_steps
 from qforensics.hooks.snapshots import Snapshots
@@ -194,6 +194,8 @@ class Capture(StepEnd):
             self._modules = [m for _, m, _ in chosen]
             self._gemm_ids = np.array([i for i, k in enumerate(self._kinds)
                                        if k in GEMM_KINDS], np.int64)
+            self._pending.n_mod = len(chosen)
+            self._pending.plan_budget = self._budget
             self._snaps = Snapshots(
                 budget=self.options["snapshot_budget"],
                 tile_rows=self.options["snapshot_tile_rows"],
@@ -212,6 +214,7 @@ class Capture(StepEnd):
                 flush_interval=self.options["flush_interval"],
                 ring_slots=self.options["ring_steps"] if auto else 0,
                 max_bytes=self.options["max_bytes"],
+                ring_chunk=ring_chunk(self._modules),
             )
             root_id = len(chosen) - 1
             for mid, (name, mod, kind) in enumerate(chosen):
@@ -341,6 +344,9 @@ class Capture(StepEnd):
         p.nograd = not torch.is_grad_enabled()
         p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
         p.chan_limit = self.options["channel_limit"]
+        # a step like an earlier one of the same key runs on that step's plan (hooks/plan.py)
+        p.start((None if self._step_ids is None else tuple(self._step_ids.shape), p.keep,
+                 p.track), self._next_call)
         self._logits = None
         self._partial = []
 
@@ -356,26 +362,6 @@ class Capture(StepEnd):
             self._partial = []
             self._logits = None
             self._step_ids = None
-
-    # -- incidents (runtime guard) ---------------------------------------------------------
-    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
-                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
-        """Note a runtime-guard trip; it is written with the current (or next) step."""
-        try:
-            row = np.zeros(1, schema.incident_dtype())
-            row["step"] = max(self.step, 0)
-            row["call_index"] = call_index
-            try:
-                row["module_id"] = self._names.index(module)
-            except ValueError:
-                row["module_id"] = -1
-            row["module"] = module.encode("utf-8", "replace")[:128]
-            row["action"] = action.encode()[:24]
-            row["nan_count"], row["inf_count"] = nan_count, inf_count
-            row["detail"] = detail.encode("utf-8", "replace")[:160]
-            self._incidents.append(row)
-        except Exception as exc:
-            log.warning("qforensics: could not record an incident (%s)", exc)
 
     # -- failure handling and teardown -------------------------------------------------------
     def _degrade(self, exc: BaseException) -> None:
@@ -436,28 +422,3 @@ class Capture(StepEnd):
     @property
     def hooks_attached(self) -> int:
         return len(self._handles)
-
-
-def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **options: Any
-            ) -> Capture:
-    """Capture per-call statistics of `model` into an HDF5 trace at `path`.
-
-    >>> with qforensics.capture(model, "trace.h5"):       # doctest: +SKIP
-    ...     model.generate(input_ids, max_new_tokens=64)
-
-    Options: modules (None | "linear" | names | callable), flush_interval (s, default 1),
-    channel_dtype ("float32" | "float16"), channel_limit (widest last dim whose per-channel
-    ranges are stored, default 8192), channel_steps ("auto" | "all" | "none" | "0-3,8" |
-    callable; "auto", the default, is the flight recorder: per-channel ranges of the prefill, of
-    the last ring_steps steps (default 16, in memory and in a fixed-size circular region of the
-    file) and of every step that crosses a trigger plus the trigger_window steps before it
-    (default 8; at most trigger_limit=32 triggered steps; triggers: non-finite values, GEMM-input
-    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (hard cap on
-    the file, default 4 GiB, None: no cap; recorded in /limits when reached), channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
-    snapshot_tile_rows (weight rows kept around the first bad output, default 256),
-    outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
-    (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the
-    environment), rank / world_size (default from RANK / WORLD_SIZE). A path with "{rank}", or
-    any path when world_size > 1, gives one file per rank.
-    """
-    return Capture(model, path, **options)

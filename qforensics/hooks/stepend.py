@@ -1,12 +1,15 @@
 """The end of a step: finish the device side of what the hooks took, bring it to the host in
-one transfer per device, assemble the step's records and hand one StepBatch to the writer.
+one transfer per device, assemble the step's records (with the runtime guard's incidents noted
+since the last step) and hand one StepBatch to the writer.
 
 A mixin of the capture session (hooks/session.py): it reads the session's step state
-(`_pending`, `_logits`, `_step_ids`, `_partial`, ...) and writes nothing else.
+(`_pending`, `_logits`, `_step_ids`, `_partial`, ...) and writes nothing else but the
+incidents it notes.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,6 +18,8 @@ import torch
 from qforensics.hooks import reduce
 from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.trace import schema
+
+log = logging.getLogger("qforensics.hooks.capture")
 
 if TYPE_CHECKING:
     from qforensics.hooks.pending import PendingStep
@@ -32,6 +37,7 @@ class StepEnd:
     _recorder: "FlightRecorder | None"
     _writer: "TraceWriter | None"
     _incidents: list[np.ndarray]
+    _names: list[str]
     _track_versions: bool
     _step_t0: float
     _step_first_call: int
@@ -49,6 +55,7 @@ class StepEnd:
         (a second reduction and transfer, in failing steps only), on the tensor as its hook saw
         it."""
         p = self._pending
+        p.settle()
         chan_io = self.options["channel_io"]
         plan, per_dev = p.reduce_on_device()
         logit_dev = ids_dev = None
@@ -75,7 +82,11 @@ class StepEnd:
         elif chan_io == "inputs":
             need[which[meta_arr[:, 2] == schema.IO_INPUT]] = True
         st = UniqueStats(n_u, need)
-        st.describe_all(p.column(3))
+        described = p.described()
+        if described is not None:
+            st.set_described(described)
+        else:
+            st.describe_all(p.column(3))
         st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
@@ -92,21 +103,48 @@ class StepEnd:
         if len(bad):  # failing step: exact finite-only stats for the records that need them
             src = seen_u
             if self._track_versions:  # an original changed since its hook: not what it saw
-                src = [None if x is not None and x is u[0] and x._version != u[1] else x
-                       for x, u in zip(src, p.units)]
+                src = [None if x is not None and x is o and x._version != v else x
+                       for x, o, v in zip(src, orig, p.column(1))]
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
-        w = which.tolist()
         part = assemble_records(self.step, self._track_versions, meta_arr,
-                                [orig[j] for j in w], versions, which, st, chan_io)
+                                p.record_tensors(which), versions, which, st, chan_io)
         assert self._snaps is not None
         if not self._snaps.done:  # each record's tensor as its hook saw it
-            self._snaps.maybe_snapshot(part, [tuple(r) for r in meta_arr.tolist()],
-                                       [seen_u[j] for j in w], self.step)
+            self._snaps.maybe_snapshot(part, lambda: (
+                [tuple(r) for r in meta_arr.tolist()], [seen_u[j] for j in which.tolist()]),
+                self.step)
+        if final and not self._partial:
+            p.learn()  # the whole step in one reduction: its plan serves the next like it
         self._partial.append(part)
         p.clear()
         if final:
             self._emit(logits_row, ids_host, complete)
+
+    # -- incidents (runtime guard) ---------------------------------------------------------
+    def record_incident(self, module: str, action: str, *, nan_count: int = 0,
+                        inf_count: int = 0, detail: str = "", call_index: int = -1) -> None:
+        """Note a runtime-guard trip; it is written with the current (or next) step."""
+        try:
+            row = np.zeros(1, schema.incident_dtype())
+            row["step"] = max(self.step, 0)
+            row["call_index"] = call_index
+            try:
+                row["module_id"] = self._names.index(module)
+            except ValueError:
+                row["module_id"] = -1
+            row["module"] = module.encode("utf-8", "replace")[:128]
+            row["action"] = action.encode()[:24]
+            row["nan_count"], row["inf_count"] = nan_count, inf_count
+            row["detail"] = detail.encode("utf-8", "replace")[:160]
+            self._incidents.append(row)
+        except Exception as exc:  # noqa: BLE001 - never break the guard or the run
+            log.warning("qforensics: could not record an incident (%s)", exc)
+
+    def _step_kind(self) -> dict[str, Any]:
+        """What an engine adapter knows about the step for the flight recorder (prefill,
+        warmup); nothing for a plain model."""
+        return {}
 
     def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
         assert self._writer is not None and self._snaps is not None
@@ -120,5 +158,5 @@ class StepEnd:
             snaps=snaps, data=data, incidents=incidents,
             channel_dtype=self.options["channel_dtype"])
         if self._recorder is not None:
-            self._recorder.apply(batch)
+            self._recorder.apply(batch, **self._step_kind())
         self._writer.submit(batch)

@@ -9,6 +9,9 @@ you) and holds every batch flushed before the kill. Nothing here imports torch.
 Write order within a flush: flat arrays, records, snapshots, then the step rows, then flush; a
 step row on disk therefore always has its records on disk.
 
+The batches are trace/batch.py's; how their bytes reach the datasets (low-level appends, ring
+slots, the byte cap) is trace/columns.py's.
+
 Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
 marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
 (never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
@@ -18,13 +21,13 @@ marked `ring` writes its channel block in place into slot step % K of the fixed-
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import h5py
@@ -32,77 +35,26 @@ import numpy as np
 
 from qforensics.version import __version__
 from qforensics.trace import schema
+from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
+from qforensics.trace.columns import ColumnWriter
+
+__all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
 
 log = logging.getLogger(__name__)
 
 _COMPRESSION = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
 
 
-@dataclass
-class StepBatch:
-    """Everything one step produced. Offsets inside are relative to this batch's own arrays."""
-
-    steps: np.ndarray  # structured, schema.step_dtype(), usually one row
-    records: np.ndarray  # structured, schema.record_dtype()
-    chan_min: np.ndarray  # flat
-    chan_max: np.ndarray
-    tok_absmax: np.ndarray  # flat float32
-    input_ids: np.ndarray  # flat int64
-    snapshots: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.snapshot_dtype()))
-    snapshot_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    incidents: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.incident_dtype()))
-    # /engine/<table> rows (schema.ENGINE_TABLES); self-describing, nothing to rebase
-    engine: dict[str, np.ndarray] = field(default_factory=dict)
-    # 1.1: this step's channel block goes to the ring (its records carry FLAG_RING and offsets
-    # relative to the block), earlier ring blocks to keep for good, and the triggers it crossed
-    ring: bool = False
-    promote: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
-    triggers: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.trigger_dtype()))
+# rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
+# gets small chunks
+_TABLE_CHUNKS = {"steps": 256, "records": 2048}
 
 
-def _rebase_channels(rec: np.ndarray, base: int) -> None:
-    """Shift the absolute channel offsets of records by `base` (ring-relative ones stay)."""
-    absolute = (rec["chan_offset"] >= 0) & ((rec["flags"] & schema.FLAG_RING) == 0)
-    rec["chan_offset"] = np.where(absolute, rec["chan_offset"] + base, rec["chan_offset"])
-
-
-def merge_batches(batches: list[StepBatch]) -> StepBatch:
-    """Concatenate consecutive step batches, rebasing their relative offsets."""
-    recs, steps, snaps = [], [], []
-    chan = tok = ids = data = rec_base = 0
-    for b in batches:
-        r = b.records.copy()
-        _rebase_channels(r, chan)
-        r["tok_offset"] = np.where(r["tok_offset"] >= 0, r["tok_offset"] + tok, -1)
-        st = b.steps.copy()
-        st["record_offset"] += rec_base
-        st["token_offset"] += ids
-        st["first_nonfinite_record"] = np.where(st["first_nonfinite_record"] >= 0,
-                                                st["first_nonfinite_record"] + rec_base, -1)
-        sn = b.snapshots.copy()
-        sn["offset"] += data
-        recs.append(r)
-        steps.append(st)
-        snaps.append(sn)
-        chan += len(b.chan_min)
-        tok += len(b.tok_absmax)
-        ids += len(b.input_ids)
-        data += len(b.snapshot_bytes)
-        rec_base += len(r)
-    return StepBatch(
-        steps=np.concatenate(steps), records=np.concatenate(recs),
-        chan_min=np.concatenate([b.chan_min for b in batches]),
-        chan_max=np.concatenate([b.chan_max for b in batches]),
-        tok_absmax=np.concatenate([b.tok_absmax for b in batches]),
-        input_ids=np.concatenate([b.input_ids for b in batches]),
-        snapshots=np.concatenate(snaps),
-        snapshot_bytes=np.concatenate([b.snapshot_bytes for b in batches]),
-        incidents=np.concatenate([b.incidents for b in batches]),
-        engine={t: np.concatenate([b.engine[t] for b in batches if t in b.engine])
-                for t in schema.ENGINE_TABLES if any(t in b.engine for b in batches)},
-        promote=[p for b in batches for p in b.promote],
-        triggers=np.concatenate([b.triggers for b in batches]),
-    )
+def _table_compression(dt: Any) -> dict[str, Any]:
+    """Per-step table columns: integer columns (indices, counts, offsets) shrink several-fold
+    under gzip for little CPU; float statistics are noise that gzip barely shrinks, while every
+    flush would recompress their open chunk (the writer thread's largest cost). Stored raw."""
+    return {} if np.dtype(dt).kind == "f" else _COMPRESSION
 
 
 def _json_attr(obj: Any) -> str:
@@ -116,7 +68,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter:
+class TraceWriter(ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -130,19 +82,25 @@ class TraceWriter:
         flush_interval: float = 1.0,
         ring_slots: int = 0,
         max_bytes: int | None = None,
+        ring_chunk: int = 4096,
     ) -> None:
         self.path = os.fspath(path)
         self.flush_interval = float(flush_interval)
         self.channel_dtype = np.dtype(channel_dtype)
         if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
             raise ValueError("channel_dtype must be float32 or float16")
-        self._queue: queue.Queue[StepBatch | _Barrier | None] = queue.Queue()
+        # submit appends here without waking the writer (a wake-up per step is a thread switch
+        # and a GIL hand-over in the middle of the run); the writer drains it on its own
+        # schedule, and at once for a barrier or close (`_wake`)
+        self._items: collections.deque[StepBatch | _Barrier | None] = collections.deque()
+        self._wake = threading.Event()
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._closed = False
         self.steps_written = 0
         self.bytes_hint = 0
         self.ring_slots = max(0, int(ring_slots))
+        self.ring_chunk = min(1 << 20, max(256, int(ring_chunk)))
         self.max_bytes = int(max_bytes) if max_bytes else 0
         self.capped_at: int | None = None  # step at which max_bytes was reached
         self._create(modules, environment, capture_options)
@@ -173,7 +131,7 @@ class TraceWriter:
             for name, dt, shape in columns:
                 self._cols[f"{table}/{name}"] = grp.create_dataset(
                     name, shape=(0, *shape), maxshape=(None, *shape), dtype=dt,
-                    chunks=(4096, *shape), **_COMPRESSION,
+                    chunks=(_TABLE_CHUNKS[table], *shape), **_table_compression(dt),
                 )
         snap = f.create_group("snapshots")
         for name, dt, shape in schema.SNAPSHOT_COLUMNS:
@@ -194,7 +152,9 @@ class TraceWriter:
         for path, dt in schema.FLAT_ARRAYS.items():
             if path.startswith("channels/"):
                 dt = self.channel_dtype.str
-            chunk = 1 << 20 if path == "snapshots/data" else 1 << 16
+            # input ids grow by a token or a few per step and are compressed: small chunks,
+            # since a flush recompresses the open one whole
+            chunk = {"snapshots/data": 1 << 20, "tokens/input_ids": 4096}.get(path, 1 << 16)
             # Activation ranges are float noise: gzip saves ~14% of their bytes for ~35x the
             # CPU time, which the writer thread would take from the run. Store them raw.
             comp = {} if path in ("channels/min", "channels/max", "tokens/absmax") else (
@@ -215,9 +175,11 @@ class TraceWriter:
         ring = f.create_group("ring")
         ring.attrs["slots"] = self.ring_slots
         for path in schema.RING_DATASETS:  # fixed K rows; the width is set by the first block
+            # a slot is rewritten every K steps, whole: chunks sized to the expected block
+            # (capture's hint) make that a few large writes instead of hundreds of small ones
             self._cols[path] = f.create_dataset(
                 path, shape=(k, 0), maxshape=(k, None), dtype=self.channel_dtype,
-                chunks=(1, 4096))
+                chunks=(1, self.ring_chunk))
         for path in schema.RING_INDEX:
             self._cols[path] = f.create_dataset(path, data=np.full(k, -1 if path.endswith(
                 "step") else 0, np.int64))
@@ -226,12 +188,15 @@ class TraceWriter:
         f.flush()
         f.swmr_mode = True
         self._file = f
+        # lengths of the appendable datasets, kept here (h5py's .shape is a library call)
+        self._len = {p: int(ds.shape[0]) for p, ds in self._cols.items()}
+        self._geo: dict[str, tuple[int, int, tuple[int, ...]]] = {}
 
     # -- producer side -----------------------------------------------------------------------
     def submit(self, batch: StepBatch) -> None:
         if self._closed or self._failed:
             return
-        self._queue.put(batch)
+        self._items.append(batch)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Block until every batch submitted before this call is written and flushed to disk (a
@@ -239,7 +204,8 @@ class TraceWriter:
         if self._closed:
             return self._failed is None
         barrier = _Barrier()
-        self._queue.put(barrier)
+        self._items.append(barrier)
+        self._wake.set()
         return barrier.done.wait(timeout) and self._failed is None
 
     @property
@@ -253,23 +219,24 @@ class TraceWriter:
         last_flush = time.monotonic()
         stop = False
         while not stop:
-            gap = max(0.01, self.flush_interval / 4)
-            try:
-                item = self._queue.get(timeout=gap)
-                while True:  # take whatever else is queued
-                    if item is None:
-                        stop = True
-                    elif isinstance(item, _Barrier):
-                        barriers.append(item)
-                    else:
-                        pending.append(item)
-                    item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
+            # every step is on disk within about half the flush interval; each write costs
+            # fixed h5py and flush work, so fewer writes cost the run less
+            gap = max(0.01, self.flush_interval / 2)
+            self._wake.wait(max(0.0, last_flush + gap - time.monotonic()))
+            self._wake.clear()
+            while self._items:  # take whatever is queued
+                item = self._items.popleft()
+                if item is None:
+                    stop = True
+                elif isinstance(item, _Barrier):
+                    barriers.append(item)
+                else:
+                    pending.append(item)
             now = time.monotonic()
-            if pending and (stop or barriers or now - last_flush >= gap):
-                self._write(pending)
-                pending = []
+            if stop or barriers or now - last_flush >= gap:
+                if pending:
+                    self._write(pending)
+                    pending = []
                 last_flush = now
             for b in barriers:
                 b.done.set()
@@ -283,9 +250,15 @@ class TraceWriter:
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
                 todo = []
-                for b in batches:  # ring blocks are written in place, never appended
+                # a ring slot written twice in one go keeps only its last block
+                last_in_slot = {}
+                if self.ring_slots:
+                    for i, b in enumerate(batches):
+                        if b.ring and len(b.steps):
+                            last_in_slot[int(b.steps["step"][0]) % self.ring_slots] = i
+                for i, b in enumerate(batches):  # ring blocks: written in place, not appended
                     if b.ring:
-                        if len(b.chan_min):
+                        if len(b.chan_min) and i in last_in_slot.values():
                             self._write_ring(b)
                         empty = np.zeros(0, self.channel_dtype)
                         b = replace(b, chan_min=empty, chan_max=empty, ring=False)
@@ -300,86 +273,6 @@ class TraceWriter:
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
-
-    def _fits(self, b: StepBatch) -> bool:
-        """False (and the cap noted in /limits) when appending `b` could pass max_bytes."""
-        if not self.max_bytes:
-            return True
-        n_chan = len(b.chan_min) + sum(len(p[1]) for p in b.promote)
-        grow = [("channels/min", n_chan), ("channels/max", n_chan),
-                ("tokens/absmax", len(b.tok_absmax)), ("tokens/input_ids", len(b.input_ids)),
-                ("snapshots/data", len(b.snapshot_bytes))]
-        for table, columns, n in (("steps", schema.STEP_COLUMNS, len(b.steps)),
-                                  ("records", schema.RECORD_COLUMNS, len(b.records)),
-                                  ("snapshots/index", schema.SNAPSHOT_COLUMNS, len(b.snapshots)),
-                                  ("incidents", schema.INCIDENT_COLUMNS, len(b.incidents)),
-                                  ("triggers", schema.TRIGGER_COLUMNS, len(b.triggers)),
-                                  ("channels/promoted", schema.PROMOTED_COLUMNS,
-                                   len(b.promote))):
-            grow += [(f"{table}/{name}", n) for name, _, _ in columns]
-        if self._within_cap(sum(self._chunk_growth(p, n) for p, n in grow)):
-            return True
-        self._reach_cap(int(b.steps["step"][0]) if len(b.steps) else -1)
-        return False
-
-    def _chunk_growth(self, path: str, n: int) -> int:
-        """Upper bound of the bytes appending n rows to a dataset allocates: whole chunks,
-        uncompressed (compression only shrinks them)."""
-        if n <= 0:
-            return 0
-        ds = self._cols[path]
-        c = ds.chunks[0] if ds.chunks else 1
-        row = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
-        have = ds.shape[0]
-        return (-(-(have + n) // c) - -(-have // c)) * c * row
-
-    def _within_cap(self, extra: int) -> bool:
-        # 64 KiB for HDF5's own metadata (B-tree nodes, heaps) that a flush may add
-        return not self.max_bytes or os.path.getsize(self.path) + extra + (64 << 10) <= (
-            self.max_bytes)
-
-    def _reach_cap(self, first: int) -> None:
-        self.capped_at = first
-        self._cols[schema.LIMITS_DATASET][1] = first
-        log.warning("qforensics: trace reached max_bytes=%d at step %d; appending stops, the "
-                    "ring of the last steps keeps turning", self.max_bytes, first)
-
-    def _write_ring(self, b: StepBatch) -> None:
-        """The step's channel block into slot step % K of the fixed-size circular region."""
-        if not self.ring_slots or not len(b.steps):
-            return
-        step = int(b.steps["step"][0])
-        slot = step % self.ring_slots
-        n = len(b.chan_min)
-        dmin, dmax = self._cols["ring/min"], self._cols["ring/max"]
-        if n > dmin.shape[1]:
-            width = -(-n // 4096) * 4096
-            if self.capped_at is not None or not self._within_cap(
-                    2 * dmin.shape[0] * (width - dmin.shape[1]) * dmin.dtype.itemsize):
-                if self.capped_at is None:
-                    self._reach_cap(step)
-                return
-            dmin.resize((dmin.shape[0], width))
-            dmax.resize((dmax.shape[0], width))
-        self._cols["ring/step"][slot] = -1  # invalid while the slot is rewritten
-        dmin[slot, :n] = np.asarray(b.chan_min, self.channel_dtype)
-        dmax[slot, :n] = np.asarray(b.chan_max, self.channel_dtype)
-        self._cols["ring/count"][slot] = n
-        self._cols["ring/step"][slot] = step
-
-    def _append(self, path: str, values: np.ndarray) -> int:
-        ds = self._cols[path]
-        n = ds.shape[0]
-        if len(values):
-            ds.resize((n + len(values), *ds.shape[1:]))
-            ds[n:] = values
-        return n
-
-    def _append_table(self, table: str, columns: list, rows: np.ndarray) -> int:
-        base = self._cols[f"{table}/{columns[0][0]}"].shape[0]
-        for name, _, _ in columns:
-            self._append(f"{table}/{name}", rows[name])
-        return base
 
     def _append_batch(self, b: StepBatch) -> None:
         for step, pmin, pmax in b.promote:  # ring blocks kept for good after a trigger
@@ -397,7 +290,7 @@ class TraceWriter:
         tok_base = self._append("tokens/absmax", np.asarray(b.tok_absmax, np.float32))
         ids_base = self._append("tokens/input_ids", np.asarray(b.input_ids, np.int64))
         rec = b.records.copy()
-        _rebase_channels(rec, chan_base)
+        rebase_channels(rec, chan_base)
         rec["tok_offset"] = np.where(rec["tok_offset"] >= 0, rec["tok_offset"] + tok_base, -1)
         rec_base = self._append_table("records", schema.RECORD_COLUMNS, rec)
         if len(b.snapshots):
@@ -425,7 +318,8 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._items.append(None)
+        self._wake.set()
         self._thread.join(timeout=60)
         try:
             with self._lock:

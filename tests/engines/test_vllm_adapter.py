@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 from types import SimpleNamespace
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -185,3 +186,115 @@ def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_
         assert "capture_error" in t.meta["status"]
         assert "AttributeError" in t.meta["status"]["capture_error"]
 
+
+
+def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
+        tmp_path, monkeypatch, fresh_adapter):
+    """Two requests decode for 60 steps: every decode step has two token rows, yet only the
+    prefill keeps its channel ranges for good; a weight row of `layers.1` turned NaN before
+    decode step 45 makes that step's output channel 3 non-finite, and the trace keeps that
+    step's channels and, copied out of the ring for good, those of the 8 steps before it
+    (trigger_window). Expectations come from
+    the construction (which steps exist, which row of which weight is NaN)."""
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
+    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
+    mod = _runner_module("ring_model_runner")
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    cap = fresh_adapter._captures[id(r)]
+    n_decode, bad_decode = 60, 45
+    try:
+        r.dummy_run(8)  # warm-up, trace step 0
+        ib = r.input_batch
+        ib.req_ids = ["A", "B"]
+        ib.num_prompt_tokens[:2] = [3, 2]
+        r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+        r.sample_tokens()  # prefill, trace step 1
+        for k in range(1, n_decode + 1):  # decode step k is trace step k + 1
+            if k == bad_decode:
+                with torch.no_grad():
+                    r.model.layers[1].weight[3, :] = float("nan")
+            ib.num_computed_tokens_cpu[:2] = [2 + k, 1 + k]
+            r.execute_model(_sched(["A", "B"], [1, 1], [10 + k % 20, 30 + k % 20],
+                                   [2 + k, 1 + k], [0, 1]))
+            r.sample_tokens()
+    finally:
+        cap.close()
+    first_bad = bad_decode + 1
+    with open_trace(tmp_path / "t-0.h5") as t:
+        assert t.n_steps == n_decode + 2
+        cols = t.record_columns(["step", "chan_offset", "flags"])
+        kept = set(np.unique(cols["step"][cols["chan_offset"] >= 0]).tolist())
+        # the prefill; the last 16 steps that went to the ring (the clean decode steps just
+        # before the failure: every later step is kept); every failing step (all are under
+        # trigger_limit); nothing of the warm-up or of the earlier decode steps
+        assert kept == {1, *range(first_bad - 16, n_decode + 2)}
+        trig = t.triggers
+        assert int(trig["step"].min()) == first_bad
+    with h5py.File(tmp_path / "t-0.h5", "r") as f:  # the window, copied out of the ring
+        promoted = f["channels/promoted/step"][:].tolist()
+    assert promoted == list(range(first_bad - 8, first_bad))
+    with open_trace(tmp_path / "t-0.h5") as t:
+        bad = t.nonfinite_record_steps()
+        assert int(bad.min()) == first_bad
+        out = t.channels_for("layers.1", first_bad, io=1)
+        assert out is not None
+        lo, hi = out
+        assert np.isnan(lo[3]) and np.isnan(hi[3])  # no finite value in channel 3
+        assert np.isfinite(np.delete(lo, 3)).all() and np.isfinite(np.delete(hi, 3)).all()
+        before = t.channels_for("layers.1", first_bad - 1, io=1)
+        assert before is not None and np.isfinite(before[0]).all()
+        inp = t.channels_for("layers.1", first_bad)  # its input: still finite
+        assert inp is not None and np.isfinite(inp[0]).all()
+
+
+def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
+        tmp_path, monkeypatch, fresh_adapter):
+    """A prefill arriving between decode steps (continuous batching) reads a token whose
+    embedding is 1,000x the others: kept as a prefill, it trips no outlier-growth trigger (its
+    maxima are no trend of the decode steps) and copies no window out of the ring. The same
+    token read by a later decode step does trip it."""
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
+    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
+    mod = _runner_module("prefill_model_runner")
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    with torch.no_grad():
+        r.model.embed.weight[49] *= 1000.0
+    cap = fresh_adapter._captures[id(r)]
+    ib = r.input_batch
+    try:
+        ib.req_ids = ["A"]
+        ib.num_prompt_tokens[:1] = [2]
+        r.execute_model(_sched(["A"], [2], [5, 6], [0, 1], [1]))  # step 0: prefill of A
+        r.sample_tokens()
+        for k in range(1, 11):  # steps 1-10: A decodes
+            ib.num_computed_tokens_cpu[:1] = [1 + k]
+            r.execute_model(_sched(["A"], [1], [10 + k], [1 + k], [0]))
+            r.sample_tokens()
+        ib.req_ids = ["A", "B"]  # step 11: B's prefill (with token 49) beside A's decode
+        ib.num_computed_tokens_cpu[:2] = [12, 0]
+        ib.num_prompt_tokens[:2] = [2, 3]
+        r.execute_model(_sched(["A", "B"], [1, 3], [21, 7, 49, 8], [12, 0, 1, 2], [0, 3]))
+        r.sample_tokens()
+        for k in range(1, 11):  # steps 12-21: both decode; step 17 reads token 49
+            ib.num_computed_tokens_cpu[:2] = [12 + k, 2 + k]
+            tok_b = 49 if k == 6 else 30 + k
+            r.execute_model(_sched(["A", "B"], [1, 1], [21 + k, tok_b], [12 + k, 2 + k],
+                                   [0, 1]))
+            r.sample_tokens()
+    finally:
+        cap.close()
+    with open_trace(tmp_path / "t-0.h5") as t:
+        trig = t.triggers
+        growth = trig[trig["kind"] == "outlier_growth"]
+        assert growth["step"].tolist() == [17]
+        cols = t.record_columns(["step", "chan_offset"])
+        kept = set(np.unique(cols["step"][cols["chan_offset"] >= 0]).tolist())
+    with h5py.File(tmp_path / "t-0.h5", "r") as f:
+        promoted = f["channels/promoted/step"][:].tolist()
+    # only the decode trigger's window, 9-16, less the prefill (kept for good, not in the ring)
+    assert promoted == [s for s in range(17 - 8, 17) if s != 11]
+    assert {0, 11, 17} <= kept

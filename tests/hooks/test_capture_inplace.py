@@ -107,3 +107,56 @@ def test_nonfinite_counts_are_those_the_hook_saw(tmp_path):
         assert b_in["nan_count"] == 1
         assert b_out["nan_count"] == 4  # row 0 of a 4-wide linear's output (NaN spreads)
         assert np.isfinite(b_out["min"]) and np.isfinite(b_out["max"])
+
+
+@pytest.mark.parametrize("rows", [3, 5000])  # copied into the plan's buffers / reduced in hook
+@pytest.mark.parametrize("inference", [False, True])
+def test_repeated_steps_on_the_step_plan_see_what_each_hook_saw(tmp_path, inference, rows):
+    """Steps that repeat the first one run on its step plan (hooks/plan.py: copies into
+    preallocated buffers). Each step's stats are still those of the tensors when the hooks saw
+    them, although the model rewrites them in place right after; a NaN a hook saw at step 4
+    and that is overwritten afterwards is still counted. Expectations from plain hooks that copy
+    at hook time."""
+    m = MutatesAfterHook()
+    seen: dict[tuple[int, str, int], np.ndarray] = {}
+    handles = []
+    current = [0]  # the step being run
+    for name in ("a", "b"):
+        def hook(mod, args, out, name=name):
+            step = current[0]
+            seen[(step, name, schema.IO_INPUT)] = args[0].detach().double().numpy().copy()
+            seen[(step, name, schema.IO_OUTPUT)] = out.detach().double().numpy().copy()
+        handles.append(getattr(m, name).register_forward_hook(hook))
+    torch.manual_seed(5)
+    xs = [torch.randn(1, rows, 16) for _ in range(6)]
+    if rows == 3:  # a's input at step 4: its hook sees the NaN, x.mul_ keeps it. (A tensor
+        # reduced in its hook gets its exact NaN count from the original at the end of the
+        # step: rewritten in place by then, it is flagged degraded, see FLAG_DEGRADED.)
+        xs[4][0, 1, 7] = float("nan")
+    path = tmp_path / "t.h5"
+    on_plan = []
+    with torch.inference_mode(inference), qforensics.capture(m, path) as cap:
+        for i, x in enumerate(xs):
+            current[0] = i
+            m(x.clone())
+            on_plan.append(bool(cap._pending.plans))  # the path under test
+    for h in handles:
+        h.remove()
+    assert on_plan[1:] == [True] * 5  # steps 1-5 ran on the plan learnt from step 0
+    with qforensics.open_trace(path) as t:
+        assert t.n_steps == len(xs)
+        for (step, name, io), arr in seen.items():
+            recs = t.records(step)
+            r = recs[(recs["module"] == name) & (recs["io"] == io)].iloc[0]
+            flat = arr.reshape(-1, arr.shape[-1])
+            fin = np.isfinite(flat)
+            assert r["nan_count"] == int(np.isnan(flat).sum()), (step, name, io)
+            f = flat[fin]
+            np.testing.assert_allclose(r["min"], f.min(), rtol=1e-6)
+            np.testing.assert_allclose(r["max"], f.max(), rtol=1e-6)
+            np.testing.assert_allclose(r["mean"], f.mean(), rtol=1e-4, atol=1e-5)
+            if fin.all():
+                cmin, cmax = t.channel_ranges(r)
+                np.testing.assert_allclose(cmin, flat.min(0), rtol=1e-6)
+                np.testing.assert_allclose(cmax, flat.max(0), rtol=1e-6)
+                np.testing.assert_allclose(t.token_absmax(r), np.abs(flat).max(1), rtol=1e-6)

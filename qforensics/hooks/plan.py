@@ -1,0 +1,153 @@
+"""Per-step plans: the hook-time work of a step that repeats an earlier step of the same shape.
+
+Decoding repeats itself: every decode step calls the same modules in the same order, with
+tensors of the same shapes, shared between calls in the same way (q/k/v read one input; a block
+reads the previous block's output). Once a step of a given key (the shape of its input ids,
+whether channels are kept, whether version counters exist) has gone through the generic path of
+hooks/pending.py with small tensors only, its sequence of takes becomes a `StepPlan`:
+
+- per take, in order: the call's position in the step, module, io and slot folded into one int,
+  and the tensor's shape, dtype and device, each checked in one comparison when the hook runs;
+  then either the slice of a preallocated buffer the tensor is copied into (`copy_`: one op, no
+  allocation) or the earlier take whose tensor this one must be (identity, plus the version
+  counter where there is one);
+- per (shape, dtype, device): one buffer [n, *shape], reduced as it stands at the end of the
+  step (no stack), in chunks of bounded size;
+- the host-side facts that do not change: record columns (call position, module, io, slot),
+  which unique tensor each record reads, and each unique tensor's shape facts.
+
+A take that does not match hands what the plan took so far to the generic path, which finishes
+the step (hooks/pending.py `PendingStep.leave_plan`). Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from qforensics.hooks import reduce
+from qforensics.hooks.assemble import describe
+
+# slot values fold into the take signature below this bound
+SLOTS = 1 << 16
+
+
+def signature(rel_ci: int, mid: int, io: int, slot: int, n_mod: int) -> int:
+    """One int per take: (call position in the step, module, io, slot)."""
+    return ((rel_ci * n_mod + mid) * 2 + io) * SLOTS + slot
+
+
+def packed_size(g: int, rows: int, chans: int, keep: bool) -> int:
+    """Length of reduce.fast_stacked's vector for g tensors of rows x chans."""
+    if rows == 1:
+        return 4 * g + (g * chans if keep else 0)
+    return 2 * g + (2 * g * chans if keep else 2 * g) + g * rows
+
+
+class StepPlan:
+    """What a repeated step's hooks do (see the module doc). Built by `build`."""
+
+    __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
+                 "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
+                 "nbytes", "reduced", "singles")
+
+    def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
+        """The vectors of the tensors reduced in their hooks (`outs`, by take), then
+        reduce.fast_parts over each buffer chunk: (plan rows, per-device vectors, to be
+        concatenated in this order), in the layout of PendingStep.reduce_on_device."""
+        per_dev: dict[torch.device, list[torch.Tensor]] = {}
+        plan = []
+        for k, row in self.singles:
+            packed = outs[k]
+            per_dev.setdefault(packed.device, []).append(packed)
+            plan.append(row)
+        for x, row in self.red:
+            _, rows, chans, keep, dev, _ = row
+            parts = per_dev.get(dev)
+            if parts is None:
+                parts = per_dev[dev] = []
+            parts += reduce.fast_parts(x, rows, chans, keep)
+            plan.append(row)
+        return plan, per_dev
+
+
+def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int, keep: bool,
+          chan_limit: int, budget: int) -> StepPlan | None:
+    """A plan from one generic step's takes (PendingStep.recs / units / singles), or None when
+    the step does not fit one: an empty or meta tensor, a call outside the step, a slot past
+    SLOTS, or buffers over `budget` bytes. A tensor the generic step reduced in its hook (a
+    large one: logits of a batch, a prefill) is reduced in its hook on the plan too."""
+    n = len(recs)
+    if not n or not units:
+        return None
+    nbytes = 0
+    reduced = {j: (rows, chans, kp) for j, rows, chans, kp, _ in singles}
+    for j, u in enumerate(units):
+        seen = u[4]
+        if seen is None or (seen is u[0] and j not in reduced):
+            return None  # empty / meta
+        if j not in reduced:
+            nbytes += seen.numel() * seen.element_size()
+    if nbytes > budget:
+        return None
+    pl = StepPlan()
+    pl.n, pl.n_mod, pl.nbytes = n, n_mod, nbytes
+    meta = np.array([r[:4] for r in recs], np.int64)
+    meta[:, 0] -= first_call
+    if meta[:, 0].min() < 0 or meta[:, 3].max() >= SLOTS or meta[:, 3].min() < 0:
+        return None
+    pl.meta_rel = meta
+    pl.meta = [tuple(r) for r in meta.tolist()]
+    pl.sig = [signature(c, m, io, s, n_mod) for c, m, io, s in pl.meta]
+    which = np.array([r[4] for r in recs], np.int64)
+    pl.which = which
+    first_pos = [-1] * len(units)
+    share = [-1] * n
+    for k, j in enumerate(which.tolist()):
+        if first_pos[j] < 0:
+            first_pos[j] = k
+        else:
+            share[k] = first_pos[j]
+    if min(first_pos) < 0:
+        return None
+    pl.first_pos, pl.share = first_pos, share
+    pl.desc = [u[3] for u in units]
+    pl.shapes = [pl.desc[j][0] for j in which.tolist()]
+    pl.dtypes = [pl.desc[j][1] for j in which.tolist()]
+    pl.devices = [pl.desc[j][2] for j in which.tolist()]
+    # one buffer per (shape, dtype, device), rows in order of first occurrence
+    groups: dict[Any, list[int]] = {}
+    for j, d in enumerate(pl.desc):
+        if j not in reduced:
+            groups.setdefault(d, []).append(j)
+    seen: list[Any] = [None] * len(units)
+    red = []
+    with torch.no_grad():
+        for (shape, dtype, device), idx in groups.items():
+            buf = torch.empty((len(idx), *shape), dtype=dtype, device=device)
+            for i, j in enumerate(idx):
+                seen[j] = buf[i]
+            chans = int(shape[-1]) if len(shape) else 1
+            numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+            rows = numel // max(chans, 1)
+            kp = keep and chans <= chan_limit
+            per = max(1, reduce.REDUCE_CHUNK_ELEMS // max(numel, 1))  # bounded working set
+            for k in range(0, len(idx), per):
+                sub = idx[k:k + per]
+                red.append((buf[k:k + len(sub)], (np.array(sub, np.int64), rows, chans, kp,
+                                                   device, packed_size(len(sub), rows, chans,
+                                                                       kp))))
+    pl.red = red
+    # reduced in the hook, at the take that first sees the tensor: (rows, chans, keep)
+    pl.reduced = [reduced.get(j) if share[k] < 0 else None for k, j in enumerate(which.tolist())]
+    pl.singles = []
+    for j, rows, chans, kp, packed in singles:
+        pl.singles.append((first_pos[j], (np.array([j], np.int64), rows, chans, kp,
+                                          packed.device, int(packed.numel()))))
+    pl.seen = seen  # None for the tensors reduced in their hook: the original, per step
+    pl.views = [seen[j] if share[k] < 0 and j not in reduced else None
+                for k, j in enumerate(which.tolist())]
+    pl.described = describe(pl.desc)
+    return pl
