@@ -33,7 +33,7 @@ def _derives(module: Any, names: set[tuple[str, str]]) -> bool:
 
 def is_linear_like(module: Any) -> bool:
     """nn.Linear and its subclasses, packed-weight layers (``qweight``), and library linears
-    matched by class name that carry a weight."""
+    matched by class name that carry a weight or a quantization tensor."""
     if _derives(module, {("torch.nn.modules.linear", "Linear")}):
         return True
     if _is_tensor(getattr(module, "qweight", None)):
@@ -41,5 +41,8 @@ def is_linear_like(module: Any) -> bool:
     if _derives(module, _CONTAINERS):
         return False
     if LINEAR_CLASS_NAME.search(type(module).__name__):
-        return _is_tensor(getattr(module, "weight", None)) or hasattr(module, "qweight")
+        # a serving engine may hand the weight to its kernel and drop it from the layer (vLLM's
+        # oneDNN INT8 path keeps only the scales): its quantization tensors still mark it
+        return (_is_tensor(getattr(module, "weight", None)) or hasattr(module, "qweight")
+                or any(_is_tensor(getattr(module, a, None)) for a in QUANT_ATTRS))
     return False

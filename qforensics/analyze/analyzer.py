@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.engine import find_engine_findings, warmup_steps, without_warmup
@@ -61,6 +60,7 @@ from qforensics.formats import GEMM_KINDS, KIND_ROOT
 from qforensics.trace import schema
 from qforensics.trace.moduleinfo import read_module_infos
 from qforensics.trace.reader import Trace, open_trace
+from qforensics.trace.table import Table
 
 __all__ = ["analyze_open_trace", "analyze_trace", "analyze_traces", "verdict_for"]
 
@@ -147,14 +147,14 @@ def _int(x: Any, default: int) -> int:
         return default
 
 
-def _peak_step(trace: Trace, steps: pd.DataFrame) -> int | None:
+def _peak_step(trace: Trace, steps: Table) -> int | None:
     """With no failure: the step whose linear-module inputs (with channel ranges) peak."""
     if steps.empty:
         return None
     cols = trace.record_columns(["step", "module_id", "io", "absmax", "chan_offset"])
     if not len(cols["step"]):
         return None
-    kinds = trace.modules["kind"].to_numpy()
+    kinds = trace.module_kinds
     mid = cols["module_id"]
     ok = (mid >= 0) & (mid < len(kinds))
     gemm = np.zeros(len(mid), bool)
@@ -164,23 +164,23 @@ def _peak_step(trace: Trace, steps: pd.DataFrame) -> int | None:
     if not sel.any():
         sel = gemm & (cols["io"] == schema.IO_INPUT) & np.isfinite(cols["absmax"])
     if not sel.any():
-        return int(steps["step"].iloc[-1])
+        return int(steps["step"][-1])
     i = np.nonzero(sel)[0]
     return int(cols["step"][i[np.argmax(cols["absmax"][i])]])
 
 
-def _focus_rows(recs: pd.DataFrame, first: FirstNonfinite) -> list[int]:
+def _focus_rows(recs: Table, first: FirstNonfinite) -> list[int]:
     """Records whose channels explain the failure: the producer's inputs, or for a gap the
     input that already holds the value and the last finite hooked output before it."""
+    call, io, row = recs["call_index"], recs["io"], recs["row"]
     if first.producer_module is not None:
-        sel = recs[(recs["call_index"] == first.call_index) & (recs["io"] == schema.IO_INPUT)]
-        return sel["row"].tolist()
+        return row[(call == first.call_index) & (io == schema.IO_INPUT)].tolist()
     gap = first.producer
-    rows = recs[(recs["call_index"] == first.call_index) & (recs["io"] == schema.IO_INPUT)
-                & (recs["slot"] == first.slot)]["row"].tolist()
+    rows = row[(call == first.call_index) & (io == schema.IO_INPUT)
+               & (recs["slot"] == first.slot)].tolist()
     if gap.last_finite_call is not None:  # type: ignore[union-attr]
-        rows += recs[(recs["call_index"] == gap.last_finite_call)  # type: ignore[union-attr]
-                     & (recs["io"] == schema.IO_OUTPUT)]["row"].tolist()[:1]
+        rows += row[(call == gap.last_finite_call)  # type: ignore[union-attr]
+                    & (io == schema.IO_OUTPUT)].tolist()[:1]
     return rows
 
 
@@ -190,7 +190,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     """The analysis on an already open trace (the report and replay reuse it).
     `reference_diff`: `diff_traces(reference, trace, top=100000)` when already computed."""
     th = th or Thresholds()
-    steps = trace.steps
+    steps = trace.step_table
     end = trace.end
     meta = trace.meta
     env = _environment(meta)
@@ -199,7 +199,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     if not end.complete or not end.reason.startswith("complete"):
         notes.append(end.reason)
 
-    _guarded(trace, lambda: trace.modules, None)  # validates the module kinds up front
+    _guarded(trace, lambda: trace.module_columns, None)  # validates the module kinds up front
     # a serving engine's warm-up / profile forwards are recorded but never drive a verdict
     warm = warmup_steps(trace)
     steps = without_warmup(steps, warm)
@@ -210,13 +210,13 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     recs = None
     summary_only = None  # (step, call) when the failing step's records cannot be read
     if fail_row is not None:
-        fstep = int(steps["step"].iloc[fail_row])
+        fstep = int(steps["step"][fail_row])
         focus_step: int | None = fstep
         try:
-            recs = trace.records(fstep)
+            recs = trace.record_table(fstep)
         except TraceUnreadableError as exc:
             trace.unreadable.append(str(exc))
-            summary_only = (fstep, int(steps["first_nonfinite_call"].iloc[fail_row]))
+            summary_only = (fstep, int(steps["first_nonfinite_call"][fail_row]))
             recs = focus_step = None
         else:
             first = find_first_nonfinite(trace, steps, fail_row, recs)
@@ -224,7 +224,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     else:
         focus_step = _guarded(trace, lambda: _peak_step(trace, steps), None)
         if focus_step is not None:
-            recs = _guarded(trace, lambda: trace.records(focus_step), None)
+            recs = _guarded(trace, lambda: trace.record_table(focus_step), None)
 
     outliers, persistent, damage, unsafe = [], [], [], []
     vocab = None
@@ -255,11 +255,11 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
             else:
                 notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
                              "no damage prediction")
-            kinds = trace.modules["kind"].to_numpy()
-            root = recs[(kinds[recs["module_id"].to_numpy()] == KIND_ROOT)
-                        & (recs["io"] == schema.IO_OUTPUT)] if len(recs) else recs
+            kinds = trace.module_kinds
+            root = np.nonzero((kinds[recs["module_id"]] == KIND_ROOT)
+                              & (recs["io"] == schema.IO_OUTPUT))[0] if len(recs) else []
             if len(root):
-                vocab = int(root["channels"].iloc[0])
+                vocab = int(recs["channels"][root[0]])
     except TraceUnreadableError as exc:
         trace.unreadable.append(str(exc))
         notes.append(f"outlier channels and damage left out: {exc}")
@@ -275,17 +275,12 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
                                 precursors, th)
 
-    snaps: list[SnapshotRef] = []
-    sdf = _guarded(trace, lambda: trace.snapshots, None)
-    if sdf is not None and len(sdf):
-        for (ci, reason), g in sdf.groupby(["call_index", "reason"], sort=True):
-            snaps.append(SnapshotRef(int(ci), int(g["step"].iloc[0]), str(g["module"].iloc[0]),
-                                     str(reason), [str(n) for n in g["name"]]))
-
+    snaps = _snapshot_refs(_guarded(trace, lambda: trace.snapshot_table, None))
+    inc = _guarded(trace, lambda: trace.incident_table, None)
     incidents = [
-        Incident(int(r.step), int(r.call_index), str(r.module), str(r.action), int(r.nan_count),
-                 int(r.inf_count), str(r.detail))
-        for r in _guarded(trace, lambda: trace.incidents, pd.DataFrame()).itertuples(index=False)
+        Incident(int(r["step"]), int(r["call_index"]), str(r["module"]), str(r["action"]),
+                 int(r["nan_count"]), int(r["inf_count"]), str(r["detail"]))
+        for r in (inc.row(i) for i in range(len(inc) if inc is not None else 0))
     ]
     engine = find_engine_findings(
         trace, first.step if first is not None else None,
@@ -322,6 +317,18 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     )
 
 
+def _snapshot_refs(snaps: Table | None) -> list[SnapshotRef]:
+    """One reference per (call, reason), sorted by both; the tensor names in file order."""
+    if snaps is None or not len(snaps):
+        return []
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i, (ci, reason) in enumerate(zip(snaps["call_index"].tolist(), snaps["reason"])):
+        groups.setdefault((int(ci), str(reason)), []).append(i)
+    return [SnapshotRef(ci, int(snaps["step"][rows[0]]), str(snaps["module"][rows[0]]), reason,
+                        [str(snaps["name"][i]) for i in rows])
+            for (ci, reason), rows in sorted(groups.items())]
+
+
 def _guarded(trace: Trace, get: Any, default: Any) -> Any:
     try:
         return get()
@@ -330,7 +337,7 @@ def _guarded(trace: Trace, get: Any, default: Any) -> Any:
         return default
 
 
-def _cross_check(trace: Trace, steps: pd.DataFrame, fail_row: int | None,
+def _cross_check(trace: Trace, steps: Table, fail_row: int | None,
                  notes: list[str]) -> int | None:
     """The per-step summaries against a scan of every record's NaN/Inf counts: a step whose
     records hold NaN/Inf is failing even when its summary (damaged, or written by a killed run)
@@ -338,11 +345,11 @@ def _cross_check(trace: Trace, steps: pd.DataFrame, fail_row: int | None,
     bad_steps = trace.nonfinite_record_steps()
     if not len(bad_steps) or not len(steps):
         return fail_row
-    rows = np.nonzero(np.isin(steps["step"].to_numpy(), bad_steps))[0]
+    rows = np.nonzero(np.isin(steps["step"], bad_steps))[0]
     if not len(rows) or (fail_row is not None and fail_row <= int(rows[0])):
         return fail_row
     row = int(rows[0])
-    notes.append(f"the per-step summary of step {int(steps['step'].iloc[row])} says it is "
+    notes.append(f"the per-step summary of step {int(steps['step'][row])} says it is "
                  "finite but its records hold NaN/Inf: the records are trusted")
     trace.unreadable.append("/steps summaries disagree with the records' NaN/Inf counts")
     return row

@@ -19,7 +19,6 @@ No torch import.
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.findings import (
     Cause,
@@ -31,6 +30,7 @@ from qforensics.formats import FORMAT_LIMITS
 from qforensics.trace import schema
 from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth
 from qforensics.trace.reader import Trace
+from qforensics.trace.table import Table
 
 __all__ = ["classify_cause", "describe_nonfinite_logits"]
 
@@ -82,12 +82,12 @@ def _format_limit(q: dict, static_range: float | None) -> tuple[str, float] | No
     return None
 
 
-def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, infos: ModuleInfos,
+def classify_cause(trace: Trace, recs: Table, first: FirstNonfinite, infos: ModuleInfos,
                    outliers: list[OutlierChannel]) -> Cause:
     module = first.module
     if first.is_gap:
         gap = first.producer
-        hooked = set(trace.modules["name"].tolist())
+        hooked = set(trace.module_names.tolist())
         # a corrupt tensor tied to a module capture does not hook (lm_head -> embedding)
         elsewhere = [h for h in infos.health if _corrupt(h) and any(
             n.rsplit(".", 1)[0] not in hooked for n in infos.tied_with(h.module, h.param))]
@@ -105,8 +105,8 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
         tensors = [_tensor(h, infos) for h in bad]
         return Cause("corrupted_parameters", "cause: corrupted parameters of "
                      + "; ".join(t["words"] for t in tensors), module, tensors)
-    out = recs[recs["row"] == first.record_row] if first.record_row >= 0 else recs.iloc[:0]
-    dtype = int(out["dtype"].iloc[0]) if len(out) else -1
+    out = np.nonzero(recs["row"] == first.record_row)[0] if first.record_row >= 0 else []
+    dtype = int(recs["dtype"][out[0]]) if len(out) else -1
     small = (first.input_absmax or 0.0) < FORMAT_LIMITS["fp16"]
     if dtype == _FP16 and first.inf_count > 0 and small:
         return Cause("compute_overflow", f"cause: float16 overflow inside {module}: finite "
@@ -114,6 +114,7 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                      f"{first.inf_count} output values passed 65,504", module,
                      format="fp16", limit=FORMAT_LIMITS["fp16"])
     st = infos.static_inputs.get(module)
+    st = st if st is not None and st.applied else None
     lim = _format_limit(infos.quant.get(module, {}), st.range if st else None)
     if lim is not None:
         over = [o for o in outliers if o.module == module and o.io == schema.IO_INPUT
@@ -136,29 +137,28 @@ def classify_cause(trace: Trace, recs: pd.DataFrame, first: FirstNonfinite, info
                  module)
 
 
-def describe_nonfinite_logits(trace: Trace, steps: pd.DataFrame) -> NonfiniteLogits | None:
+def describe_nonfinite_logits(trace: Trace, steps: Table) -> NonfiniteLogits | None:
     """The first step whose logits (the root module's output) hold NaN/Inf."""
-    kinds = trace.modules["kind"].to_numpy()
+    kinds = trace.module_kinds
     roots = np.nonzero(kinds == "root")[0]
     if not len(roots) or steps.empty:
         return None
-    bad = steps[(steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)]
-    cand = [int(s) for s in bad["step"]]
+    st = steps["step"]
+    cand = [int(s) for s in st[(steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)]]
     if not cand:
-        fnc = steps[steps["first_nonfinite_call"] >= 0]["step"].tolist()
-        cand = [int(s) for s in fnc[:1]]
+        cand = [int(s) for s in st[steps["first_nonfinite_call"] >= 0][:1]]
     for step in cand[:2]:
-        recs = trace.records(step)
-        r = recs[(recs["module_id"] == int(roots[0])) & (recs["io"] == schema.IO_OUTPUT)
-                 & (recs["slot"] == 0)]
+        recs = trace.record_table(step)
+        r = np.nonzero((recs["module_id"] == int(roots[0])) & (recs["io"] == schema.IO_OUTPUT)
+                       & (recs["slot"] == 0))[0]
         if not len(r):
             continue
-        rec = r.iloc[0]
+        rec = recs.row(int(r[0]))
         nan, inf = int(rec["nan_count"]), int(rec["inf_count"])
         if nan + inf == 0:
             continue
         rows, vocab = int(rec["rows"]), int(rec["channels"])
-        srow = steps[steps["step"] == step].iloc[0]
+        srow = steps.row(int(np.nonzero(st == step)[0][0]))
         last = int(srow["logits_nan"]) + int(srow["logits_inf"])
         ids: np.ndarray = np.zeros(0, np.int64)
         cr = trace.channel_ranges(rec) if int(rec["chan_offset"]) >= 0 else None

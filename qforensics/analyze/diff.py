@@ -2,7 +2,8 @@
 INT4), records aligned by (module, step, io, slot, occurrence), divergence of the recorded
 statistics and per-channel ranges (and of snapshot tensors both traces kept), the first module in
 call order where divergence jumps, and a ranked list (decoder blocks are left out of both: they
-aggregate what their children add).
+aggregate what their children add). The alignment uses pandas, imported when a diff runs (an
+analysis without a reference never loads it).
 
 Score of a record: max(relative error of std, per-channel range divergence) - or of absmax when
 either side lacks channel ranges. Channel divergence: sum|dmin| + sum|dmax| over
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.engine import hf_aligned_records
 from qforensics.analyze.findings import (
@@ -32,6 +33,9 @@ from qforensics.errors import QForensicsError, UsageError
 from qforensics.formats import KIND_BLOCK
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["DEFAULT_JUMP", "diff_traces"]
 
@@ -74,6 +78,8 @@ def _rel(a: np.ndarray, b: np.ndarray, denom: np.ndarray) -> np.ndarray:
 
 def _side(m: pd.DataFrame, sfx: str) -> pd.DataFrame:
     """One trace's record columns of the aligned frame, as `Trace.channel_block` takes them."""
+    import pandas as pd
+
     return pd.DataFrame({k: m[k + sfx].to_numpy() for k in ("row", "chan_offset", "channels")})
 
 
@@ -132,6 +138,8 @@ def diff_traces(reference: str | os.PathLike[str], suspect: str | os.PathLike[st
     """Compare two traces of the same prompt. `jump`: the score a module must add (output score
     minus input score) to count as where divergence jumps. `steps`: steps to compare (default:
     the leading steps whose input tokens agree, at most `max_steps`, by default the prefill)."""
+    import pandas as pd
+
     if jump < 0 or top < 1:
         raise UsageError("jump must be >= 0 and top >= 1")
     with open_trace(reference) as ref, open_trace(suspect) as sus:

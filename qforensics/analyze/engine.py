@@ -8,13 +8,16 @@ Reads only the /engine tables and, for the steps it looks at, the root module's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
+from qforensics.trace.table import Table
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MAX_FOLLOW_STEPS = 64  # steps after the first bad one that are read to follow the spread
 
@@ -100,58 +103,61 @@ def engine_info(meta: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def warmup_steps(trace: Trace) -> np.ndarray:
-    es = trace.engine_table("steps")
+    es = trace.engine_columns("steps")
     if es.empty:
         return np.zeros(0, np.int64)
-    return np.unique(es.loc[es["warmup"].to_numpy() != 0, "step"].to_numpy().astype(np.int64))
+    return np.unique(es["step"][es["warmup"] != 0].astype(np.int64))
 
 
-def without_warmup(steps: pd.DataFrame, warm: np.ndarray) -> pd.DataFrame:
+_CLEARED = (("n_nonfinite_records", 0), ("first_nonfinite_record", -1),
+            ("first_nonfinite_call", -1), ("logits_nan", 0), ("logits_inf", 0))
+
+
+def without_warmup(steps: Table, warm: np.ndarray) -> Table:
     """The step table with warm-up steps' non-finite summaries cleared, so that nothing a
     warm-up forward did drives a verdict (rows stay in place: positions keep their meaning)."""
     if not len(warm):
         return steps
-    out = steps.copy()
-    m = np.isin(out["step"].to_numpy(), warm)
-    out.loc[m, "n_nonfinite_records"] = 0
-    out.loc[m, "first_nonfinite_record"] = -1
-    out.loc[m, "first_nonfinite_call"] = -1
-    out.loc[m, "logits_nan"] = 0
-    out.loc[m, "logits_inf"] = 0
-    return out
+    m = np.isin(steps["step"], warm)
+    cleared = {}
+    for col, value in _CLEARED:
+        a = steps[col].copy()
+        a[m] = value
+        cleared[col] = a
+    return steps.with_columns(**cleared)
 
 
-def _row_flags(trace: Trace, recs: pd.DataFrame, root_id: int, slot: int) -> np.ndarray | None:
-    r = recs[(recs["module_id"] == root_id) & (recs["io"] == schema.IO_OUTPUT)
-             & (recs["slot"] == slot)]
-    if r.empty:
+def _row_flags(trace: Trace, recs: Table, root_id: int, slot: int) -> np.ndarray | None:
+    r = np.nonzero((recs["module_id"] == root_id) & (recs["io"] == schema.IO_OUTPUT)
+                   & (recs["slot"] == slot))[0]
+    if not len(r):
         return None
-    off, n = int(r["tok_offset"].iloc[0]), int(r["tok_count"].iloc[0])
+    off, n = int(recs["tok_offset"][r[0]]), int(recs["tok_count"][r[0]])
     if off < 0 or n <= 0:
         return None
     return trace.token_span(off, off + n) > 0
 
 
-def _hits(step: int, rows: pd.DataFrame, hid: np.ndarray | None, lg: np.ndarray | None,
+def _hits(step: int, rows: Table, hid: np.ndarray | None, lg: np.ndarray | None,
           req_ids: dict[int, str]) -> list[RequestHit]:
-    srows = rows[rows["step"] == step]
-    order = list(dict.fromkeys(srows["request"].tolist()))  # batch order = logits row order
+    at = np.nonzero(rows["step"] == step)[0]  # this step's token rows, batch order
+    request = rows["request"]
+    order = list(dict.fromkeys(request[at].tolist()))  # batch order = logits row order
     bad: dict[int, list[int]] = {}
-    if hid is not None and len(srows):
-        n = min(len(hid), len(srows))
-        sel = srows.iloc[:n][hid[:n]]
-        for req, g in sel.groupby("request", sort=False):
-            bad[int(req)] = g.index.tolist()
+    if hid is not None and len(at):
+        n = min(len(hid), len(at))
+        for i in at[:n][hid[:n]]:
+            bad.setdefault(int(request[i]), []).append(int(i))
     bad_logits = set()
     if lg is not None:
         bad_logits = {int(order[i]) for i in np.nonzero(lg)[0] if i < len(order)}
     out = []
     for req in list(dict.fromkeys(list(bad) + sorted(bad_logits))):
-        g = srows.loc[bad.get(req, [])]
-        phases = {schema.ENGINE_PHASES.get(int(p), "unknown") for p in g["phase"]}
+        g = np.asarray(bad.get(req, []), dtype=np.int64)
+        phases = {schema.ENGINE_PHASES.get(int(p), "unknown") for p in rows["phase"][g]}
         out.append(RequestHit(
             request_id=req_ids.get(req, f"#{req}"), step=step, rows=len(g),
-            positions=[int(p) for p in g["position"].iloc[:8]],
+            positions=[int(p) for p in rows["position"][g[:8]]],
             phase=phases.pop() if len(phases) == 1 else ("mixed" if phases else "unknown"),
             logits=req in bad_logits))
     return out
@@ -162,7 +168,7 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
     info = engine_info(trace.meta)
     if info is None:
         return None
-    reqs = trace.engine_table("requests")
+    reqs = trace.engine_columns("requests")
     req_ids = {int(r): str(i) for r, i in zip(reqs["request"], reqs["request_id"])}
     ef = EngineFindings(engine=str(info.get("name", "engine")),
                         version=str(info.get("version", "unknown")), n_requests=len(reqs),
@@ -176,13 +182,13 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
             ef.producer_scales = {k: v for k, v in h.items() if isinstance(v, dict)}
     if first_bad_step is None:
         return ef
-    rows = trace.engine_table("rows").reset_index(drop=True)
-    kinds = trace.modules["kind"].tolist()
+    rows = trace.engine_columns("rows")
+    kinds = trace.module_kinds.tolist()
     root_id = kinds.index("root") if "root" in kinds else len(kinds) - 1
-    steps = [int(s) for s in trace.steps["step"] if s >= first_bad_step][:MAX_FOLLOW_STEPS]
+    steps = [int(s) for s in trace.step_table["step"] if s >= first_bad_step][:MAX_FOLLOW_STEPS]
     seen: set[str] = set()
     for i, step in enumerate(steps):
-        recs = trace.records(step)
+        recs = trace.record_table(step)
         hid = _row_flags(trace, recs, root_id, schema.ENGINE_ROW_FLAG_SLOTS["hidden"])
         lg = _row_flags(trace, recs, root_id, schema.ENGINE_ROW_FLAG_SLOTS["logits"])
         hits = _hits(step, rows, hid, lg, req_ids)
@@ -197,15 +203,16 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
     return ef
 
 
-def _origin(trace: Trace, ef: EngineFindings, rows: pd.DataFrame, req_ids: dict[int, str]
+def _origin(trace: Trace, ef: EngineFindings, rows: Table, req_ids: dict[int, str]
             ) -> None:
     """Requests and positions of the token rows where the first non-finite output has its
     NaN/Inf (the capture keeps up to 256 positions with that call's snapshot)."""
-    snaps = trace.snapshots
-    sel = snaps[(snaps["reason"] == "first_nonfinite_output") & (snaps["step"] == ef.first_bad_step)]
-    if sel.empty:
+    snaps = trace.snapshot_table
+    sel = np.nonzero((snaps["reason"] == "first_nonfinite_output")
+                     & (snaps["step"] == ef.first_bad_step))[0]
+    if not len(sel):
         return
-    ci = int(sel["call_index"].iloc[0])
+    ci = int(snaps["call_index"][sel[0]])
     try:
         tensors = trace.snapshot_tensors(ci)
     except Exception:
@@ -215,14 +222,18 @@ def _origin(trace: Trace, ef: EngineFindings, rows: pd.DataFrame, req_ids: dict[
         return
     token_rows = np.unique(np.ravel_multi_index(tuple(pos[:, :-1].T.astype(np.int64)),
                                                 out.shape[:-1]))
-    srows = rows[rows["step"] == ef.first_bad_step].set_index("row")
+    at = np.nonzero(rows["step"] == ef.first_bad_step)[0]
+    where: dict[int, int] = {}
+    for i in at:
+        where.setdefault(int(rows["row"][i]), int(i))
     by: dict[str, list[int]] = {}
     for r in token_rows:
-        if int(r) in srows.index:
-            x = srows.loc[int(r)]
-            by.setdefault(req_ids.get(int(x["request"]), "?"), []).append(int(x["position"]))
+        i = where.get(int(r))
+        if i is not None:
+            by.setdefault(req_ids.get(int(rows["request"][i]), "?"), []).append(
+                int(rows["position"][i]))
     ef.origin = by
-    ef.origin_module = str(sel["module"].iloc[0]) if "module" in sel else f"call {ci}"
+    ef.origin_module = str(snaps["module"][sel[0]])
 
 
 def hf_aligned_records(trace: Trace, recs: pd.DataFrame) -> pd.DataFrame:
@@ -234,7 +245,9 @@ def hf_aligned_records(trace: Trace, recs: pd.DataFrame) -> pd.DataFrame:
     hf = info.get("hf_names") if info else None
     if not isinstance(hf, dict) or recs.empty or "module" not in recs:
         return recs
-    kinds = trace.modules["kind"].tolist()
+    import pandas as pd
+
+    kinds = trace.module_kinds.tolist()
     root_id = kinds.index("root") if "root" in kinds else -1
     recs = recs[~((recs["module_id"] == root_id) & (recs["slot"] > 0))]
     fused = recs["module"].isin(list(hf)) & (recs["io"] == schema.IO_INPUT)

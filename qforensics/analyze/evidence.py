@@ -155,6 +155,10 @@ def _static_one(st: StaticInput, row: ChannelRow | None, peak: float, th: Thresh
     d: dict = {"module": st.module, "input_scale": st.scale, "format": st.format,
                "range": st.range, "recorded_absmax": peak,
                "overrun": peak / st.range if st.range > 0 else float("inf")}
+    if st.lo is not None and st.hi is not None:
+        d.update(zero_point=st.zero_point, representable=[st.lo, st.hi])
+    if st.kernel:
+        d["kernel"] = st.kernel
     if row is not None and len(row.absmax):
         a = row.absmax
         over = np.nonzero(a > st.range)[0]
@@ -176,7 +180,10 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
     """Layers with a static input scale whose recorded input goes beyond the scale's range
     (saturates) by `static_overrun` or more, or whose channels mostly round to zero."""
     items = []
+    unused = [st for st in infos.static_inputs.values() if not st.applied]
     for name, st in infos.static_inputs.items():
+        if not st.applied:
+            continue  # the kernel does not quantize with it: nothing saturates against it
         peak = peaks.get(name)
         if peak is None or not np.isfinite(peak):
             continue
@@ -193,8 +200,7 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
                        for c in chans[:3])
         head = _n(len(over), "layer", ("gets", "get"))
         line = (f"{head} inputs beyond what their static input_scale can "
-                f"represent; worst {w['module']}: input_scale {w['input_scale']:.4g} x "
-                f"{_qmax_text(w)} = {w['range']:.4g}, recorded |input| up to "
+                f"represent; worst {w['module']}: {_range_text(w)}, recorded |input| up to "
                 f"{w['recorded_absmax']:.4g} (x{w['overrun']:.3g})"
                 + (f"; channels {cw}" if cw else "")
                 + (f"; {w['tokens_saturating_share']:.0%} of tokens saturate"
@@ -202,6 +208,16 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
         out.append(Evidence("static_range_overrun", "activations", True, line,
                             float(w["overrun"]), th.static_overrun, "static_overrun",
                             [d["module"] for d in over][:_CAP], over[:_CAP]))
+    if unused:
+        u = unused[0]
+        out.append(Evidence(
+            "static_scale_unused", "activations", False,
+            f"{_n(len(unused), 'layer', ('carries', 'carry'))} a static input_scale that their kernel does not "
+            f"apply, so it was not checked (e.g. {u.module}: {u.kernel or 'its kernel'}: "
+            f"{u.why or 'not applied'})", float(len(unused)), 0.0, "",
+            [x.module for x in unused][:_CAP],
+            [{"module": x.module, "input_scale": x.scale, "kernel": x.kernel, "why": x.why}
+             for x in unused[:_CAP]]))
     zero = [d for d in items if d.get("channels_zero_share", 0.0) >= th.unsafe_fraction]
     if zero:
         z = max(zero, key=lambda d: d["channels_zero_share"])
@@ -215,9 +231,16 @@ def static_range_evidence(infos: ModuleInfos, rows: dict[str, ChannelRow],
     return out
 
 
-def _qmax_text(d: dict) -> str:
-    r, s = d["range"], d["input_scale"]
-    return f"{r / s:g}" if s else "?"
+def _range_text(d: dict) -> str:
+    """'input_scale 0.05 x 448 = 22.4', or for asymmetric INT8 'input_scale 0.011 with zero
+    point 4 represents [-1.48, 1.38]'."""
+    s = d["input_scale"]
+    if "representable" in d:
+        lo, hi = d["representable"]
+        return (f"input_scale {s:.4g} with zero point {d.get('zero_point')} represents "
+                f"[{lo:.4g}, {hi:.4g}]")
+    r = d["range"]
+    return f"input_scale {s:.4g} x {(r / s if s else float('nan')):g} = {r:.4g}"
 
 
 def _recorded_scheme(q: dict) -> str | None:
@@ -275,7 +298,7 @@ def output_evidence(precursors: list[Precursor], th: Thresholds) -> list[Evidenc
 
 def _input_peaks(trace: Trace, names: set[str]) -> dict[str, float]:
     """Largest finite |input| each named module recorded over the whole trace."""
-    mods = trace.modules["name"].to_numpy()
+    mods = trace.module_names
     ids = np.nonzero(np.isin(mods, list(names)))[0]
     if not len(ids):
         return {}

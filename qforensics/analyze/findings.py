@@ -297,7 +297,7 @@ class TraceEndInfo:
 @dataclass(frozen=True)
 class Incident:
     """One runtime-guard trip recorded in the trace's /incidents table (qforensics.guard):
-    action is fallback | breaker_open | breaker_fallback | sanitize_logits."""
+    action is one of qforensics.trace.schema.INCIDENT_ACTIONS."""
 
     step: int
     call_index: int

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.findings import FirstNonfinite, Gap, Spread
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
+from qforensics.trace.table import Table
 
 __all__ = ["find_first_bad_step", "find_first_nonfinite", "kind_word"]
 
@@ -29,13 +29,12 @@ def _kind(nan: int, inf: int) -> str:
     return "nan" if nan else "inf"
 
 
-def find_first_bad_step(steps: pd.DataFrame) -> int | None:
+def find_first_bad_step(steps: Table) -> int | None:
     """Row (position in /steps) of the first step with any non-finite record, from the per-step
     summaries alone."""
     if steps.empty:
         return None
-    bad = (steps["n_nonfinite_records"].to_numpy() > 0) | (
-        steps["first_nonfinite_record"].to_numpy() >= 0)
+    bad = (steps["n_nonfinite_records"] > 0) | (steps["first_nonfinite_record"] >= 0)
     if not bad.any():
         return None
     return int(np.argmax(bad))
@@ -49,16 +48,16 @@ def _f(x: object) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def find_first_nonfinite(trace: Trace, steps: pd.DataFrame, step_row: int,
-                         recs: pd.DataFrame) -> FirstNonfinite:
+def find_first_nonfinite(trace: Trace, steps: Table, step_row: int,
+                         recs: Table) -> FirstNonfinite:
     """Locate the first non-finite record of the step at `step_row` (its records are `recs`)."""
-    srow = steps.iloc[step_row]
+    srow = steps.row(step_row)
     step = int(srow["step"])
-    bad = (recs["nan_count"].to_numpy() + recs["inf_count"].to_numpy()) > 0
+    bad = (recs["nan_count"] + recs["inf_count"]) > 0
     hint = int(srow["first_nonfinite_record"])
     pos = None
     if hint >= 0:
-        hit = np.nonzero(recs["row"].to_numpy() == hint)[0]
+        hit = np.nonzero(recs["row"] == hint)[0]
         if len(hit) and bad[hit[0]]:
             pos = int(hit[0])
             # the hint must be the first bad one in call order; trust the data if it is not
@@ -67,28 +66,28 @@ def find_first_nonfinite(trace: Trace, steps: pd.DataFrame, step_row: int,
                 pos = int(earlier[0])
     if pos is None:
         pos = int(np.argmax(bad))
-    rec = recs.iloc[pos]
+    rec = recs.row(pos)
     call = int(rec["call_index"])
     mid = int(rec["module_id"])
     module = str(rec["module"]) or "(model output)"
-    kinds = trace.modules["kind"].to_numpy()
+    kinds = trace.module_kinds
     io = int(rec["io"])
     nan, inf = int(rec["nan_count"]), int(rec["inf_count"])
     mutated = bool(int(rec["flags"]) & schema.FLAG_MUTATED)
-    same_call = recs[recs["call_index"] == call]
     if io == schema.IO_OUTPUT:
         producer: str | Gap = module
-        ins = same_call[same_call["io"] == schema.IO_INPUT]
+        ins = np.nonzero((recs["call_index"] == call) & (recs["io"] == schema.IO_INPUT))[0]
         if len(ins):
-            i0 = ins.iloc[0]
-            in_min, in_max, in_abs = _f(i0["min"]), _f(i0["max"]), _f(i0["absmax"])
+            i0 = int(ins[0])
+            in_min, in_max, in_abs = (_f(recs[k][i0]) for k in ("min", "max", "absmax"))
         else:
             in_min = in_max = in_abs = None
     else:
-        before = recs[(recs["call_index"] < call) & (recs["io"] == schema.IO_OUTPUT)]
+        before = np.nonzero((recs["call_index"] < call) & (recs["io"] == schema.IO_OUTPUT))[0]
         if len(before):
-            lr = before.iloc[-1]
-            last_call, last_mod = int(lr["call_index"]), str(lr["module"]) or "(model output)"
+            lr = int(before[-1])
+            last_call = int(recs["call_index"][lr])
+            last_mod = str(recs["module"][lr]) or "(model output)"
             where = f"after call {last_call} ({last_mod}), whose output is finite"
         else:
             last_call, last_mod = None, None
@@ -112,16 +111,16 @@ def find_first_nonfinite(trace: Trace, steps: pd.DataFrame, step_row: int,
     )
 
 
-def _spread(trace: Trace, steps: pd.DataFrame, step_row: int, recs: pd.DataFrame) -> Spread:
+def _spread(trace: Trace, steps: Table, step_row: int, recs: Table) -> Spread:
     """Modules and steps non-finite from the first bad step on. Reads three narrow record
     columns of the steps after the failing one (not their channel data)."""
-    after = steps.iloc[step_row:]
-    bad_steps = int(((after["n_nonfinite_records"] > 0) | (after["first_nonfinite_record"] >= 0)
-                     ).sum())
+    n_after = len(steps) - step_row
+    bad_steps = int(((steps["n_nonfinite_records"][step_row:] > 0)
+                     | (steps["first_nonfinite_record"][step_row:] >= 0)).sum())
     logits_bad = int(((steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)).sum())
     bad_now = (recs["nan_count"] + recs["inf_count"]) > 0
-    mods = set(recs.loc[bad_now, "module_id"].tolist())
-    start = int(steps.iloc[step_row]["record_offset"]) + int(steps.iloc[step_row]["record_count"])
+    mods = set(recs["module_id"][bad_now].tolist())
+    start = int(steps["record_offset"][step_row]) + int(steps["record_count"][step_row])
     end = trace.records_end
     if end > start:
         cols = trace.record_columns(["module_id", "nan_count", "inf_count"])
@@ -129,5 +128,5 @@ def _spread(trace: Trace, steps: pd.DataFrame, step_row: int, recs: pd.DataFrame
         b = (cols["nan_count"][sl] + cols["inf_count"][sl]) > 0
         mods.update(np.unique(cols["module_id"][sl][b]).tolist())
     return Spread(n_modules=len(mods), n_modules_total=trace.n_modules, n_steps=bad_steps,
-                  n_steps_after=len(after), n_records=int(bad_now.sum()),
+                  n_steps_after=n_after, n_records=int(bad_now.sum()),
                   logits_nonfinite_steps=logits_bad)

@@ -7,9 +7,10 @@ All per-channel math is vectorized numpy; no loop over channels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.findings import OutlierChannel, PersistentOutlier, TrendPoint
 from qforensics.analyze.thresholds import Thresholds
@@ -17,6 +18,7 @@ from qforensics.formats import FORMAT_LIMITS, GEMM_KINDS, KIND_BLOCK
 from qforensics.trace import schema
 from qforensics.trace.blocks import ChannelBlock
 from qforensics.trace.reader import Trace
+from qforensics.trace.table import Table
 
 __all__ = [
     "ChannelRow",
@@ -35,14 +37,14 @@ _TINY = 1e-30
 class ChannelRow:
     """One record with its per-channel absmax (and per-token absmax when stored)."""
 
-    rec: pd.Series
+    rec: dict[str, Any]  # the record (a row of `Trace.record_table`)
     module: str
     kind: str
     absmax: np.ndarray  # (C,) float64
     tokens: np.ndarray | None  # (T,) float32
 
-    @property
-    def median(self) -> float:
+    @cached_property
+    def median(self) -> float:  # absmax is never changed after the row is made
         return float(np.median(self.absmax)) if len(self.absmax) else 0.0
 
     @property
@@ -62,21 +64,27 @@ class StepChannels:
         return [r for r in self.rows if r.kind in GEMM_KINDS]
 
 
-def load_step_channels(trace: Trace, step: int, recs: pd.DataFrame,
+def load_step_channels(trace: Trace, step: int, recs: Table,
                        extra_rows: list[int] = ()) -> StepChannels:  # type: ignore[assignment]
     """Read the channel ranges (one span) and token absmax (one span) of a step's records."""
-    kinds = trace.modules["kind"].to_numpy()
-    sel = recs[(recs["chan_offset"] >= 0) & (recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)]
-    sel = sel.drop_duplicates(subset=["module_id"], keep="first")
-    sel = sel[np.isin(kinds[sel["module_id"].to_numpy()], GEMM_KINDS + (KIND_BLOCK,))]
+    kinds = trace.module_kinds
+    pos = np.nonzero((recs["chan_offset"] >= 0) & (recs["io"] == schema.IO_INPUT)
+                     & (recs["slot"] == 0))[0]
+    _, first = np.unique(recs["module_id"][pos], return_index=True)  # first record per module
+    pos = pos[np.sort(first)]
+    pos = pos[np.isin(kinds[recs["module_id"][pos]], GEMM_KINDS + (KIND_BLOCK,))]
     if len(extra_rows):
-        more = recs[recs["row"].isin(list(extra_rows)) & (recs["chan_offset"] >= 0)]
-        sel = pd.concat([sel, more]).drop_duplicates(subset=["row"])
+        more = np.nonzero(np.isin(recs["row"], list(extra_rows)) & (recs["chan_offset"] >= 0))[0]
+        pos = np.concatenate([pos, more])
+        _, first = np.unique(recs["row"][pos], return_index=True)  # first of each row
+        pos = pos[np.sort(first)]
     out = StepChannels(step)
-    if sel.empty:
+    if not len(pos):
         return out
+    sel = recs.take(pos)
     block = trace.channel_block(sel)
-    for _, rec in sel.iterrows():
+    for i in range(len(sel)):
+        rec = sel.row(i)
         out.rows.append(_row(rec, kinds, block))
         out.by_row[int(rec["row"])] = out.rows[-1]
     return out
@@ -88,7 +96,7 @@ def channel_absmax(cmin: np.ndarray, cmax: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a), a, 0.0)
 
 
-def _row(rec: pd.Series, kinds: np.ndarray, block: ChannelBlock) -> ChannelRow:
+def _row(rec: dict[str, Any], kinds: np.ndarray, block: ChannelBlock) -> ChannelRow:
     row = int(rec["row"])
     got = block.channels(row)
     assert got is not None  # `sel` holds only records that store channel ranges

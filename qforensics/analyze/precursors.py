@@ -10,19 +10,19 @@ import math
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from qforensics.analyze.findings import Precursor
 from qforensics.analyze.thresholds import Thresholds
+from qforensics.trace.table import Table
 
 __all__ = ["find_precursors"]
 
 
-def _logit_absmax(steps: pd.DataFrame) -> np.ndarray:
-    lo = steps["logits_min"].to_numpy(np.float64)
-    hi = steps["logits_max"].to_numpy(np.float64)
+def _logit_absmax(steps: Table) -> np.ndarray:
+    lo = steps["logits_min"].astype(np.float64)
+    hi = steps["logits_max"].astype(np.float64)
     a = np.fmax(np.abs(lo), np.abs(hi))
-    has = steps["has_logits"].to_numpy() > 0
+    has = steps["has_logits"] > 0
     return np.where(has, a, np.nan)
 
 
@@ -34,7 +34,7 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.nonzero(d == 1)[0].tolist(), np.nonzero(d == -1)[0].tolist()))
 
 
-def _growth(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool,
+def _growth(steps: Table, a: np.ndarray, th: Thresholds, silent: bool,
             fail_step: int | None) -> Precursor | None:
     if len(a) < 2:
         return None
@@ -53,7 +53,7 @@ def _growth(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool,
     if best is None:
         return None
     _, s, e, factor = best
-    st = steps["step"].to_numpy()
+    st = steps["step"]
     vals = [float(v) for v in a[s:e + 1]]
     line = (f"max |logit| rose {e - s} steps in a row, {vals[0]:.4g} -> {vals[-1]:.4g} "
             f"(x{factor:.3g}), steps {int(st[s])}-{int(st[e])}")
@@ -62,13 +62,13 @@ def _growth(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool,
     return Precursor("logits_growth", int(st[s]), int(st[e]), float(factor), silent, line, vals)
 
 
-def _entropy(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | None:
-    ent = steps["logits_entropy"].to_numpy(np.float64)
+def _entropy(steps: Table, th: Thresholds, silent: bool) -> Precursor | None:
+    ent = steps["logits_entropy"].astype(np.float64)
     ok = np.isfinite(ent)
     if ok.sum() < th.logits_growth_steps + 1:
         return None
     low = ok & (ent < th.entropy_low)
-    st = steps["step"].to_numpy()
+    st = steps["step"]
     for s, e in _runs(low):
         if e - s < th.logits_growth_steps or s == 0:
             continue
@@ -83,9 +83,9 @@ def _entropy(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | N
     return None
 
 
-def _repeat(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | None:
-    ids = steps["logits_argmax"].to_numpy(np.int64)
-    st = steps["step"].to_numpy()
+def _repeat(steps: Table, th: Thresholds, silent: bool) -> Precursor | None:
+    ids = steps["logits_argmax"].astype(np.int64)
+    st = steps["step"]
     n = len(ids)
     need = int(th.repeat_tokens)
     if n < need or need < 2:
@@ -109,16 +109,16 @@ def _repeat(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | No
     return None
 
 
-def _uniform(steps: pd.DataFrame, th: Thresholds, silent: bool, vocab: int | None
+def _uniform(steps: Table, th: Thresholds, silent: bool, vocab: int | None
              ) -> Precursor | None:
     if not vocab or vocab < 2:
         return None
-    ent = steps["logits_entropy"].to_numpy(np.float64)
+    ent = steps["logits_entropy"].astype(np.float64)
     lim = th.entropy_uniform * math.log(vocab)
     hot = np.isfinite(ent) & (ent >= lim)
     if not hot.any():
         return None
-    st = steps["step"].to_numpy()
+    st = steps["step"]
     i = np.nonzero(hot)[0]
     return Precursor("uniform_logits", int(st[i[0]]), int(st[i[-1]]), float(ent[i].max()), silent,
                      f"near-uniform logits in {len(i)} of {len(ent)} steps: entropy up to "
@@ -126,12 +126,12 @@ def _uniform(steps: pd.DataFrame, th: Thresholds, silent: bool, vocab: int | Non
                      f"(vocabulary {vocab:,})", [float(v) for v in ent[i][:64]])
 
 
-def _extreme(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool
+def _extreme(steps: Table, a: np.ndarray, th: Thresholds, silent: bool
              ) -> Precursor | None:
     hot = np.isfinite(a) & (a >= th.logits_extreme)
     if not hot.any():
         return None
-    st = steps["step"].to_numpy()
+    st = steps["step"]
     i = np.nonzero(hot)[0]
     return Precursor("extreme_logits", int(st[i[0]]), int(st[i[-1]]), float(a[i].max()), silent,
                      f"max |logit| reaches {float(a[i].max()):.4g} (>= {th.logits_extreme:g}) "
@@ -139,13 +139,13 @@ def _extreme(steps: pd.DataFrame, a: np.ndarray, th: Thresholds, silent: bool
                      [float(v) for v in a[i][:64]])
 
 
-def _degenerate(steps: pd.DataFrame, th: Thresholds, silent: bool) -> Precursor | None:
+def _degenerate(steps: Table, th: Thresholds, silent: bool) -> Precursor | None:
     """Greedy decoding stuck on vocab id 0 (a special token; "!!!!!!" in some vocabularies)."""
-    ids = steps["logits_argmax"].to_numpy(np.int64)
+    ids = steps["logits_argmax"].astype(np.int64)
     hot = ids == 0
     if int(hot.sum()) < max(1, int(th.degenerate_steps)):
         return None
-    st = steps["step"].to_numpy()
+    st = steps["step"]
     i = np.nonzero(hot)[0]
     return Precursor("degenerate_ids", int(st[i[0]]), int(st[i[-1]]), float(len(i)), silent,
                      f"the argmax is vocab id 0 in {len(i)} of {len(ids)} steps (first at step "
@@ -170,15 +170,15 @@ def _outcome(meta: dict[str, Any], th: Thresholds, silent: bool, last_step: int
     return None
 
 
-def find_precursors(steps: pd.DataFrame, meta: dict[str, Any], th: Thresholds, *,
+def find_precursors(steps: Table, meta: dict[str, Any], th: Thresholds, *,
                     fail_row: int | None, vocab: int | None) -> list[Precursor]:
     """Precursors before the first bad step (`fail_row`, a /steps position) or, with no
     failure, silent failures over the whole run."""
     silent = fail_row is None
-    fail_step = None if fail_row is None else int(steps["step"].iloc[fail_row])
-    view = steps if fail_row is None else steps.iloc[:fail_row]
+    fail_step = None if fail_row is None else int(steps["step"][fail_row])
+    view = steps if fail_row is None else steps.take(slice(0, fail_row))
     a = _logit_absmax(view)
-    last = int(steps["step"].iloc[-1]) if len(steps) else -1
+    last = int(steps["step"][-1]) if len(steps) else -1
     items = [
         _growth(view, a, th, silent, fail_step),
         _entropy(view, th, silent),

@@ -38,7 +38,7 @@ class ModuleQuant:
 def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
     """module name -> its quantization (from the `quant` key of the module's info JSON)."""
     out: dict[str, ModuleQuant] = {}
-    for name, raw in zip(trace.modules["name"], trace.modules["info"]):
+    for name, raw in zip(trace.module_names, trace.module_columns["info"]):
         info = module_info_dict(raw)
         q = info.get("quant") if info else None
         if not isinstance(q, dict):

@@ -50,7 +50,7 @@ def compare_to_reference(reference: str | os.PathLike[str], trace: Trace,
         ref_infos = read_module_infos(ref)
     if diff is None:
         diff = diff_traces(ref_path, trace.path, top=100_000)
-    kinds = dict(zip(trace.modules["name"], trace.modules["kind"]))
+    kinds = dict(zip(trace.module_names, trace.module_kinds))
     blocks = [n for n, k in kinds.items() if k == "block"]
     quant = quantized_modules(infos, ref_infos)
     # every non-block output, in reference call order

@@ -59,8 +59,10 @@ def _summarize(pattern: str) -> list[str]:
 @click.option("--attach", type=click.Choice(["first", "all"]), default="first",
               show_default=True, help="Capture the first model the program runs, or every one.")
 @click.option("--guard", "guard_on", is_flag=True,
-              help="Also run the runtime NaN/Inf guard (rerun + FP16 fallback + breaker); its "
-                   "trips are written into the trace as incidents.")
+              help="Also run the runtime NaN/Inf guard (rerun + per-layer dense fallback + "
+                   "breaker); its trips are written into the trace as incidents. In vLLM it runs "
+                   "in each worker: a per-request check of the logits, the tripped layer "
+                   "dequantized from vLLM's own weights, one incident per affected request.")
 @click.option("--guard-check", type=click.Choice(["logits", "modules"]), default="logits",
               show_default=True, help="Guard: check only the logits (one sync per step) or "
                                       "every quantized linear.")
@@ -86,6 +88,7 @@ def command(out: str, attach: str, guard_on: bool, guard_check: str, eager: bool
         qforensics record -o 'trace-{rank}.h5' -- torchrun --nproc-per-node 2 run.py
         qforensics record --eager -o 't-{rank}.h5' -- python serve_with_vllm.py
         qforensics record --guard -o guarded.h5 -- python serve_once.py
+        qforensics record --guard -o 'g-{rank}.h5' -- python serve_with_vllm.py
         eval "$(qforensics record -o trace.h5 --print-env)"   # then start your launcher
     """
     opts = capture_kwargs(**capture)

@@ -17,7 +17,8 @@ from qforensics.errors import UsageError
                    "act:fp8-e4m3-nosat, w:int4-g128+act:int8-per-token. Bare fp8-* and "
                    "*-per-token specs are activations, other INT specs weights. ct:PRESET "
                    "(ct:W4A16, ct:W8A16, ct:FP8_DYNAMIC) runs compressed-tensors' own preset "
-                   "through the library.")
+                   "through the library. awq:w4a16[-g<N>] (default g128) is AWQ W4A16 in its "
+                   "published format: HF fake-quant, and through vLLM with --engine vllm.")
 @click.option("--keep-salient", metavar="PCT",
               help="Keep this share of input channels (by the trace's recorded activation "
                    "absmax) in FP16 for the INT weight schemes of --scheme: 1% or 0.01.")
@@ -36,21 +37,30 @@ from qforensics.errors import UsageError
               help="Length of the reference's greedy answer the agreement is measured on.")
 @click.option("--text-tokens", default=None, type=click.IntRange(8, None),
               help="Use only the first N tokens of the fixed perplexity text (default: all).")
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+              help="vllm: also measure the awq: schemes through vLLM's own kernels (the "
+                   "checkpoint written in AutoAWQ's format, served in a subprocess; perplexity "
+                   "from prompt logprobs, top-1 against vLLM's unquantized bfloat16 run), next "
+                   "to the HF fake-quant figures.")
+@click.option("--vllm-python", metavar="PY",
+              help="The Python that has vLLM (default: this one), e.g. .venv-vllm/bin/python.")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
             model_spec: str | None, json_out: str | None, max_new_tokens: int,
-            text_tokens: int | None) -> None:
+            text_tokens: int | None, engine: str, vllm_python: str | None) -> None:
     """Rerun TRACE's prompt on the traced model under other quantization schemes.
 
     Compares each scheme with the unquantized reference: top-1 agreement (teacher-forced over
     the reference's answer), mean KL(ref || scheme), perplexity on a fixed text, and
     recovered = ppl_ref / ppl_scheme. Salient channels come from the activation ranges the
-    trace recorded. Progress goes to stderr, one line per scheme.
+    trace recorded. Progress goes to stderr, one line per scheme. The model is --model, else
+    the model path the trace recorded (said on stderr); a trace without one exits 2.
 
     \b
     Example:
         qforensics whatif trace.h5 --scheme int4-g128 --keep-salient 1%
         qforensics whatif trace.h5 --table --json whatif.json
         qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
+        qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
     """
     from qforensics.trace.reader import open_trace
     from qforensics.whatif.run import (
@@ -75,11 +85,19 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         raise UsageError("nothing to run: give --scheme SPEC (repeatable) or --table")
     from qforensics.whatif.model import resolve_model_source
 
+    if engine == "vllm":
+        from qforensics.whatif.through_vllm import resolve_vllm_python
+
+        if not any(p.library == "awq" for p in parsed):
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] schemes through vLLM; "
+                             "give one (e.g. --scheme awq:w4a16-g64)")
+        resolve_vllm_python(vllm_python)  # no vLLM: exit 2 before loading
     with open_trace(trace) as t:  # unreadable trace: exit 2 before loading the model
         resolve_model_source(model_spec, t.meta)  # bad --model: exit 2 before loading
 
     result = run_whatif(trace, parsed, max_new_tokens=max_new_tokens, text_tokens=text_tokens,
-                        model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True))
+                        model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True),
+                        engine=engine, vllm_python=vllm_python)
     click.echo(result.format_table())
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:

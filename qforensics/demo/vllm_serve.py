@@ -5,6 +5,14 @@ token ids per request, seconds spent generating) as JSON. It knows nothing about
 is the unmodified program that `qforensics record`, the tests and bench/vllm_overhead.py run.
 
     qforensics record -o 't-{rank}.h5' -- python -m qforensics.demo.vllm_serve DIR --out o.json
+
+With ``--score-ids FILE`` (a JSON list of token-id lists) it scores instead of generating:
+each list is served as a prompt with ``prompt_logprobs=1``, and the output gives, for every
+position after the first, the logprob of the token that is there and the model's own top-1
+token (teacher forcing: perplexity and top-1 agreement without free-running divergence), and
+which quant method and CPU kernel path (W4A8 or W4A16) vLLM's linears use (read in vLLM's worker
+through ``LLM.apply_model``, for which it sets VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickle
+between vLLM's own local processes).
 """
 
 from __future__ import annotations
@@ -26,11 +34,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="serve the prompts this many times")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="write the outputs here as JSON")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM workers splitting each layer (one trace file per rank)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="vLLM workers each running a slice of the layers")
+    ap.add_argument("--memory-utilization", type=float, default=0.5,
+                    help="share of the machine's memory vLLM may claim (its "
+                         "gpu_memory_utilization; vLLM refuses to start when less is free)")
+    ap.add_argument("--score-ids", metavar="FILE",
+                    help="score these token-id lists (JSON) with prompt logprobs instead")
+    ap.add_argument("--max-model-len", type=int, default=512)
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if a.score_ids:  # _describe ships one function to vLLM's own worker process (pickle)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0)
+    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
+              seed=0, tensor_parallel_size=a.tensor_parallel_size,
+              pipeline_parallel_size=a.pipeline_parallel_size,
+              gpu_memory_utilization=a.memory_utilization)
+    if a.score_ids:
+        return _score(llm, a)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     prompts = a.prompt or DEFAULT_PROMPTS
     runs = []
@@ -49,6 +74,62 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{o['request_id']}: {o['text']!r}")
     sys.stdout.flush()
     return 0
+
+
+def _score(llm: object, a: argparse.Namespace) -> int:
+    from vllm import SamplingParams, TokensPrompt
+
+    with open(a.score_ids) as f:
+        id_lists = json.load(f)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+                         for ids in id_lists], params, use_tqdm=False)  # type: ignore[attr-defined]
+    scores = []
+    for ids, o in zip(id_lists, outs):
+        lps, top1 = [], []
+        for tok, d in zip(ids[1:], (o.prompt_logprobs or [None])[1:]):
+            d = d or {}
+            lp = d.get(int(tok))
+            lps.append(float(lp.logprob) if lp is not None else float("nan"))
+            best = [t for t, v in d.items() if v.rank == 1]
+            top1.append(int(best[0]) if best else -1)
+        scores.append({"request_id": o.request_id, "token_logprobs": lps, "top1": top1})
+    res = {"scores": scores, "seconds": time.perf_counter() - t0, "pid": os.getpid(),
+           "engine": _describe(llm)}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+    return 0
+
+
+def _layer_kernels(model: object) -> dict:
+    """Runs inside vLLM's worker: which quant method and CPU kernel path the linears use."""
+    methods: dict[str, int] = {}
+    w4a8: set[bool] = set()
+    for _name, mod in model.named_modules():  # type: ignore[attr-defined]
+        qm = getattr(mod, "quant_method", None)
+        if qm is not None and any(c.__name__ == "LinearBase" for c in type(mod).__mro__):
+            methods[type(qm).__name__] = methods.get(type(qm).__name__, 0) + 1
+            if hasattr(mod, "use_w4a8"):
+                w4a8.add(bool(mod.use_w4a8))
+    return {"quant_methods": methods, "use_w4a8": sorted(w4a8)}
+
+
+def _describe(llm: object) -> dict:
+    """vLLM's version and its layers' kernels (best effort: {"error": ...} when unreadable)."""
+    import vllm
+
+    out: dict = {"vllm": str(getattr(vllm, "__version__", "unknown"))}
+    try:
+        # by its package name: run with -m, this module is __main__, which the worker lacks
+        from qforensics.demo import vllm_serve as me
+
+        got = llm.apply_model(me._layer_kernels)  # type: ignore[attr-defined]
+        out.update(got[0] if got else {})
+    except Exception as exc:  # older vLLM, or functions not shippable to the worker
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
 
 
 if __name__ == "__main__":

@@ -310,6 +310,9 @@ def _attach(runner: Any) -> None:
     opts = autoattach._options()
     meta = dict(opts.pop("metadata", None) or {})
     meta["engine"] = engine
+    src = model_source(runner)
+    if src:  # vLLM's `model=` argument: what `whatif` reruns by default
+        meta.setdefault("model_path", src)
     cap = VllmCapture(model, path, runner=runner, rank=engine["rank"],
                       world_size=engine["ranks"], metadata=meta, **opts)
     cap.attach()
@@ -317,11 +320,27 @@ def _attach(runner: Any) -> None:
         _captures[id(runner)] = cap
     autoattach.adopt(cap)
     _seal_at_process_exit(cap)
+    if os.environ.get("QFORENSICS_GUARD"):  # record --guard: the guard inside vLLM
+        from qforensics.engines.vllm_guard import install_guard
+
+        install_guard(runner, model)
     for line in engine["not_visible"]:
         sys.stderr.write(f"qforensics: vLLM: cannot see: {line} (record --eager turns both "
                          "off)\n")
     sys.stderr.write(f"qforensics: vLLM worker rank {engine['rank']}: capturing "
                      f"{type(model).__name__} into {cap.path}\n")
+
+
+def model_source(runner: Any) -> str | None:
+    """vLLM's ``model=`` argument: an absolute path when it names a local folder or file (a
+    GGUF), else the string as given (a hub id: `whatif` then says it is not here)."""
+    try:
+        m = runner.vllm_config.model_config.model
+    except Exception:
+        return None
+    if not isinstance(m, str) or not m:
+        return None
+    return os.path.abspath(m) if os.path.exists(m) else m
 
 
 def _seal_at_process_exit(cap: Any) -> None:

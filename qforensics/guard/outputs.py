@@ -8,15 +8,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["cache_of", "fetch", "input_of", "logits_of", "nonfinite_counts", "with_logits"]
+__all__ = ["cache_of", "fetch", "input_of", "logits_of", "nonfinite_counts", "split_output",
+           "with_logits"]
 
 _CACHE_KWARGS = ("past_key_values", "cache", "past_key_value", "layer_past")
 
 
 def input_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The floating-point activation a linear-like module was called with, or None."""
-    x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+    x = args[0] if args else kwargs.get("input", kwargs.get("x", kwargs.get("input_")))
     return x if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+
+
+def split_output(output: Any) -> tuple[torch.Tensor | None, Any]:
+    """(the float tensor a linear-like module returned, a function putting a replacement back
+    into the same container). A tensor, or a tuple/list whose first item is the tensor (vLLM's
+    linears return ``(output, output_bias)``); (None, None) otherwise."""
+    if isinstance(output, torch.Tensor):
+        return (output, _same) if output.is_floating_point() else (None, None)
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) \
+            and output[0].is_floating_point():
+        kind = type(output)
+        return output[0], lambda new: kind((new, *output[1:]))
+    return None, None
+
+
+def _same(new: torch.Tensor) -> torch.Tensor:
+    return new
 
 
 def logits_of(output: Any) -> torch.Tensor | None:

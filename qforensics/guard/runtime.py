@@ -134,7 +134,7 @@ class Guard(StepMachine):
             for name, mod in chosen:
                 self.names.append(name)
                 self._modules.append(mod)
-                fb, why = choose_fallback(name, mod, self.policy)
+                fb, why = self._choose_fallback(name, mod)
                 self._fallbacks.append(fb)
                 self._no_fallback[name] = why
                 self._state.append(HEALTHY)
@@ -160,6 +160,11 @@ class Guard(StepMachine):
             with _ACTIVE_LOCK:
                 _ACTIVE.pop(id(self.model), None)
             raise
+
+    def _choose_fallback(self, name: str, module: nn.Module) -> tuple[Fallback | None, str]:
+        """The fallback bound to a guarded module at set-up (an engine's guard adds its own
+        layouts first), or None and why there is none."""
+        return choose_fallback(name, module, self.policy)
 
     def _hook(self, i: int) -> None:
         if i not in self._mod_handles:

@@ -27,6 +27,7 @@ from qforensics.guard.outputs import (
     input_of,
     logits_of,
     nonfinite_counts,
+    split_output,
     with_logits,
 )
 from qforensics.guard.policy import GuardTripError
@@ -46,8 +47,9 @@ class StepMachine:
 
     # -- module hook (hot path for suspect modules and check="modules") -----------------------
     def _on_module(self, i: int, module: nn.Module, args: tuple, kwargs: dict,
-                   output: Any) -> Any:
-        if self._failed or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+                   result: Any) -> Any:
+        output, rebuild = split_output(result)  # a tensor, or vLLM's (output, bias)
+        if self._failed or output is None:
             return None
         try:
             st = self._state[i]
@@ -68,7 +70,7 @@ class StepMachine:
                 self._flags.append((i, torch.stack([s_in.float(), output.sum(dtype=torch.float32)])))
             if self._locating:
                 out = self._locate(i, args, kwargs, output, out)
-            return out if out is not output else None
+            return rebuild(out) if out is not output else None
         except Exception as exc:
             self._fail(exc)
             return None

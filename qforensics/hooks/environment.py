@@ -49,8 +49,17 @@ def _version(mod: str) -> str | None:
 
 
 def _model_path(model: nn.Module) -> str | None:
-    """The local HF folder the model was loaded from (config.json beside it), else None."""
-    p = getattr(getattr(model, "config", None), "_name_or_path", None)
+    """Where the model was loaded from: the GGUF file (transformers' ``gguf_file=``, kept in
+    ``config.quantization_config.gguf_file`` beside ``_name_or_path``), else the local HF
+    folder (config.json in it), as an absolute path; None when neither is known."""
+    cfg = getattr(model, "config", None)
+    p = getattr(cfg, "_name_or_path", None)
+    qc = getattr(cfg, "quantization_config", None)
+    gguf = qc.get("gguf_file") if isinstance(qc, dict) else getattr(qc, "gguf_file", None)
+    if isinstance(gguf, str) and gguf:
+        for cand in (gguf, os.path.join(p, gguf) if isinstance(p, str) and p else None):
+            if cand and cand.lower().endswith(".gguf") and os.path.isfile(cand):
+                return os.path.abspath(cand)
     if isinstance(p, str) and p and os.path.isfile(os.path.join(p, "config.json")):
         return os.path.abspath(p)
     return None

@@ -154,10 +154,59 @@ def _scale_value(module: nn.Module) -> torch.Tensor | float | None:
     return None
 
 
+# Kernels of vLLM's CPU build that keep activations in bf16/fp32 (W8A16): a checkpoint's
+# static input scale is loaded but never applied.
+_W8A16_KERNELS = ("CPUFp8PerTensorScaledMMLinearKernel", "CPUFp8BlockScaledMMKernel")
+
+
+def _kernel_of(module: nn.Module) -> Any:
+    """The GEMM kernel object a serving engine's layer runs (vLLM: `scheme.kernel` for
+    compressed-tensors INT8, `scheme.fp8_linear` / `quant_method.fp8_linear` for FP8)."""
+    for holder in (getattr(module, "scheme", None), getattr(module, "quant_method", None)):
+        for attr in ("kernel", "fp8_linear"):
+            k = getattr(holder, attr, None) if holder is not None else None
+            if k is not None:
+                return k
+    return None
+
+
+def input_scale_use(module: nn.Module) -> dict[str, Any]:
+    """Whether the layer's kernel quantizes its input with the static `input_scale`, as far as
+    the kernel object says: `applied` False, with the reason, for kernels that keep activations
+    unquantized (W8A16) or quantize them per token at run time; True otherwise (our own layers
+    and plain checkpoints apply it)."""
+    k = _kernel_of(module)
+    if k is None:
+        return {"applied": True}
+    name = type(k).__name__
+    method = getattr(getattr(k, "linear_method", None), "__name__", "")
+    out: dict[str, Any] = {"kernel": name + (f".{method.lstrip('_')}" if method else "")}
+    if name in _W8A16_KERNELS or getattr(k, "apply_input_quant", True) is False:
+        out.update(applied=False, why="the kernel keeps activations unquantized (W8A16)")
+    elif method == "_apply_weights_sgl":
+        out.update(applied=False, why="the kernel quantizes activations per token at run time "
+                                      "(int8_scaled_mm_with_quant); input_scale is unused")
+    else:
+        out["applied"] = True
+    return out
+
+
+def _zero_point(module: nn.Module) -> int | None:
+    z = getattr(module, "input_zero_point", None)
+    if isinstance(z, torch.Tensor) and z.numel() == 1 and not z.is_meta:
+        return int(z.reshape(()).item())
+    if isinstance(z, int) and not isinstance(z, bool):
+        return z
+    return None
+
+
 def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, Any] | None:
     """The static input scale a layer quantizes its activations with (`input_scale` of vLLM's
     and compressed-tensors' FP8/INT8 layers, and of our own static FP8 layer), and the range it
-    can represent: scale x 448 for FP8 e4m3, x 57344 for e5m2, x 127 for INT8."""
+    can represent: scale x 448 for FP8 e4m3, x 57344 for e5m2, x 127 for INT8. With an INT8
+    input zero point z (asymmetric), the representable inputs are [scale x (-128 - z),
+    scale x (127 - z)], kept as `lo`/`hi`; `range` is then the larger of |lo| and hi, so an
+    input beyond it saturates whatever its sign. `applied` says whether the kernel uses it."""
     v = _scale_value(module)
     if v is None:
         return None
@@ -171,17 +220,27 @@ def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, A
     q = quant or {}
     fmt = str(q.get("act_format") or "")
     w = getattr(module, "weight", None)
+    zp = _zero_point(module)
     if not fmt:
         fmt_hint = str(q.get("format") or "").lower()
-        if "int8" in fmt_hint or (isinstance(w, torch.Tensor) and w.dtype == torch.int8):
+        if "int8" in fmt_hint or zp is not None or (
+                isinstance(w, torch.Tensor) and w.dtype == torch.int8):
             fmt = "int8"
         elif "e5m2" in fmt_hint:
             fmt = "fp8-e5m2"
         else:
             fmt = "fp8-e4m3"
     qmax = {"int8": float(symmetric_qmax(8)), "fp8-e4m3": E4M3_MAX, "fp8-e5m2": E5M2_MAX}.get(fmt, E4M3_MAX)
-    return {"scale": hi, "scale_min": lo, "numel": numel, "format": fmt, "qmax": qmax,
-            "range": hi * qmax}
+    out = {"scale": hi, "scale_min": lo, "numel": numel, "format": fmt, "qmax": qmax,
+           "range": hi * qmax}
+    if fmt == "int8" and zp is not None and zp != 0 and numel == 1:
+        r_lo, r_hi = hi * (-128 - zp), hi * (127 - zp)
+        out.update(zero_point=zp, lo=r_lo, hi=r_hi, range=max(abs(r_lo), r_hi),
+                   qmax=max(abs(r_lo), r_hi) / hi if hi else qmax)
+    elif zp is not None:
+        out["zero_point"] = zp
+    out.update(input_scale_use(module))
+    return out
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

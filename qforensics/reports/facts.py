@@ -240,17 +240,16 @@ class ChannelView:
 
 
 def _row_for(trace: Trace, step: int, call_index: int | None, module: str) -> int | None:
-    recs = trace.records(step)
-    sel = recs[(recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)]
-    if call_index is not None and call_index >= 0:
-        hit = sel[sel["call_index"] == call_index]
-    else:
-        hit = sel[sel["module"] == module]
-    if hit.empty:
-        hit = sel[sel["module"] == module]
-    if hit.empty:
+    recs = trace.record_table(step)
+    sel = (recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)
+    by_module = sel & (recs["module"] == module)
+    hit = sel & (recs["call_index"] == call_index) if call_index is not None and call_index >= 0 \
+        else by_module
+    if not hit.any():
+        hit = by_module
+    if not hit.any():
         return None
-    return int(hit["row"].iloc[0])
+    return int(recs["row"][np.argmax(hit)])
 
 
 def read_channels(trace: Trace, findings: Findings) -> ChannelView | None:

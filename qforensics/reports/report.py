@@ -95,21 +95,21 @@ def _status_class(status: str) -> str:
 
 
 def _logits_figure(trace: Trace, findings: Findings) -> plots.Figure | None:
-    st = trace.steps
-    if st.empty or not (st["has_logits"] > 0).any():
+    steps = trace.step_table
+    if steps.empty or not (steps["has_logits"] > 0).any():
         return None
-    st = st[st["has_logits"] > 0]
-    nonfinite = ((st["logits_nan"] > 0) | (st["logits_inf"] > 0)).to_numpy()
+    st = steps.take(steps["has_logits"] > 0)
+    nonfinite = (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
     first_bad = findings.first_nonfinite.step if findings.first_nonfinite is not None else None
     if first_bad is None:
-        bad_calls = trace.steps[trace.steps["first_nonfinite_call"] >= 0]
-        if not bad_calls.empty:
-            first_bad = int(bad_calls["step"].iloc[0])
+        bad_calls = steps["step"][steps["first_nonfinite_call"] >= 0]
+        if len(bad_calls):
+            first_bad = int(bad_calls[0])
         elif nonfinite.any():
-            first_bad = int(st["step"].to_numpy()[np.argmax(nonfinite)])
-    return plots.plot_logits(st["step"].to_numpy(), st["logits_min"].to_numpy(np.float64),
-                             st["logits_max"].to_numpy(np.float64),
-                             st["logits_mean"].to_numpy(np.float64), nonfinite, first_bad)
+            first_bad = int(st["step"][np.argmax(nonfinite)])
+    return plots.plot_logits(st["step"], st["logits_min"].astype(np.float64),
+                             st["logits_max"].astype(np.float64),
+                             st["logits_mean"].astype(np.float64), nonfinite, first_bad)
 
 
 def _heatmap_figure(trace: Trace, findings: Findings) -> plots.Figure | None:

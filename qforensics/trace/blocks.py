@@ -9,14 +9,14 @@ no caller ever sees or adds up an offset. No torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import h5py
 import numpy as np
-import pandas as pd
 
 from qforensics.errors import TraceFormatError, TraceUnreadableError
 from qforensics.trace import schema
+from qforensics.trace.table import Table
 from qforensics.trace.validate import checked_span, read, valid_spans
 
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
@@ -80,14 +80,17 @@ def plan_spans(where: str, rows: np.ndarray, offsets: np.ndarray, counts: np.nda
     return spans, int(o.min()), int((o + c).max())  # o + c <= limit: no wrap
 
 
-def frame_columns(recs: pd.DataFrame, tokens: bool = True) -> tuple[np.ndarray, ...]:
-    """(row, chan_offset, channels, tok_offset, tok_count) of a records frame; without
-    `tokens`, token offsets of -1 (nothing to read)."""
-    rows = recs["row"].to_numpy(np.int64)
+def frame_columns(recs: Any, tokens: bool = True) -> tuple[np.ndarray, ...]:
+    """(row, chan_offset, channels, tok_offset, tok_count) of records (a `Table` from
+    `record_table()` or a DataFrame from `records()`); without `tokens`, token offsets of -1
+    (nothing to read)."""
+    def col(name: str) -> np.ndarray:
+        return np.asarray(recs[name], dtype=np.int64)
+
+    rows = col("row")
     none = np.full(len(rows), -1, np.int64)
-    return (rows, recs["chan_offset"].to_numpy(np.int64), recs["channels"].to_numpy(np.int64),
-            recs["tok_offset"].to_numpy(np.int64) if tokens else none,
-            recs["tok_count"].to_numpy(np.int64) if tokens else none)
+    return (rows, col("chan_offset"), col("channels"),
+            col("tok_offset") if tokens else none, col("tok_count") if tokens else none)
 
 
 class ChannelAccess:
@@ -105,7 +108,9 @@ class ChannelAccess:
                     fields: list[str] | None = None) -> dict[str, np.ndarray]:
         raise NotImplementedError  # provided by Trace
 
-    def records(self, step: int | None = None, **kw: Any) -> pd.DataFrame:
+    _rec_cols: dict[str, np.ndarray]  # whole-trace record columns kept by Trace
+
+    def record_table(self, step: int | None = None, **kw: Any) -> Table:
         raise NotImplementedError  # provided by Trace
 
     def channel_span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +135,7 @@ class ChannelAccess:
         lo, hi = checked_span(lo, int(hi) - int(lo), n, f"{self.path}: /tokens/absmax")
         return read(self._ds("tokens/absmax"), slice(lo, hi), self.path).astype(np.float32)
 
-    def channel_block(self, recs: pd.DataFrame, tokens: bool = True) -> ChannelBlock:
+    def channel_block(self, recs: Any, tokens: bool = True) -> ChannelBlock:
         """Per-channel (min, max) and per-token absmax of the records in `recs` (rows of
         `records()`, usually one step's), each array read in one bounds-checked call."""
         rows, coff, ccnt, toff, tcnt = frame_columns(recs, tokens)
@@ -148,10 +153,11 @@ class ChannelAccess:
 
     def step_block(self, step: int) -> ChannelBlock:
         """`channel_block` of every record of one step."""
-        return self.channel_block(self.records(step))
+        return self.channel_block(self.record_table(step))
 
-    def channel_ranges(self, row: int | pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-channel (min, max) of one record as float32, or None when not stored."""
+    def channel_ranges(self, row: int | Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per-channel (min, max) of one record as float32, or None when not stored. `row` is
+        a record row, or a record (a row of `record_table()` or of `records()`)."""
         rec = self._record(row)
         off, n = int(rec["chan_offset"]), int(rec["channels"])
         if off < 0:
@@ -161,7 +167,7 @@ class ChannelAccess:
         lo, hi = checked_span(off, n, limit, f"{self.path}: record {rec['row']} channels")
         return self.channel_span(lo, hi)
 
-    def token_absmax(self, row: int | pd.Series) -> np.ndarray | None:
+    def token_absmax(self, row: int | Mapping[str, Any]) -> np.ndarray | None:
         rec = self._record(row)
         off, n = int(rec["tok_offset"]), int(rec["tok_count"])
         if off < 0:
@@ -170,22 +176,24 @@ class ChannelAccess:
                               f"{self.path}: record {rec['row']} tokens")
         return self.token_span(lo, hi)
 
-    def _record(self, row: int | pd.Series) -> dict[str, Any]:
-        if isinstance(row, pd.Series):
-            return {"row": row.get("row", -1), **{k: row[k] for k in
-                    ("chan_offset", "channels", "tok_offset", "tok_count")}}
+    def _record(self, row: Any) -> dict[str, Any]:
+        fields = ("chan_offset", "channels", "tok_offset", "tok_count")
+        if not isinstance(row, (int, np.integer)):  # a record: a dict or a pandas Series
+            return {"row": row.get("row", -1), **{k: row[k] for k in fields}}
         row = int(row)
         if not 0 <= row < self._lengths["records"]:
             raise TraceFormatError(f"{self.path}: no record row {row}")
-        d = self._read_table("records", schema.RECORD_COLUMNS, row, row + 1,
-                             ["chan_offset", "channels", "tok_offset", "tok_count"])
+        kept = self._rec_cols
+        if all(k in kept and row < len(kept[k]) for k in fields):
+            return {"row": row, **{k: kept[k][row] for k in fields}}
+        d = self._read_table("records", schema.RECORD_COLUMNS, row, row + 1, list(fields))
         return {"row": row, **{k: v[0] for k, v in d.items()}}
 
     def channels_for(self, module: str, step: int, io: int = schema.IO_INPUT,
                      slot: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
         """Per-channel (min, max) of `module`'s input (or output) at `step` (first call)."""
-        df = self.records(step)
-        sel = df[(df["module"] == module) & (df["io"] == io) & (df["slot"] == slot)]
-        if sel.empty:
+        t = self.record_table(step)
+        hit = np.nonzero((t["module"] == module) & (t["io"] == io) & (t["slot"] == slot))[0]
+        if not len(hit):
             return None
-        return self.channel_ranges(int(sel["row"].iloc[0]))
+        return self.channel_ranges(int(t["row"][hit[0]]))

@@ -103,6 +103,12 @@ class StaticInput:
     format: str
     qmax: float
     range: float
+    applied: bool = True  # False: the layer's kernel does not quantize with it (`why`)
+    kernel: str = ""
+    why: str = ""
+    lo: float | None = None  # asymmetric INT8: the representable inputs [lo, hi]
+    hi: float | None = None
+    zero_point: int | None = None
 
 
 @dataclass
@@ -178,14 +184,31 @@ def _static(module: str, d: Any) -> StaticInput | None:
         return None
     if not all(math.isfinite(v) and v > 0 for v in (scale, smin, qmax, rng)):  # type: ignore
         return None  # a zero, negative or non-finite scale is not a range to compare with
-    return StaticInput(module, scale, smin, fmt[:40], qmax, rng)  # type: ignore[arg-type]
+    applied = d.get("applied", True)
+    if not isinstance(applied, bool):
+        return None
+    lo, hi, zp = d.get("lo"), d.get("hi"), d.get("zero_point")
+    if lo is not None or hi is not None:
+        lo, hi = _num(lo), _num(hi)
+        if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)) or not (
+                lo <= 0.0 <= hi):
+            return None
+    if zp is not None and (isinstance(zp, bool) or not isinstance(zp, int)
+                           or not -(2 ** 31) <= zp < 2 ** 31):
+        return None
+    return StaticInput(module, scale, smin, fmt[:40], qmax, rng,  # type: ignore[arg-type]
+                       applied, _text(d.get("kernel")), _text(d.get("why")), lo, hi, zp)
+
+
+def _text(v: Any) -> str:
+    return v[:200] if isinstance(v, str) else ""
 
 
 def read_module_infos(trace: Trace) -> ModuleInfos:
     """Parse and validate every module's info JSON once."""
     out = ModuleInfos()
-    for name, kind, raw in zip(trace.modules["name"], trace.modules["kind"],
-                               trace.modules["info"]):
+    cols = trace.module_columns
+    for name, kind, raw in zip(cols["name"], cols["kind"], cols["info"]):
         name = _name(name)
         try:
             info = json.loads(raw) if raw else {}

@@ -116,13 +116,15 @@ INCIDENT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("module_id", "i4", ()),  # -1 when the module is not hooked by capture
     ("module", "S128", ()),
     ("action", "S24", ()),  # fallback | breaker_open | breaker_fallback | sanitize_logits |
-    #                         no_rollback
+    #                         no_rollback | vLLM: dequantized | request_repaired |
+    #                         request_sanitized | guard_off
     ("nan_count", "i8", ()),
     ("inf_count", "i8", ()),
     ("detail", "S160", ()),
 ]
 INCIDENT_ACTIONS = ("fallback", "breaker_open", "breaker_fallback", "sanitize_logits",
-                    "no_rollback")
+                    "no_rollback", "dequantized", "request_repaired", "request_sanitized",
+                    "guard_off")
 
 # /engine/*: what a serving engine's step means (vLLM). Tables of self-describing rows (no
 # offsets), all empty for a plain HF run; a reader tolerates their absence (older 1.0 files).

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import pandas as pd
 
 from qforensics.errors import TraceFormatError
 from qforensics.trace import schema
+from qforensics.trace.table import Table
 from qforensics.trace.validate import checked_span, parse_json, read
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["MAX_SNAPSHOT_ELEMENTS", "SnapshotAccess"]
 
@@ -29,7 +33,7 @@ class SnapshotAccess:
     _lengths: dict[str, int]
     _has_incidents: bool
     n_modules: int
-    modules: pd.DataFrame
+    module_names: np.ndarray
 
     def _ds(self, path: str) -> h5py.Dataset:  # provided by Trace
         raise NotImplementedError
@@ -39,27 +43,31 @@ class SnapshotAccess:
         raise NotImplementedError  # provided by Trace
 
     @cached_property
-    def snapshots(self) -> pd.DataFrame:
+    def snapshot_table(self) -> Table:
+        """The /snapshots/index rows as a `Table`, strings decoded, with `module` (its name)."""
         data = self._read_table("snapshots/index", schema.SNAPSHOT_COLUMNS)
-        df = pd.DataFrame({k: v for k, v in data.items()})
         for col in ("reason", "name", "dtype", "shape"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        mod = df["module_id"].to_numpy() if len(df) else np.zeros(0, int)
-        names = self.modules["name"].to_numpy()
+            data[col] = _decode(data[col])
+        mod = data["module_id"]
+        names = self.module_names
         ok = (mod >= 0) & (mod < self.n_modules)
-        df["module"] = [names[m] if k else f"<unknown {m}>" for m, k in zip(mod, ok)]
-        return df
+        data["module"] = _objects([names[m] if k else f"<unknown {m}>" for m, k in zip(mod, ok)])
+        return Table(data)
+
+    @cached_property
+    def snapshots(self) -> pd.DataFrame:
+        return self.snapshot_table.to_frame()
 
     def snapshot_tensors(self, call_index: int) -> dict[str, np.ndarray]:
         """The tensors kept for one call, validated (dtype whitelist, shape vs byte count)."""
-        df = self.snapshots
-        sel = df[df["call_index"] == int(call_index)]
-        if sel.empty:
+        t = self.snapshot_table
+        hit = np.nonzero(t["call_index"] == int(call_index))[0]
+        if not len(hit):
             raise TraceFormatError(f"{self.path}: no snapshot for call {call_index}; calls with "
-                                   f"snapshots: {sorted(set(df['call_index'].tolist()))}")
+                                   f"snapshots: {sorted(set(t['call_index'].tolist()))}")
         out: dict[str, np.ndarray] = {}
         data = self._ds("snapshots/data")
-        for _, r in sel.iterrows():
+        for r in (t.row(int(i)) for i in hit):
             where = f"{self.path}: snapshot {r['name']!r} of call {call_index}"
             if r["dtype"] not in schema.SNAPSHOT_DTYPES:
                 raise TraceFormatError(f"{where}: dtype {r['dtype']!r} not allowed")
@@ -78,13 +86,32 @@ class SnapshotAccess:
         return out
 
     @cached_property
-    def incidents(self) -> pd.DataFrame:
-        """Runtime-guard trips (qforensics.guard): step, call_index, module, action, counts."""
-        cols = [c for c, _, _ in schema.INCIDENT_COLUMNS]
+    def incident_table(self) -> Table:
+        """Runtime-guard trips (qforensics.guard) as a `Table`: step, call_index, module,
+        action, counts, detail."""
         if not self._has_incidents:
-            return pd.DataFrame({c: [] for c in cols})
+            return Table({c: np.zeros(0, dt) if "S" not in dt else _objects([])
+                          for c, dt, _ in schema.INCIDENT_COLUMNS})
         data = self._read_table("incidents", schema.INCIDENT_COLUMNS)
-        df = pd.DataFrame(data)
         for col in ("module", "action", "detail"):
-            df[col] = [v.decode("utf-8", "replace") for v in df[col]] if len(df) else []
-        return df
+            data[col] = _decode(data[col])
+        return Table(data)
+
+    @cached_property
+    def incidents(self) -> pd.DataFrame:
+        """`incident_table` as a pandas DataFrame."""
+        import pandas as pd
+
+        if not self._has_incidents:
+            return pd.DataFrame({c: [] for c, _, _ in schema.INCIDENT_COLUMNS})
+        return self.incident_table.to_frame()
+
+
+def _objects(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _decode(values: np.ndarray) -> np.ndarray:
+    return _objects([v.decode("utf-8", "replace") for v in values])

@@ -171,10 +171,12 @@ def _short(exc: object, limit: int = 300) -> str:
 
 
 # -- structure ---------------------------------------------------------------------------------
-def check_self_contained(f: h5py.File, path: str) -> list[str]:
+def check_self_contained(f: h5py.File, path: str,
+                         found: dict[str, h5py.Dataset] | None = None) -> list[str]:
     """Refuse soft/external links, virtual datasets and external storage anywhere in the file.
     Returns the groups that could not be listed (a damaged or cut-short file), which the caller
-    reports as unreadable."""
+    reports as unreadable. `found`, when given, receives every dataset checked, by path without
+    the leading slash (so that the reader need not look them up again)."""
     bad: list[str] = []
     unreadable: list[str] = []
     stack: list[h5py.Group] = [f]
@@ -209,6 +211,8 @@ def check_self_contained(f: h5py.File, path: str) -> list[str]:
                         bad.append(full + " (virtual dataset)")
                     elif obj.external:
                         bad.append(full + " (external storage)")
+                    elif found is not None:
+                        found[full.lstrip("/")] = obj
                 except _UNREADABLE:
                     unreadable.append(full)
     if bad:
@@ -245,7 +249,8 @@ def parse_json(raw: Any, where: str, *, max_bytes: int = MAX_JSON_BYTES,
         raise TraceFormatError(f"{where}: expected a JSON string, found {type(raw).__name__}")
     if len(raw) > max_bytes:
         raise TraceFormatError(f"{where}: JSON larger than {max_bytes} bytes")
-    if json_depth(raw) > max_depth:
+    # depth <= the number of opening brackets: only a text with more of them needs the scan
+    if raw.count("[") + raw.count("{") > max_depth and json_depth(raw) > max_depth:
         raise TraceFormatError(f"{where}: JSON nested deeper than {max_depth} levels")
     try:
         return json.loads(raw, parse_constant=_no_constant)

@@ -3,10 +3,14 @@
 ``--model`` takes an HF folder (a directory with config.json), a GGUF file (loaded through
 transformers' ``gguf_file=``), or ``module:factory`` (a Python module or .py file and a
 callable returning a model or ``(model, tokenizer)``). Without it, the model path the trace
-recorded (``environment.model_path``) is used when there is one, else the demo model
-(SmolLM2-135M-Instruct) - and in every case the model must match the trace: same class, vocab
-size, module names and parameter shapes of the hooked modules. A mismatch is a `UsageError`
-(exit 2) that says what differs; what-if never quietly measures a model the trace is not of.
+recorded (``environment.model_path``: the HF folder or GGUF file capture saw the model loaded
+from, vLLM's ``model=``, or ``demo``) is used, validated as untrusted input (an existing
+absolute path or "demo"; a factory named by a trace is never imported); a trace without one is
+refused (exit 2) unless the demo scenarios wrote it. In every case the model must match the
+trace: same class, vocab size, module names and parameter shapes of the hooked modules (a vLLM
+trace's fused layers are matched through the HF names it recorded). A mismatch is a
+`UsageError` (exit 2) that says what differs; what-if never quietly measures a model the trace
+is not of.
 """
 
 from __future__ import annotations
@@ -61,24 +65,71 @@ def _classify(spec: str, origin: str) -> ModelSource:
 
 
 def recorded_model_path(meta: dict[str, Any]) -> str | None:
+    """The model path the trace recorded (``environment.model_path``), as stored: untrusted."""
     env = meta.get("environment") if isinstance(meta, dict) else None
     path = env.get("model_path") if isinstance(env, dict) else None
     return path if isinstance(path, str) and path.strip() else None
 
 
+def _demo_scenario(meta: dict[str, Any]) -> str | None:
+    """The demo scenario a trace without a model path was recorded by (traces the demo wrote
+    before it recorded ``model_path: demo``), else None."""
+    env = meta.get("environment") if isinstance(meta, dict) else None
+    name = env.get("scenario") if isinstance(env, dict) else None
+    if not isinstance(name, str):
+        return None
+    from qforensics.demo.scenarios import SCENARIOS
+
+    return name if name in SCENARIOS else None
+
+
+_MAX_PATH = 4096
+
+
+def _from_trace(recorded: str) -> ModelSource:
+    """The recorded model path, validated as untrusted input: an absolute path to an existing
+    HF folder or .gguf file, or "demo". Never a factory: code named by a trace is not imported."""
+    origin = "the trace's metadata"
+    shown = recorded[:200] + ("..." if len(recorded) > 200 else "")
+    if recorded == DEMO:
+        return ModelSource(DEMO, DEMO, origin)
+    if len(recorded) > _MAX_PATH or any(ord(c) < 32 for c in recorded):
+        raise UsageError("the trace's model path is malformed (control characters or longer "
+                         f"than {_MAX_PATH}); pass --model PATH")
+    p = Path(recorded)
+    if not p.exists():
+        mod, sep, fn = recorded.rpartition(":")
+        if sep and mod and fn.isidentifier():
+            raise UsageError(f"the trace names a model factory ({shown}); what-if never imports "
+                             "code a trace names: pass --model yourself if you trust it")
+        raise UsageError(f"the trace was recorded from {shown}, which is not here (anymore); "
+                         "pass --model PATH (an HF folder, a .gguf file or module:factory)")
+    if not p.is_absolute():
+        raise UsageError(f"the trace's model path {shown} is relative: it would depend on the "
+                         "current folder; pass --model PATH")
+    if p.is_dir() and (p / "config.json").is_file():
+        return ModelSource("hf", str(p), origin)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return ModelSource("gguf", str(p), origin)
+    raise UsageError(f"the trace's model path {shown} is neither an HF folder (config.json) nor "
+                     "a .gguf file; pass --model PATH")
+
+
 def resolve_model_source(model: str | None, meta: dict[str, Any] | None) -> ModelSource:
-    """Which model to run: ``--model``, else the trace's recorded path, else the demo."""
+    """Which model to run: ``--model``; else the path the trace recorded (validated, never
+    imported); else, for a trace the demo scenarios wrote before they recorded a path, the demo
+    model. A trace with no usable model path is a `UsageError` (exit 2)."""
     if model:
         return ModelSource(DEMO, DEMO, "--model") if model == DEMO else _classify(model, "--model")
     recorded = recorded_model_path(meta or {})
-    if recorded:
-        if recorded == DEMO:
-            return ModelSource(DEMO, DEMO, "the trace's metadata")
-        if not Path(recorded).expanduser().exists() and ":" not in recorded:
-            raise UsageError(f"the trace was recorded from {recorded}, which is not here; "
-                             "pass --model PATH (an HF folder, a .gguf file or module:factory)")
-        return _classify(recorded, "the trace's metadata")
-    return ModelSource(DEMO, DEMO, "default")
+    if recorded is not None:
+        return _from_trace(recorded)
+    scenario = _demo_scenario(meta or {})
+    if scenario is not None:
+        return ModelSource(DEMO, DEMO, f"the trace's demo scenario {scenario!r}")
+    raise UsageError("the trace records no model path (its program did not load the model from "
+                     "a folder or a GGUF file); pass --model PATH (an HF folder, a .gguf file, "
+                     "module:factory) or --model demo")
 
 
 def _factory(spec: str) -> Any:
@@ -183,9 +234,17 @@ def describe_mismatch(trace: Any, model: Any) -> list[str]:
     named = dict(model.named_modules())
     missing, shapes = [], []
     mods = trace.modules
+    engine = env.get("engine") if isinstance(env.get("engine"), dict) else {}
+    fused = engine.get("hf_names") if isinstance(engine.get("hf_names"), dict) else {}
     for mid, name in mods["name"].items():
         if not name:
             continue  # the root
+        parts = fused.get(name)
+        if isinstance(parts, list) and parts and all(isinstance(x, str) for x in parts):
+            # a vLLM fused layer (qkv_proj, gate_up_proj): the HF layers it holds must exist;
+            # its shapes are the concatenation, not theirs
+            missing.extend(x for x in parts if x not in named)
+            continue
         mod = named.get(name)
         if mod is None:
             missing.append(name)

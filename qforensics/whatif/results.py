@@ -29,11 +29,16 @@ class SchemeResult:
     nonfinite: bool  # the scheme produced NaN/Inf logits
     text: str  # the scheme's own greedy continuation
     seconds: float
+    # the same scheme through vLLM's kernels (whatif --engine vllm; qforensics.whatif.through_vllm)
+    vllm: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("top1", "kl", "ppl", "text_top1", "recovered"):
             d[k] = _num(d[k])
+        d["path"] = "HF fake-quant (the model's dtype, against the model as loaded)"
+        if isinstance(self.vllm, dict):
+            d["vllm"] = {k: (_num(v) if isinstance(v, float) else v) for k, v in self.vllm.items()}
         return d
 
 
@@ -103,12 +108,33 @@ class WhatIfResult:
                      f"ppl and text top-1: {self.text_tokens} tokens of fixed text; "
                      "recovered = ppl_ref / ppl")
         lines.append(f"salient channels: {self.salient_source}")
+        lines.append("these figures: HF fake-quant (qforensics' quantize-dequantize in the "
+                     "model's dtype, against the unquantized model as loaded)")
+        lines += self._vllm_lines(pct, num)
         if c["best_scheme"] is not None:
             verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
                        else "does not hold for any scheme run")
             lines.append(f"claim '{c['claim']}': {verdict}; best recovered: "
                          f"{c['best_scheme']} at {100 * c['best_recovered']:.2f}%")
         return "\n".join(lines)
+
+    def _vllm_lines(self, pct: Any, num: Any) -> list[str]:
+        done = [s for s in self.schemes if isinstance(s.vllm, dict) and "ppl" in s.vllm]
+        if not done:
+            return []
+        head = ("scheme (through vLLM)", "answer top-1", "ppl", "ppl ref", "text top-1",
+                "recovered")
+        rows = [(s.scheme + (" [NaN]" if s.vllm.get("nonfinite") else ""),
+                 pct(s.vllm["top1"]), num(s.vllm["ppl"], ".2f"), num(s.vllm["ref_ppl"], ".2f"),
+                 pct(s.vllm["text_top1"]), pct(s.vllm["recovered"])) for s in done]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        out = ["", *["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]]
+        out.insert(2, "  ".join("-" * w for w in widths))
+        out.append("these figures: vLLM's own kernels on the AWQ checkpoint, each against vLLM's "
+                   "unquantized bfloat16 run of the same weights (top-1: same top token)")
+        out += [f"  {s.scheme}: {s.vllm['path']}" for s in done]
+        return out
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -25,15 +25,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from qforensics.errors import UsageError
 from qforensics.whatif.results import CLAIM, SchemeResult, WhatIfResult
+from qforensics.whatif.schemes import (
+    TABLE_SCHEMES,
+    WhatIfScheme,
+    parse_keep_salient,
+    parse_whatif_scheme,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,100 +57,6 @@ __all__ = [
 ]
 
 TEXT_RESOURCE = "perplexity.txt"
-
-# The scenario schemes, as what-if specs (weights "w:", activations "act:")
-TABLE_SCHEMES: tuple[str, ...] = (
-    "w:int4-per-tensor",
-    "w:int4-g128",
-    "w:int4-g128-salient1pct",
-    "act:int8-per-tensor",
-    "act:fp8-e4m3-nosat",
-    "act:fp8-e4m3",
-)
-
-_PREFIX = {"w": "weights", "weights": "weights", "a": "activations", "act": "activations",
-           "activations": "activations"}
-
-
-@dataclass(frozen=True)
-class WhatIfScheme:
-    """A weight scheme and/or an activation scheme, applied together."""
-
-    label: str
-    weights: Any = None  # QuantScheme
-    activations: Any = None  # QuantScheme
-    library: str | None = None  # "compressed-tensors": the library's own preset, ``preset``
-    preset: str | None = None
-
-    @property
-    def needs_salient(self) -> bool:
-        return self.weights is not None and self.weights.keep_salient is not None
-
-
-def parse_keep_salient(text: str | float | None) -> float | None:
-    """``"1%"`` -> 0.01, ``"0.01"`` -> 0.01; None passes through. UsageError when invalid."""
-    if text is None:
-        return None
-    raw = str(text).strip()
-    try:
-        val = float(raw[:-1]) / 100.0 if raw.endswith("%") else float(raw)
-    except ValueError:
-        raise UsageError(f"--keep-salient {raw!r}: expected a percentage like 1% or a fraction "
-                         "like 0.01") from None
-    if not 0.0 < val < 1.0:
-        raise UsageError(f"--keep-salient {raw!r}: must be between 0% and 100% (exclusive)")
-    return val
-
-
-def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfScheme:
-    """Parse ``[w:|act:]SPEC[+[w:|act:]SPEC]``.
-
-    Without a prefix, ``fp8-*`` and ``*-per-token`` specs are activation schemes and other INT
-    specs are weight schemes. ``keep_salient`` adds salient protection to the INT weight part.
-    Raises `QuantSchemeError` (a UsageError) for a bad spec.
-    """
-    from qforensics.quant import parse_scheme
-    from qforensics.quant.errors import QuantSchemeError
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
-    lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+)$", spec.strip(), re.IGNORECASE)
-    if lib:  # a real library's preset, measured through it (qforensics.whatif.library)
-        from qforensics.whatif.library import check_compressed_tensors_preset
-
-        preset = lib.group(2).upper()
-        check_compressed_tensors_preset(preset)
-        return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
-    weights = activations = None
-    for part in spec.strip().split("+"):
-        part = part.strip()
-        target = None
-        m = re.match(r"^([a-z]+):(.*)$", part, re.IGNORECASE)
-        if m:
-            target = _PREFIX.get(m.group(1).lower())
-            if target is None:
-                raise QuantSchemeError(f"bad what-if scheme {spec!r}: prefix {m.group(1)!r} is "
-                                       "not w: (weights) or act: (activations)")
-            part = m.group(2).strip()
-        if target is None:
-            low = part.lower()
-            target = ("activations" if low.startswith("fp8") or "per-token" in low
-                      else "weights")
-        if target == "weights":
-            if weights is not None:
-                raise QuantSchemeError(f"bad what-if scheme {spec!r}: two weight schemes")
-            ks = keep_salient
-            if ks is not None and (part.lower().startswith("fp8") or "salient" in part.lower()):
-                ks = None  # fp8 cannot; an explicit -salient suffix wins
-            weights = parse_scheme(part, "weights", keep_salient=ks)
-        else:
-            if activations is not None:
-                raise QuantSchemeError(f"bad what-if scheme {spec!r}: two activation schemes")
-            activations = parse_scheme(part, "activations")
-    label = "+".join(x for x in (f"w:{weights}" if weights else "",
-                                 f"act:{activations}" if activations else "") if x)
-    return WhatIfScheme(label, weights, activations)
-
 
 # -- model and inputs ---------------------------------------------------------------------------
 _DEMO: tuple[Any, Any] | None = None
@@ -238,6 +148,10 @@ class WhatIf:
                 from qforensics.whatif.library import applied_compressed_tensors
 
                 stack.enter_context(applied_compressed_tensors(self.model, sc.preset))
+            if sc.library == "awq":
+                from qforensics.whatif.through_vllm import applied_awq
+
+                stack.enter_context(applied_awq(self.model, sc.awq_group))
             if sc.weights is not None:
                 stack.enter_context(quantize_weights(self.model, sc.weights,
                                                      act_absmax=absmax if sc.needs_salient
@@ -307,6 +221,26 @@ def _absmax_for(whatif: WhatIf, trace_path: str | None, say: Callable[[str], Non
     return found, source
 
 
+def engine_prompt_ids(trace: Any) -> Any:
+    """A serving-engine (vLLM) trace: the prompt of its first request, gathered from its
+    prefill rows (a step's input ids hold the rows of several requests), else None."""
+    rows = trace.engine_table("rows")
+    if not len(rows):
+        return None
+    import numpy as np
+
+    first = rows[(rows["request"] == rows["request"].min()) & (rows["phase"] == 0)]
+    first = first.sort_values("position").drop_duplicates("position")
+    parts = []
+    for step, g in first.groupby("step", sort=True):
+        step_ids = np.asarray(trace.input_ids(int(step)))
+        idx = g["row"].to_numpy()
+        if len(idx) and int(idx.max()) >= len(step_ids):
+            return None  # rows beyond the recorded ids: not trustworthy
+        parts.append(step_ids[idx])
+    return np.concatenate(parts) if parts else None
+
+
 def run_whatif(
     trace: str | os.PathLike[str] | None,
     schemes: Sequence[str | WhatIfScheme],
@@ -318,6 +252,8 @@ def run_whatif(
     max_new_tokens: int = 32,
     text_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
+    engine: str = "hf",
+    vllm_python: str | None = None,
 ) -> WhatIfResult:
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
@@ -327,12 +263,25 @@ def run_whatif(
     else the demo model) is loaded (`qforensics.whatif.model`). With a trace, the model must
     match it (class, vocab size, module names, shapes): `UsageError` otherwise. ``progress``
     receives one line per scheme. Every weight change is undone before returning.
+    ``engine="vllm"`` also measures the ``awq:`` schemes through vLLM's own kernels
+    (`qforensics.whatif.through_vllm`; ``vllm_python``: the Python that has vLLM), next to the
+    HF fake-quant figures, in each result's ``vllm``.
     """
     say = progress or (lambda msg: None)
     parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
               for s in schemes]
     if not parsed:
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    if engine not in ("hf", "vllm"):
+        raise UsageError(f"unknown engine {engine!r}: hf or vllm")
+    python = None
+    if engine == "vllm":
+        from qforensics.whatif.through_vllm import resolve_vllm_python
+
+        if not any(s.library == "awq" for s in parsed):
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] schemes through vLLM; give "
+                             "one (e.g. --scheme awq:w4a16-g64)")
+        python = resolve_vllm_python(vllm_python)  # before loading anything
     from qforensics.whatif.model import (ModelSource, check_model_matches, load_model_source,
                                          resolve_model_source)
 
@@ -345,12 +294,18 @@ def run_whatif(
 
         with open_trace(trace_path) as t:
             meta = t.meta
+            what = "step-0 input ids"
             if t.n_steps:
                 try:
-                    ids = t.input_ids(int(t.steps["step"].iloc[0]))
+                    ids = engine_prompt_ids(t)
+                    if ids is not None:
+                        what = "first request's prompt"
+                    else:
+                        ids = t.input_ids(int(t.steps["step"].iloc[0]))
                 except Exception as exc:  # malformed ids: say so, use the demo prompt
-                    log.warning("%s: cannot read step 0 input ids (%s)", trace_path, exc)
-            prompt_source = (f"the trace's step-0 input ids ({len(ids)} tokens)"
+                    log.warning("%s: cannot read the prompt's input ids (%s)", trace_path, exc)
+                    ids = None
+            prompt_source = (f"the trace's {what} ({len(ids)} tokens)"
                              if ids is not None and len(ids) else
                              "the demo prompt (the trace stores no input ids)")
             if ids is not None and not len(ids):
@@ -380,9 +335,31 @@ def run_whatif(
                           ref_ppl=wi.ref_ppl, positions=int(wi.targets.numel()),
                           text_tokens=int(wi.text_ids.shape[1]))
     for k, sc in enumerate(parsed):
+        if sc.library == "awq":
+            from qforensics.whatif.through_vllm import check_awq_fits
+
+            check_awq_fits(model, sc.awq_group)
         r = wi.measure(sc, absmax)
         result.schemes.append(r)
-        say(f"[{k + 1}/{len(parsed)}] {r.scheme}: top-1 {100 * r.top1:.1f}%, KL {r.kl:.4f}, "
-            f"ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
+        say(f"[{k + 1}/{len(parsed)}] {r.scheme} (HF fake-quant): top-1 {100 * r.top1:.1f}%, "
+            f"KL {r.kl:.4f}, ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
             + (" (NaN logits)" if r.nonfinite else "") + f" [{r.seconds:.1f}s]")
+    if python is not None:
+        from qforensics.whatif.through_vllm import measure_through_vllm
+
+        awq = [r for r, sc in zip(result.schemes, parsed) if sc.library == "awq"]
+        groups = sorted({sc.awq_group for sc in parsed if sc.library == "awq"})
+        figs = measure_through_vllm(model, tokenizer, groups, wi.text_ids[0].tolist(),
+                                    wi.ref_full[0].tolist(), wi.n_prompt, python=python,
+                                    progress=say)
+        for r in awq:
+            r.vllm = figs[int(r.scheme.rsplit("-g", 1)[-1])]
+            v = r.vllm
+            say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl {v['ppl']:.2f} "
+                f"(vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
+                f"{100 * v['recovered']:.1f}%; {v['path']}")
+        for r, sc in zip(result.schemes, parsed):
+            if sc.library != "awq":
+                r.vllm = {"skipped": "vLLM runs published checkpoint formats; this scheme is "
+                                     "measured by the HF path only"}
     return result

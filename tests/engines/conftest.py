@@ -18,13 +18,14 @@ NAN_WORD = " France"
 
 
 def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
-                 extra: list[str] | None = None) -> dict:
-    """`qforensics record -o tmp/t-{rank}.h5 -- python -m qforensics.demo.vllm_serve ...`."""
+                 extra: list[str] | None = None, serve_args: list[str] | None = None) -> dict:
+    """`qforensics record -o tmp/t-{rank}.h5 [extra] -- python -m qforensics.demo.vllm_serve
+    MODEL ... [serve_args]`."""
     from qforensics.demo.vllm_scenarios import record_vllm
 
     out_json = tmp / "outputs.json"
     proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
-                       cwd=tmp, extra=extra, timeout=900)
+                       cwd=tmp, extra=extra, timeout=900, serve_args=serve_args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
             "files": sorted(tmp.glob("t-*.h5"))}

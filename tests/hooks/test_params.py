@@ -71,6 +71,47 @@ def test_static_input_scale_and_its_range():
     assert static_input(nn.Linear(4, 4), None) is None
 
 
+def test_asymmetric_int8_input_range_follows_the_zero_point():
+    # INT8 with zero point z quantizes x to round(x / s) + z in [-128, 127], so the inputs it
+    # represents are s x (-128 - z) .. s x (127 - z)
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    layer.input_scale = torch.tensor(0.01)
+    layer.input_zero_point = torch.tensor(4, dtype=torch.int32)
+    st = static_input(layer, None)
+    assert st["format"] == "int8" and st["zero_point"] == 4
+    assert abs(st["lo"] - 0.01 * -132) < 1e-6 and abs(st["hi"] - 0.01 * 123) < 1e-6
+    assert abs(st["range"] - 1.32) < 1e-6 and st["applied"] is True
+
+
+class _Kernel:
+    """Stands in for an engine kernel object: only its class name and `linear_method` are read."""
+
+    def __init__(self, name: str, method: str | None = None) -> None:
+        self.__class__ = type(name, (_Kernel,), {})
+        if method:
+            def _fn() -> None:
+                return None
+            _fn.__name__ = method
+            self.linear_method = _fn
+
+
+def test_a_kernel_that_does_not_apply_the_static_scale_is_said_so():
+    layer = _FP8Layer()
+    layer.scheme = type("Scheme", (), {})()
+    layer.scheme.fp8_linear = _Kernel("CPUFp8PerTensorScaledMMLinearKernel")
+    st = static_input(layer, None)
+    assert st["applied"] is False and "W8A16" in st["why"]
+    int8 = nn.Linear(4, 4)
+    int8.input_scale = torch.tensor(0.5)
+    int8.scheme = type("Scheme", (), {})()
+    int8.scheme.kernel = _Kernel("CPUInt8ScaledMMLinearKernel", "_apply_weights_sgl")
+    st = static_input(int8, {"format": "int8"})
+    assert st["applied"] is False and st["kernel"].endswith("apply_weights_sgl")
+    int8.scheme.kernel = _Kernel("CPUInt8ScaledMMLinearKernel", "_apply_weights_onednn")
+    assert static_input(int8, {"format": "int8"})["applied"] is True
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

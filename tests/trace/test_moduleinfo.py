@@ -28,6 +28,10 @@ BAD = [
     {"static_input": {"scale": "big", "range": 1}},
     {"static_input": {"scale": 0.0, "scale_min": 0.0, "qmax": 448, "range": 0.0,
                       "format": "fp8-e4m3"}},
+    {"static_input": {"scale": 0.1, "scale_min": 0.1, "qmax": 127, "range": 12.7,
+                      "format": "int8", "lo": 1.0, "hi": 12.7}},  # lo above zero
+    {"static_input": {"scale": 0.1, "scale_min": 0.1, "qmax": 127, "range": 12.7,
+                      "format": "int8", "applied": "no"}},  # not a bool
     [1, 2, 3],  # not an object
 ]
 
@@ -44,9 +48,9 @@ def test_malformed_module_info_is_dropped_and_counted(tmp_path):
         info[root] = json.dumps({"tied": [["a.weight", 5], "x", ["b.weight", "c.weight"]]})
     with open_trace(path) as t:
         mi = read_module_infos(t)
-    # whole values dropped: negative numel, NaN > numel, string count, two bad static_input, a list,
-    # the broken JSON; a bad index or levels summary is dropped inside a row that is kept
-    assert mi.invalid == 7
+    # whole values dropped: negative numel, NaN > numel, string count, four bad static_input, a
+    # list, the broken JSON; a bad index or levels summary is dropped inside a row that is kept
+    assert mi.invalid == 9
     bad_idx = [h for h in mi.health if h.numel == 10]
     assert len(bad_idx) == 2  # the out-of-range index and the bad levels are dropped, not the row
     assert all(h.first_nonfinite is None and h.levels is None for h in bad_idx)

@@ -131,10 +131,10 @@ def test_bad_model_specs_are_usage_errors(tmp_path):
     for spec, msg in cases.items():
         with pytest.raises(UsageError, match=msg):
             resolve_model_source(spec, {})
-    with pytest.raises(UsageError, match="which is not here; pass --model"):
+    with pytest.raises(UsageError, match=r"which is not here \(anymore\); pass --model"):
         resolve_model_source(None, {"environment": {"model_path": "/nowhere/model"}})
-    src = resolve_model_source(None, {"environment": {"model_class": "X"}})
-    assert src.kind == "demo" and src.origin == "default"
+    with pytest.raises(UsageError, match="records no model path"):
+        resolve_model_source(None, {"environment": {"model_class": "X"}})
     assert resolve_model_source("mypkg.models:build", {}).kind == "factory"
 
 

@@ -1,0 +1,79 @@
+"""The side tables of a trace: a serving engine's /engine tables (vLLM), the flight recorder's
+/triggers and its size limit. A mixin of `Trace`; numpy `Table`s for the analysis, pandas views
+on demand. No torch import.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import h5py
+import numpy as np
+
+from qforensics.trace import schema
+from qforensics.trace.table import Table
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["SideTables"]
+
+
+def _decode(values: np.ndarray) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = [v.decode("utf-8", "replace") for v in values]
+    return out
+
+
+class SideTables:
+    """/engine, /triggers and the size limit (a mixin: `Trace` provides the file and the
+    validated list of engine tables)."""
+
+    _f: h5py.File
+    _engine_tables: list[str]
+
+    def _read_table(self, table: str, columns: list, start: int = 0, stop: int | None = None,
+                    fields: list[str] | None = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError  # provided by Trace
+
+    def engine_columns(self, table: str) -> Table:
+        """One /engine table (steps | rows | requests | sampled) of a serving-engine run (vLLM)
+        as a `Table`; empty for a plain HF run or an older trace."""
+        if table not in schema.ENGINE_TABLES:
+            raise ValueError(f"unknown engine table {table!r}")
+        cols = schema.ENGINE_TABLES[table]
+        if table not in self._engine_tables:
+            return Table({c: np.zeros(0, dt) for c, dt, _ in cols})
+        data = self._read_table(f"engine/{table}", cols)
+        if table == "requests":
+            data["request_id"] = _decode(data["request_id"])
+        return Table(data)
+
+    def engine_table(self, table: str) -> pd.DataFrame:
+        """`engine_columns` as a pandas DataFrame."""
+        return self.engine_columns(table).to_frame()
+
+    @cached_property
+    def triggers(self) -> pd.DataFrame:
+        """Steps that crossed a flight-recorder trigger (format 1.1; empty before)."""
+        import pandas as pd
+
+        cols = [c for c, _, _ in schema.TRIGGER_COLUMNS]
+        g = self._f.get("triggers")
+        if not isinstance(g, h5py.Group) or not all(
+                isinstance(g.get(c), h5py.Dataset) and g[c].ndim == 1 for c in cols):
+            return pd.DataFrame({c: [] for c in cols})
+        n = min(g[c].shape[0] for c in cols)
+        df = pd.DataFrame({c: g[c][:n] for c in cols})
+        df["kind"] = [v.decode("utf-8", "replace") for v in df["kind"]] if n else []
+        return df
+
+    @cached_property
+    def limits(self) -> dict[str, int]:
+        """max_bytes the writer ran with (0: none) and the step it was reached at (-1: never)."""
+        ds = self._f.get(schema.LIMITS_DATASET)
+        if isinstance(ds, h5py.Dataset) and ds.shape == (2,) and ds.dtype.kind in "iu":
+            v = ds[:]
+            return {"max_bytes": int(v[0]), "reached_at_step": int(v[1])}
+        return {"max_bytes": 0, "reached_at_step": -1}

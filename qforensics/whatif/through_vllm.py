@@ -1,0 +1,239 @@
+"""What-if through vLLM's real kernels (`qforensics whatif TRACE --engine vllm --scheme awq:w4a16`).
+
+The scheme ``awq:w4a16[-g<N>]`` (AWQ W4A16: asymmetric uint4 with zero points, min/max per
+group of N input rows, default 128) is measured two ways, side by side:
+
+- **HF fake-quant** (qforensics' own path, also without ``--engine vllm``): every Linear but
+  ``lm_head`` gets the weight the AWQ checkpoint holds, dequantized (the writer's own quantizer,
+  `qforensics.demo.vllm_checkpoints.awq_quantize`), in the model's dtype; activations untouched.
+- **vLLM** (``--engine vllm``): the model is written twice into temporary folders, unquantized in
+  bfloat16 and as an AWQ checkpoint in AutoAWQ's published GEMM layout (the same quantizer), and
+  each is served by vLLM in a subprocess (``python -m qforensics.demo.vllm_serve --score-ids``):
+  vLLM's own AWQ method and CPU kernel (W4A16, or W4A8 on AMX CPUs unless
+  VLLM_CPU_INT4_W4A8=0), bfloat16 activations. Both score the same token sequences with prompt
+  logprobs: the fixed perplexity text and the trace's prompt followed by the HF reference's answer.
+
+vLLM figures, each against vLLM's own unquantized bfloat16 run: perplexity on the text
+(exp of the mean negative prompt logprob), recovered = ppl_ref / ppl, text top-1 (how often the
+scheme's top-1 token equals the unquantized run's over the text) and answer top-1 (the same over
+the answer positions). The HF figures are against the HF model as loaded (float32 for the demo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from qforensics.errors import QForensicsError, UsageError
+
+__all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "awq_group", "check_awq_fits",
+           "measure_through_vllm", "resolve_vllm_python"]
+
+AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
+DEFAULT_GROUP = 128
+_SKIP = ("lm_head",)
+
+
+class VllmRunError(QForensicsError):
+    """vLLM could not serve a what-if checkpoint (exit 2, with vLLM's last words)."""
+
+
+def awq_group(spec: str) -> int | None:
+    """The group size of an ``awq:w4a16[-gN]`` spec, None when ``spec`` is not one."""
+    m = AWQ_SPEC.match(spec.strip())
+    if m is None:
+        return None
+    g = int(m.group(1) or DEFAULT_GROUP)
+    if g < 8 or g % 2:
+        raise UsageError(f"{spec}: the AWQ group size must be an even number >= 8")
+    return g
+
+
+def _linears(model: Any) -> list[tuple[str, Any]]:
+    from torch import nn
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in _SKIP]
+
+
+def check_awq_fits(model: Any, group: int) -> None:
+    """UsageError naming the first Linear AWQ's layout cannot hold (K % G, N % 8)."""
+    lin = _linears(model)
+    if not lin:
+        raise UsageError("awq:w4a16: the model has no Linear layers to quantize")
+    for name, m in lin:
+        n, k = m.weight.shape
+        if k % group or n % 8:
+            raise UsageError(f"awq:w4a16-g{group}: {name} has in_features={k}, out_features="
+                             f"{n}; AWQ needs in_features % {group} == 0 and out_features % 8 "
+                             "== 0 (try another group, e.g. awq:w4a16-g64)")
+
+
+@contextlib.contextmanager
+def applied_awq(model: Any, group: int) -> Iterator[None]:
+    """Every Linear but lm_head carries the AWQ checkpoint's dequantized weight (restored on
+    exit)."""
+    import torch
+
+    from qforensics.demo.vllm_checkpoints import awq_dequantize, awq_quantize
+
+    check_awq_fits(model, group)
+    saved = []
+    try:
+        with torch.no_grad():
+            for _name, m in _linears(model):
+                w = m.weight
+                saved.append((w, w.detach().clone()))
+                d = awq_dequantize(*awq_quantize(w.detach().float(), group), group=group)
+                w.copy_(d.to(w.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for w, orig in saved:
+                w.copy_(orig)
+
+
+def resolve_vllm_python(given: str | None) -> str:
+    """The Python that runs vLLM: --vllm-python, else this one when vLLM imports here."""
+    if given:
+        p = shutil.which(given) or given
+        if not os.path.isfile(p) or not os.access(p, os.X_OK):
+            raise UsageError(f"--vllm-python {given}: not an executable")
+        return p
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--engine vllm: vLLM is not installed in this Python; run whatif from "
+                         "vLLM's venv (scripts/install-vllm.sh: .venv-vllm/bin/qforensics) or "
+                         "pass --vllm-python PATH")
+    return sys.executable
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def _base_state(model: Any) -> tuple[dict, dict]:
+    """(bfloat16 state dict, config dict) of an HF causal LM as vLLM loads it: a tied lm_head
+    is left to the embedding, GGUF / quantization configs are dropped."""
+    import torch
+
+    cfg = model.config.to_dict()
+    for k in ("quantization_config", "dtype", "_name_or_path"):
+        cfg.pop(k, None)
+    cfg["torch_dtype"] = "bfloat16"
+    if not cfg.get("architectures"):  # a model built from a config: vLLM picks the class by it
+        cfg["architectures"] = [type(model).__name__]
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = out_emb is not None and in_emb is not None and \
+        out_emb.weight.data_ptr() == in_emb.weight.data_ptr()
+    if tied:
+        cfg["tie_word_embeddings"] = True
+        for k in [k for k in sd if k.endswith("lm_head.weight")]:
+            del sd[k]
+    return sd, cfg
+
+
+def write_checkpoints(model: Any, tokenizer: Any, groups: list[int], dst: Path
+                      ) -> dict[str, Path]:
+    """{"ref": bf16 folder, "g<N>": AWQ folder per group}, written under ``dst``."""
+    from qforensics.demo.vllm_checkpoints import awq_quantize
+    from qforensics.demo.vllm_model import _save_folder
+
+    sd, cfg = _base_state(model)
+    out = {"ref": _save_folder(dst / "ref-bf16", sd, cfg, tokenizer)}
+    names = [n for n, _ in _linears(model)]
+    for g in groups:
+        q = dict(sd)
+        for name in names:
+            w = q.pop(f"{name}.weight")
+            q[f"{name}.qweight"], q[f"{name}.qzeros"], q[f"{name}.scales"] = awq_quantize(w, g)
+        c = dict(cfg)
+        c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": g,
+                                    "zero_point": True, "version": "gemm",
+                                    "modules_to_not_convert": None}
+        out[f"g{g}"] = _save_folder(dst / f"awq-w4a16-g{g}", q, c, tokenizer)
+    return out
+
+
+# -- serving -------------------------------------------------------------------------------------
+def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout: float
+           ) -> dict:
+    ids = work / f"{folder.name}.ids.json"
+    out = work / f"{folder.name}.scores.json"
+    ids.write_text(json.dumps(seqs))
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
+                                                  if os.environ.get("PYTHONPATH") else []))}
+    cmd = [python, "-m", "qforensics.demo.vllm_serve", str(folder), "--score-ids", str(ids),
+           "--out", str(out), "--max-model-len", str(max(256, max(map(len, seqs)) + 8))]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s"
+                           ) from None
+    if proc.returncode != 0 or not out.is_file():
+        tail = " | ".join(proc.stderr.strip().splitlines()[-4:])[-600:]
+        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {proc.returncode}): {tail}")
+    return json.loads(out.read_text())
+
+
+def _ppl(logprobs: list[float]) -> float:
+    if not logprobs or not all(math.isfinite(v) for v in logprobs):
+        return float("nan")
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _agree(a: list[int], b: list[int]) -> float:
+    return sum(int(x == y) for x, y in zip(a, b)) / len(a) if a else float("nan")
+
+
+def measure_through_vllm(model: Any, tokenizer: Any, groups: list[int], text_ids: list[int],
+                         answer_seq: list[int], n_prompt: int, *, python: str,
+                         progress: Callable[[str], None] = lambda m: None,
+                         timeout: float = 1800) -> dict[int, dict[str, Any]]:
+    """{group: vLLM figures} for each AWQ group size (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
+        work = Path(tmp)
+        progress(f"vLLM: writing the bfloat16 and AWQ checkpoints into {work}")
+        folders = write_checkpoints(model, tokenizer, groups, work)
+        seqs = [list(text_ids), list(answer_seq)]
+        progress("vLLM: scoring the unquantized bfloat16 model (one engine start)")
+        ref = _score(python, folders["ref"], seqs, work, timeout)
+        out = {}
+        for g in groups:
+            progress(f"vLLM: scoring awq:w4a16-g{g} (one engine start)")
+            got = _score(python, folders[f"g{g}"], seqs, work, timeout)
+            out[g] = _figures(ref, got, n_prompt)
+    return out
+
+
+def _figures(ref: dict, got: dict, n_prompt: int) -> dict[str, Any]:
+    r_text, r_ans = ref["scores"]
+    s_text, s_ans = got["scores"]
+    ref_ppl, ppl = _ppl(r_text["token_logprobs"]), _ppl(s_text["token_logprobs"])
+    lo = max(0, n_prompt - 1)  # top1[i] predicts token i + 1: the answer starts at n_prompt
+    eng = got.get("engine", {})
+    w4a8 = eng.get("use_w4a8")
+    kernel = ("W4A8 (int8 activations)" if w4a8 == [True] else
+              "W4A16" if w4a8 == [False] else "unknown")
+    return {
+        "path": f"vLLM {eng.get('vllm', '?')}: {', '.join(eng.get('quant_methods', {})) or '?'}"
+                f", CPU kernel {kernel}, bfloat16",
+        "ppl": ppl, "ref_ppl": ref_ppl,
+        "recovered": ref_ppl / ppl if math.isfinite(ppl) and ppl > 0 else 0.0,
+        "text_top1": _agree(s_text["top1"], r_text["top1"]),
+        "top1": _agree(s_ans["top1"][lo:], r_ans["top1"][lo:]),
+        "positions": len(s_ans["top1"][lo:]), "text_positions": len(s_text["top1"]),
+        "nonfinite": not all(math.isfinite(v) for v in s_text["token_logprobs"]),
+        "engine": eng,
+    }
