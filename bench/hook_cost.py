@@ -2,6 +2,7 @@
 timing on a shared machine).
 
     python bench/hook_cost.py [--steps 200]
+    python bench/hook_cost.py --vllm          # vLLM decode: 8 requests' rows, bfloat16, [rows, C]
 
 Feeds SmolLM2-135M-shaped decode tensors (30 layers: q/k/v/o, gate/up/down, the block) through
 what the hooks do, single-threaded, and prints CPU milliseconds per step for:
@@ -30,10 +31,12 @@ from qforensics.hooks.pending import PendingStep
 D, F, KV = 576, 1536, 192  # SmolLM2-135M hidden, MLP and k/v widths
 
 
-def layer_tensors() -> dict[str, torch.Tensor]:
+def layer_tensors(rows: int = 1, dtype: torch.dtype = torch.float32, flat: bool = False
+                  ) -> dict[str, torch.Tensor]:
     shapes = dict(ain=D, q=D, k=KV, v=KV, oin=D, o=D, min=D, g=F, u=F, din=F, dn=D, bin=D,
                   bout=D)
-    return {k: torch.randn(1, 1, n) for k, n in shapes.items()}
+    lead = (rows,) if flat else (1, rows)  # vLLM flattens the batch's token rows: [rows, C]
+    return {k: torch.randn(*lead, n).to(dtype) for k, n in shapes.items()}
 
 
 CALLS = (("ain", "q"), ("ain", "k"), ("ain", "v"), ("oin", "o"), ("min", "g"), ("min", "u"),
@@ -43,9 +46,19 @@ CALLS = (("ain", "q"), ("ain", "k"), ("ain", "v"), ("oin", "o"), ("min", "g"), (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rows", type=int, default=1,
+                    help="token rows per step (a vLLM decode step: one per running request)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--vllm", action="store_true",
+                    help="vLLM's layout: [rows, C] tensors, bfloat16, 8 rows unless --rows")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    layers = [layer_tensors() for _ in range(30)]
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.vllm and args.dtype == "float32" else getattr(torch, args.dtype)
+    rows = 8 if args.vllm and args.rows == 1 else args.rows
+    print(f"{rows} token row(s), {dtype}, {'[rows, C]' if args.vllm else '[1, rows, C]'}, "
+          f"{args.threads} thread(s)")
+    layers = [layer_tensors(rows, dtype, args.vllm) for _ in range(30)]
     p = PendingStep()
     p.track, p.nograd = False, True  # as under torch.inference_mode()
 
@@ -53,7 +66,7 @@ def main() -> None:
         kept = []
         for lt in layers:
             for inp, _ in CALLS:
-                kept.append(lt[inp].abs().amax(dim=(0, 1)))
+                kept.append(lt[inp].abs().amax(dim=tuple(range(lt[inp].dim() - 1))))
 
     def take() -> None:
         p.start("decode", 0)
@@ -90,12 +103,12 @@ def main() -> None:
                 if name.startswith("plan"):
                     assert p.on_plan, "the plan did not hold"
                 p.clear()
-            t = time.process_time()
+            t, w = time.process_time(), time.perf_counter()
             for _ in range(args.steps):
                 fn()
                 p.clear()
-            print(f"{name:<17} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU "
-                  "per step")
+            print(f"{name:<17} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU, "
+                  f"{(time.perf_counter() - w) / args.steps * 1e3:6.2f} ms wall per step")
 
 
 if __name__ == "__main__":

