@@ -10,7 +10,10 @@ vLLM linear layer, built once on its first trip, from what vLLM holds after load
 
 Both keep the weight in the activation dtype (one layer's memory) and set the entries that come
 out non-finite (a NaN/Inf scale or weight in the checkpoint) to 0, counting them in ``zeroed``.
-A layer sharded over tensor-parallel ranks has no fallback here.
+Under tensor parallelism a layer whose output is this rank's own slice (column-parallel,
+vLLM's qkv_proj and gate_up_proj) falls back on this rank's shard alone; a row-parallel layer
+(o_proj, down_proj: its output is complete only after vLLM's all-reduce) has none: a fallback
+there would have to join a collective the other ranks never enter.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from qforensics.guard.fallbacks import Fallback, dense_linear
 from qforensics.guard.policy import GuardPolicy
 
 __all__ = ["VLLM_FALLBACKS", "VllmCpuW4A16", "VllmLinearFallback", "VllmMethodProbe",
-           "is_vllm_linear"]
+           "is_vllm_linear", "local_output"]
 
 _MAX_PROBE_K = 1 << 16  # an identity probe of a wider input would not be "one layer's memory"
 
@@ -39,6 +42,20 @@ def is_vllm_linear(name: str, module: nn.Module) -> bool:
                 for c in type(module).__mro__)
             and getattr(module, "quant_method", None) is not None
             and isinstance(getattr(module, "input_size_per_partition", None), int))
+
+
+def local_output(module: nn.Module) -> bool:
+    """Whether a tensor-parallel layer's output is this rank's own work, with no collective
+    inside its forward: a column-parallel layer that does not gather its output (vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear: each rank computes its slice of the
+    output columns from the whole input), or a row-parallel one that leaves the all-reduce to
+    its caller. Then this rank's dense shard stands in for the layer on this rank alone."""
+    names = {c.__name__ for c in type(module).__mro__}
+    if "ColumnParallelLinear" in names:
+        return getattr(module, "gather_output", True) is False
+    if "RowParallelLinear" in names:
+        return getattr(module, "reduce_results", True) is False
+    return False
 
 
 class VllmLinearFallback(Fallback):
@@ -60,9 +77,10 @@ class VllmLinearFallback(Fallback):
     def layer_ok(module: nn.Module) -> tuple[bool, str]:
         if not is_vllm_linear("", module):
             return False, "not a vLLM linear"
-        if int(getattr(module, "tp_size", 1) or 1) > 1:
-            return False, (f"it is sharded over {module.tp_size} tensor-parallel ranks (its "
-                           "output is complete only after vLLM's all-reduce)")
+        tp = int(getattr(module, "tp_size", 1) or 1)
+        if tp > 1 and not local_output(module):
+            return False, (f"it is sharded over {tp} tensor-parallel ranks and its output is "
+                           "complete only after vLLM's all-reduce (row-parallel) or gather")
         return True, ""
 
     def dequantize(self) -> torch.Tensor:

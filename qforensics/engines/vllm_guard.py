@@ -30,8 +30,12 @@ what vLLM changes:
 - **The engine never crashes**: any error inside the guard turns it off (passive) with one
   stderr line and an incident ``guard_off``; ``on_unrecoverable="raise"`` becomes sanitizing.
 
-Tensor parallelism: a layer sharded across ranks (tp_size > 1) has no fallback (a row-parallel
-shard's output is only complete after vLLM's all-reduce); it is still located and reported.
+Tensor parallelism: every rank runs its own guard. The hidden states a forward returns are the
+same on every rank (after the row-parallel all-reduce), so all ranks decide alike to rerun a
+step in locate mode, and the rerun's collectives match. A column-parallel layer (qkv_proj,
+gate_up_proj) trips on the rank whose shard produced the NaN and falls back there on that
+shard alone; a row-parallel layer (o_proj, down_proj) has no fallback (its output is complete
+only after vLLM's all-reduce): it is still located and reported, and its NaN sanitized.
 """
 
 from __future__ import annotations

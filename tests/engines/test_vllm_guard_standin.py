@@ -291,3 +291,34 @@ def test_the_identity_probe_reads_a_blocked_kernel_and_reestimates_a_bad_scale(d
                                              if g != BAD_GROUP]).median()
     torch.testing.assert_close(w, _dense(q, z, s_est), rtol=1e-2, atol=1e-3)
     assert (fb.imputed, fb.params_zeroed, fb.zeroed) == (1, 1, 0)
+
+
+def _sharded(kind: str, **attrs) -> nn.Module:
+    """A stand-in W4A16 layer whose class derives from a stand-in of vLLM's `kind` class."""
+    parent = type(kind, (LinearBase,), {})
+    parent.__module__ = "vllm.model_executor.layers.linear"
+    layer = StandInW4A16(*_parts(3))
+    layer.__class__ = type(f"Sharded{kind}", (parent, StandInW4A16), {})
+    layer.tp_size = 3
+    for k, v in attrs.items():
+        setattr(layer, k, v)
+    return layer
+
+
+@pytest.mark.parametrize("kind, attrs, local", [
+    ("ColumnParallelLinear", {"gather_output": False}, True),  # qkv_proj, gate_up_proj
+    ("ColumnParallelLinear", {"gather_output": True}, False),  # gathers: a collective inside
+    ("RowParallelLinear", {"reduce_results": True}, False),  # o_proj, down_proj
+    ("RowParallelLinear", {"reduce_results": False}, True),  # its caller all-reduces
+])
+def test_a_sharded_layer_falls_back_only_when_its_output_is_local(kind, attrs, local):
+    layer = _sharded(kind, **attrs)
+    assert vllm_fallbacks.local_output(layer) is local
+    ok, why = vllm_fallbacks.VllmCpuW4A16.can_take(layer)
+    assert ok is local
+    if not local:
+        assert "sharded over 3 tensor-parallel ranks" in why
+    else:  # this rank's shard, as its kernel computes it
+        fb = vllm_fallbacks.VllmCpuW4A16(layer, None)
+        x = torch.randn(4, K)
+        torch.testing.assert_close(fb(x, torch.float32), layer(x)[0], rtol=1e-4, atol=1e-4)
