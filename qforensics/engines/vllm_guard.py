@@ -35,11 +35,14 @@ same on every rank (after the row-parallel all-reduce), so all ranks decide alik
 step in locate mode, and the rerun's collectives match. A column-parallel layer (qkv_proj,
 gate_up_proj) trips on the rank whose shard produced the NaN and falls back there on that
 shard alone; a row-parallel layer (o_proj, down_proj) has no fallback (its output is complete
-only after vLLM's all-reduce): it is still located and reported, and its NaN sanitized.
+only after vLLM's all-reduce): it is still located and reported, and its NaN sanitized. A
+failing step is rerun at most once under TP: a second rerun would be decided by this rank's own
+trips, and a rank rerunning alone would wait forever in the rerun's collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -95,6 +98,12 @@ class VllmGuard(Guard):
 
     def attach(self) -> None:
         super().attach()
+        tp = max((int(getattr(m, "tp_size", 1) or 1) for m in self._modules), default=1)
+        if tp > 1 and self.policy.max_reruns > 1:
+            # every rank must rerun the same number of times (each rerun runs vLLM's
+            # collectives): the first rerun follows the hidden states, the same on every rank,
+            # but a second one would follow this rank's own trips
+            self.policy = dataclasses.replace(self.policy, max_reruns=1)
         lp = getattr(self.model, "logits_processor", None)
         if isinstance(lp, nn.Module):
             # prepend: the sampler and the capture see the checked (sanitized) logits

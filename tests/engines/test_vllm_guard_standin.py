@@ -322,3 +322,22 @@ def test_a_sharded_layer_falls_back_only_when_its_output_is_local(kind, attrs, l
         fb = vllm_fallbacks.VllmCpuW4A16(layer, None)
         x = torch.randn(4, K)
         torch.testing.assert_close(fb(x, torch.float32), layer(x)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp, reruns", [(1, 2), (3, 1)])
+def test_under_tensor_parallelism_a_failing_step_is_rerun_once(tp, reruns):
+    """Each rank decides alone how often to rerun (a second rerun follows its own trips); a
+    rank rerunning alone would wait forever in the collectives, so TP caps reruns at one."""
+    from qforensics.engines.vllm_guard import VllmGuard
+    from qforensics.guard.policy import resolve_policy
+
+    model = nn.Sequential(_sharded("ColumnParallelLinear", gather_output=False))
+    model[0].tp_size = tp
+    g = VllmGuard(model, resolve_policy({"modules": vllm_fallbacks.is_vllm_linear}),
+                  SimpleNamespace())
+    assert g.policy.max_reruns == 2  # the default
+    g.attach()
+    try:
+        assert g.policy.max_reruns == reruns
+    finally:
+        g.close()
