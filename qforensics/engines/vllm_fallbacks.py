@@ -11,9 +11,9 @@ vLLM linear layer, built once on its first trip, from what vLLM holds after load
 Both keep the weight in the activation dtype (one layer's memory) and set the entries that come
 out non-finite (a NaN/Inf scale or weight in the checkpoint) to 0, counting them in ``zeroed``.
 Under tensor parallelism a layer whose output is this rank's own slice (column-parallel,
-vLLM's qkv_proj and gate_up_proj) falls back on this rank's shard alone; a row-parallel layer
-(o_proj, down_proj: its output is complete only after vLLM's all-reduce) has none: a fallback
-there would have to join a collective the other ranks never enter.
+vLLM's qkv_proj and gate_up_proj) falls back on this rank's shard alone. A row-parallel layer
+(o_proj, down_proj) is complete only after vLLM's all-reduce: its fallback (``pre_reduce``)
+stands in for this rank's partial output before the reduce (engines.vllm_tp).
 """
 
 from __future__ import annotations
@@ -68,17 +68,20 @@ class VllmLinearFallback(Fallback):
 
     def __init__(self, module: nn.Module, policy: GuardPolicy) -> None:
         super().__init__(module, policy)
+        self.pre_reduce = False  # stands in for a row-parallel shard's partial (vllm_tp)
         self.zeroed = 0  # dense weight entries that came out non-finite, set to 0
         self.imputed = 0  # non-finite group scales estimated from their column (W4A16)
         self.params_zeroed = 0  # non-finite parameter entries the identity probe ran with as 0
         self.seconds = 0.0
 
     @staticmethod
-    def layer_ok(module: nn.Module) -> tuple[bool, str]:
+    def layer_ok(module: nn.Module, pre_reduce: bool = False) -> tuple[bool, str]:
+        """``pre_reduce``: the guard stands in for the layer's partial output before vLLM's
+        all-reduce (engines.vllm_tp), so a row-parallel shard qualifies."""
         if not is_vllm_linear("", module):
             return False, "not a vLLM linear"
         tp = int(getattr(module, "tp_size", 1) or 1)
-        if tp > 1 and not local_output(module):
+        if tp > 1 and not local_output(module) and not pre_reduce:
             return False, (f"it is sharded over {tp} tensor-parallel ranks and its output is "
                            "complete only after vLLM's all-reduce (row-parallel) or gather")
         return True, ""
@@ -102,6 +105,8 @@ class VllmLinearFallback(Fallback):
         b = getattr(m, "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and b.is_floating_point() and not \
             getattr(m, "skip_bias_add", False) else None
+        if self.pre_reduce and int(getattr(m, "tp_rank", 0) or 0) != 0:
+            bias = None  # a row-parallel layer adds its bias on rank 0 only, before the reduce
         act = x.dtype if x.is_floating_point() else out_dtype
         return dense_linear(self.weight_for(act), bias, x, out_dtype)
 
@@ -126,8 +131,8 @@ class VllmCpuW4A16(VllmLinearFallback):
     short = "vllm-cpu-w4a16 layout"
 
     @classmethod
-    def can_take(cls, module: nn.Module) -> tuple[bool, str]:
-        ok, why = cls.layer_ok(module)
+    def can_take(cls, module: nn.Module, pre_reduce: bool = False) -> tuple[bool, str]:
+        ok, why = cls.layer_ok(module, pre_reduce)
         if not ok:
             return ok, why
         if getattr(module, "use_w4a8", None) is not False:
@@ -197,8 +202,8 @@ class VllmMethodProbe(VllmLinearFallback):
     short = "quant method on identity"
 
     @classmethod
-    def can_take(cls, module: nn.Module) -> tuple[bool, str]:
-        ok, why = cls.layer_ok(module)
+    def can_take(cls, module: nn.Module, pre_reduce: bool = False) -> tuple[bool, str]:
+        ok, why = cls.layer_ok(module, pre_reduce)
         if not ok:
             return ok, why
         if not callable(getattr(module.quant_method, "apply", None)):
@@ -214,7 +219,8 @@ class VllmMethodProbe(VllmLinearFallback):
         dt = getattr(m, "params_dtype", None)
         dt = dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.bfloat16
         dev = next((p.device for p in m.parameters()), torch.device("cpu"))
-        y = m.quant_method.apply(m, torch.eye(k, dtype=dt, device=dev), None)
+        qm = getattr(m.quant_method, "inner", m.quant_method)  # never through the guard's proxy
+        y = qm.apply(m, torch.eye(k, dtype=dt, device=dev), None)
         return (y[0] if isinstance(y, (tuple, list)) else y).float()
 
     def dequantize(self) -> torch.Tensor:

@@ -34,8 +34,10 @@ Tensor parallelism: every rank runs its own guard. The hidden states a forward r
 same on every rank (after the row-parallel all-reduce), so all ranks decide alike to rerun a
 step in locate mode, and the rerun's collectives match. A column-parallel layer (qkv_proj,
 gate_up_proj) trips on the rank whose shard produced the NaN and falls back there on that
-shard alone; a row-parallel layer (o_proj, down_proj) has no fallback (its output is complete
-only after vLLM's all-reduce): it is still located and reported, and its NaN sanitized. A
+shard alone. A row-parallel layer (o_proj, down_proj) is complete only after vLLM's all-reduce,
+so it is guarded one level lower, on this rank's partial output before the reduce
+(engines.vllm_tp): the rank whose shard produced the NaN repairs its partial, and the
+all-reduce sums repaired partials. A
 failing step is rerun at most once under TP: a second rerun would be decided by this rank's own
 trips, and a rank rerunning alone would wait forever in the rerun's collectives.
 """
@@ -53,7 +55,9 @@ import torch
 from torch import nn
 
 from qforensics.engines import vllm as adapter
+from qforensics.engines import vllm_tp
 from qforensics.engines.vllm_fallbacks import VLLM_FALLBACKS, VllmLinearFallback, is_vllm_linear
+from qforensics.engines.vllm_tp import needs_pre_reduce
 from qforensics.guard.fallbacks import Fallback, choose_fallback
 from qforensics.guard.outputs import fetch, split_output
 from qforensics.guard.policy import GuardPolicy, resolve_policy
@@ -79,6 +83,8 @@ class VllmGuard(Guard):
         self._named: dict[str, None] = {}  # requests already reported repaired
         self._unrepaired = ""
         self._said_off = False
+        self._pre: set[int] = set()  # row-parallel layers guarded before the all-reduce
+        self._put_back: list = []
         try:
             self._act_dtype = runner.vllm_config.model_config.dtype
         except Exception:
@@ -88,16 +94,21 @@ class VllmGuard(Guard):
     def _choose_fallback(self, name: str, module: nn.Module) -> tuple[Fallback | None, str]:
         if is_vllm_linear(name, module):
             reasons = []
+            pre = needs_pre_reduce(module)  # row-parallel under TP: its partial (vllm_tp)
             for cls in VLLM_FALLBACKS:
-                ok, why = cls.can_take(module)
+                ok, why = cls.can_take(module, pre_reduce=pre)
                 if ok:
-                    return cls(module, self.policy), ""
+                    fb = cls(module, self.policy)
+                    fb.pre_reduce = pre
+                    return fb, ""
                 reasons.append(f"{cls.layout}: {why}")
             return None, f"no fallback for {type(module).__name__} ({'; '.join(reasons)})"
         return choose_fallback(name, module, self.policy)
 
     def attach(self) -> None:
         super().attach()
+        self._pre = {i for i, fb in enumerate(self._fallbacks) if getattr(fb, "pre_reduce", False)}
+        self._put_back = vllm_tp.install(self)
         tp = max((int(getattr(m, "tp_size", 1) or 1) for m in self._modules), default=1)
         if tp > 1 and self.policy.max_reruns > 1:
             # every rank must rerun the same number of times (each rerun runs vLLM's
@@ -112,6 +123,11 @@ class VllmGuard(Guard):
             sys.stderr.write(f"qforensics: vLLM guard: {type(self.model).__name__} has no "
                              "logits_processor: no per-request logits check\n")
 
+    def close(self) -> None:
+        vllm_tp.uninstall(getattr(self, "_put_back", []))
+        self._put_back = []
+        super().close()
+
     # -- step boundaries -------------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         super()._on_root_pre(module, args, kwargs)
@@ -123,10 +139,26 @@ class VllmGuard(Guard):
 
     def _on_module(self, i: int, module: nn.Module, args: tuple, kwargs: dict,
                    result: Any) -> Any:
+        if i in self._pre:
+            return None  # after vLLM's all-reduce: this layer is guarded in _on_partial
+        if not self._count_rows(i, result):
+            return None
+        return super()._on_module(i, module, args, kwargs, result)
+
+    def _on_partial(self, i: int, module: nn.Module, x: Any, partial: Any) -> Any:
+        """A row-parallel layer's partial output on this rank, before vLLM's all-reduce
+        (engines.vllm_tp): checked, located and repaired like a layer's output."""
+        if not self._count_rows(i, partial):
+            return partial
+        got = super()._on_module(i, module, (x,), {}, partial)
+        return partial if got is None else got
+
+    def _count_rows(self, i: int, result: Any) -> bool:
+        """A suspect layer: NaN / Inf per token row of its quantized output, on device, read
+        with the step's one host read (which requests its fallback repaired). False when the
+        guard just failed."""
         if self._state[i] != HEALTHY and self._sched is not None and self._in_step \
                 and not self._locating and not self._failed:
-            # a suspect layer: NaN / Inf per token row of its quantized output, on device,
-            # read with the step's one host read (which requests its fallback repaired)
             raw, _ = split_output(result)
             if raw is not None and raw.dim() >= 2:
                 try:
@@ -136,8 +168,8 @@ class VllmGuard(Guard):
                     self._layer_rows = c if prev is None or prev.shape != c.shape else prev + c
                 except Exception as exc:
                     self._fail(exc)
-                    return None
-        return super()._on_module(i, module, args, kwargs, result)
+                    return False
+        return True
 
     def _end_step(self, module: nn.Module, output: Any) -> Any:
         if self._sched is None:  # warm-up / profile / dummy run: never checked

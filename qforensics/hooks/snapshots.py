@@ -48,6 +48,7 @@ def _layer_facts(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
         info["layout"] = "vllm-cpu-w4a8" if bool(module.use_w4a8) else "vllm-cpu-w4a16"
         info["kernel"] = None if bool(module.use_w4a8) else "vllm-cpu-wna16"
     method = getattr(module, "quant_method", None)
+    method = getattr(method, "inner", method)  # the vLLM guard's stand-in (engines.vllm_tp)
     if method is not None:
         info["quant_method"] = type(method).__name__
     return info

@@ -341,3 +341,37 @@ def test_under_tensor_parallelism_a_failing_step_is_rerun_once(tp, reruns):
         assert g.policy.max_reruns == reruns
     finally:
         g.close()
+
+
+def test_a_row_parallel_shard_is_guarded_before_the_all_reduce():
+    """Under TP a row-parallel layer's method is fronted by the guard's stand-in, which hands
+    each partial output to the guard before vLLM's reduce; the identity probe of its fallback
+    runs the layer's own method, never the stand-in; closing puts the method back."""
+    from qforensics.engines import vllm_tp
+    from qforensics.engines.vllm_guard import VllmGuard
+    from qforensics.guard.policy import resolve_policy
+
+    layer = _sharded("RowParallelLinear", reduce_results=True, params_dtype=torch.float32)
+    own = layer.quant_method
+    assert vllm_tp.needs_pre_reduce(layer)
+    assert not vllm_fallbacks.VllmCpuW4A16.can_take(layer)[0]
+    assert vllm_fallbacks.VllmCpuW4A16.can_take(layer, pre_reduce=True)[0]
+    g = VllmGuard(nn.Sequential(layer), resolve_policy({"modules": vllm_fallbacks.is_vllm_linear}),
+                  SimpleNamespace())
+    g.attach()
+    try:
+        assert isinstance(layer.quant_method, vllm_tp.PreReduceMethod)
+        assert layer.quant_method.inner is own and g._fallbacks[0].pre_reduce
+        seen = []
+        g._on_partial = lambda i, mod, x, out: seen.append(i) or out  # what the stand-in calls
+        layer.quant_method._on_partial = g._on_partial
+        x = torch.randn(3, K)
+        y = layer(x)[0]
+        assert seen == [0]
+        probe = vllm_fallbacks.VllmMethodProbe(layer, None)
+        w = probe.dense_weight(torch.float32)  # [N, K], through the layer's own method
+        assert seen == [0]
+        torch.testing.assert_close(x @ w.t(), y, rtol=1e-4, atol=1e-4)
+    finally:
+        g.close()
+    assert layer.quant_method is own

@@ -1,13 +1,17 @@
 """The vLLM guard under tensor parallelism, on the real engine and the real SmolLM2 (bf16).
 
-One weight of `model.layers.3.mlp.gate_proj` (HF name; vLLM fuses gate and up into the
-column-parallel `gate_up_proj`) is NaN. With 3 ranks, vLLM gives each rank an equal slice of the
-gate rows and of the up rows, so the NaN row lands on rank ROW // (1536 / 3), and only that
-rank's slice of gate_up's output is NaN: the row-parallel down_proj's all-reduce then spreads it
-to every rank. Unguarded, every logit is NaN. Guarded, each rank reruns the step (the hidden
-states are the same on every rank, so they agree), the rank that holds the NaN row finds its
-gate_up output non-finite on finite input and falls back on its own shard; the other ranks have
-nothing to repair. Expectations: vLLM's partition rule, the healthy TP run's tokens.
+Two weights are NaN, one in each kind of sharded layer:
+- `model.layers.3.mlp.gate_proj` (HF name; vLLM fuses gate and up into the column-parallel
+  `gate_up_proj`). vLLM gives each of the 3 ranks an equal slice of the gate rows, so the NaN row
+  lands on rank GATE_ROW // (1536 / 3), and only that rank's slice of the output is NaN.
+- `model.layers.7.mlp.down_proj`, row-parallel: each rank holds an equal slice of its input
+  columns, so the NaN column lands on rank DOWN_COL // (1536 / 3); that rank's partial output is
+  NaN, and vLLM's all-reduce inside the layer spreads it to every rank.
+Unguarded, every logit is NaN. Guarded, each rank reruns the step (the hidden states are the
+same on every rank, so they agree); the rank holding the gate row finds its gate_up output
+non-finite on finite input and falls back on its shard; the rank holding the down column finds
+its partial non-finite before the all-reduce and computes it from its dense shard; the third
+rank repairs nothing. Expectations: vLLM's partition rule, the healthy TP run's tokens.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from tests.engines.test_vllm_tensor_parallel import TP, _binding
 
 pytestmark = pytest.mark.vllm
 
-LAYER, ROW, COL = 3, 612, 7
-HF_WEIGHT = f"model.layers.{LAYER}.mlp.gate_proj.weight"
-FUSED = f"model.layers.{LAYER}.mlp.gate_up_proj"
+GATE = "model.layers.3.mlp.gate_proj.weight"  # column-parallel (fused into gate_up_proj)
+GATE_ROW, GATE_COL = 612, 7
+DOWN = "model.layers.7.mlp.down_proj.weight"  # row-parallel
+DOWN_ROW, DOWN_COL = 100, 1100
 TOKENS = 8
 SERVE = ["--tensor-parallel-size", str(TP), "--memory-utilization", "0.15"]
 
@@ -43,10 +48,12 @@ def runs(tmp_path_factory, bf16_model_dir):
             if f.name != "model.safetensors":
                 shutil.copy(f, bad / f.name)
         sd = load_file(str(bf16_model_dir / "model.safetensors"))
-        w = sd[HF_WEIGHT].clone()
-        inter = w.shape[0]
-        w[ROW, COL] = float("nan")
-        sd[HF_WEIGHT] = w
+        inter = sd[GATE].shape[0]
+        assert sd[DOWN].shape[1] == inter
+        for key, row, col in ((GATE, GATE_ROW, GATE_COL), (DOWN, DOWN_ROW, DOWN_COL)):
+            w = sd[key].clone()
+            w[row, col] = float("nan")
+            sd[key] = w
         save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
         out = {"inter": inter}
         for name, folder, extra in (("healthy", bf16_model_dir, None), ("nan", bad, None),
@@ -74,20 +81,21 @@ def test_unguarded_the_nan_weight_breaks_every_request(runs):
         assert n != h
 
 
-def test_the_rank_holding_the_row_falls_back_on_its_shard(runs):
-    owner = ROW // (runs["inter"] // TP)  # vLLM splits the gate rows evenly over the ranks
+def test_each_rank_repairs_only_its_own_shard(runs):
+    per_rank = runs["inter"] // TP  # vLLM splits the gate rows and down's columns evenly
+    owners = {GATE_ROW // per_rank: "model.layers.3.mlp.gate_up_proj",
+              DOWN_COL // per_rank: "model.layers.7.mlp.down_proj"}
+    assert len(owners) == 2  # two different ranks, and one with nothing to repair
     files = runs["guarded"]["files"]
     assert [f.name for f in files] == [f"t-{r}.h5" for r in range(TP)]
     for rank, path in enumerate(files):
         inc = _incidents(path)
-        mine = inc[inc["module"] == FUSED]
-        if rank == owner:
-            assert len(mine) >= 1, inc
+        layers = set(inc[~inc["module"].str.startswith("(")]["module"])
+        assert layers == ({owners[rank]} if rank in owners else set()), inc
+        if rank in owners:
+            mine = inc[inc["module"] == owners[rank]]
+            assert (mine["action"] == "dequantized").sum() == 1
             assert (mine["nan_count"] > 0).any()
-        else:
-            assert len(mine) == 0, mine
-        # the row-parallel layers after it are never tripped: their NaN came in from the shard
-        assert not inc["module"].str.contains("down_proj|o_proj").any(), inc
 
 
 def test_guarded_requests_are_repaired_not_sanitized(runs):
