@@ -15,10 +15,11 @@ from qforensics.errors import UsageError
 @click.option("--scheme", "schemes", multiple=True, metavar="SPEC",
               help="Scheme to try (repeatable): int4-g128, w:int4-per-tensor, "
                    "act:fp8-e4m3-nosat, w:int4-g128+act:int8-per-token. Bare fp8-* and "
-                   "*-per-token specs are activations, other INT specs weights. ct:PRESET "
-                   "(ct:W4A16, ct:W8A16, ct:FP8_DYNAMIC) runs compressed-tensors' own preset "
-                   "through the library. awq:w4a16[-g<N>] (default g128) is AWQ W4A16 in its "
-                   "published format: HF fake-quant, and through vLLM with --engine vllm.")
+                   "*-per-token specs are activations, other INT specs weights. "
+                   "ct:PRESET[-g<N>] (ct:W4A16, ct:W4A16-g64, ct:W8A8, ct:FP8_DYNAMIC) runs "
+                   "compressed-tensors' own preset through the library (-g<N>: its group "
+                   "size). awq:w4a16[-g<N>] (default g128) is AWQ W4A16 in its published "
+                   "format. Both are also measured through vLLM with --engine vllm.")
 @click.option("--keep-salient", metavar="PCT",
               help="Keep this share of input channels (by the trace's recorded activation "
                    "absmax) in FP16 for the INT weight schemes of --scheme: 1% or 0.01.")
@@ -38,10 +39,11 @@ from qforensics.errors import UsageError
 @click.option("--text-tokens", default=None, type=click.IntRange(8, None),
               help="Use only the first N tokens of the fixed perplexity text (default: all).")
 @click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
-              help="vllm: also measure the awq: schemes through vLLM's own kernels (the "
-                   "checkpoint written in AutoAWQ's format, served in a subprocess; perplexity "
-                   "from prompt logprobs, top-1 against vLLM's unquantized bfloat16 run), next "
-                   "to the HF fake-quant figures.")
+              help="vllm: also measure the awq: and ct: schemes through vLLM's own kernels "
+                   "(the checkpoint written in AutoAWQ's format, or by compressed-tensors "
+                   "itself, served in a subprocess; perplexity from prompt logprobs, top-1 "
+                   "against vLLM's unquantized bfloat16 run), next to the HF figures. A scheme "
+                   "vLLM cannot run is reported with vLLM's error; exit 2 when none ran.")
 @click.option("--vllm-python", metavar="PY",
               help="The Python that has vLLM (default: this one), e.g. .venv-vllm/bin/python.")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
@@ -61,6 +63,8 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         qforensics whatif trace.h5 --table --json whatif.json
         qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
         qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
+        qforensics whatif trace.h5 --scheme ct:W4A16 --scheme ct:W8A8 --engine vllm \\
+            --vllm-python .venv-vllm/bin/python
     """
     from qforensics.trace.reader import open_trace
     from qforensics.whatif.run import (
@@ -86,11 +90,12 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     from qforensics.whatif.model import resolve_model_source
 
     if engine == "vllm":
+        from qforensics.whatif.run import SERVED
         from qforensics.whatif.through_vllm import resolve_vllm_python
 
-        if not any(p.library == "awq" for p in parsed):
-            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] schemes through vLLM; "
-                             "give one (e.g. --scheme awq:w4a16-g64)")
+        if not any(p.library in SERVED for p in parsed):
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] and ct:PRESET schemes "
+                             "through vLLM; give one (e.g. --scheme ct:W4A16)")
         resolve_vllm_python(vllm_python)  # no vLLM: exit 2 before loading
     with open_trace(trace) as t:  # unreadable trace: exit 2 before loading the model
         resolve_model_source(model_spec, t.meta)  # bad --model: exit 2 before loading
@@ -103,6 +108,11 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         with open(json_out, "w", encoding="utf-8") as fh:
             json.dump(result.to_json(), fh, indent=2, allow_nan=False)
         click.echo(f"wrote {json_out}", err=True)
+    tried = [s.vllm for s in result.schemes if isinstance(s.vllm, dict) and
+             ("ppl" in s.vllm or "error" in s.vllm)]
+    if tried and not any("ppl" in v for v in tried):
+        raise UsageError("--engine vllm: vLLM could not serve any of the schemes (its errors "
+                         "are above)")
     if any(math.isnan(s.top1) for s in result.schemes):
         click.echo("note: no continuation positions to compare (the reference answered "
                    "nothing)", err=True)

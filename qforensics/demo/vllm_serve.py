@@ -115,16 +115,30 @@ def _score(llm: object, a: argparse.Namespace) -> int:
 
 
 def _layer_kernels(model: object) -> dict:
-    """Runs inside vLLM's worker: which quant method and CPU kernel path the linears use."""
+    """Runs inside vLLM's worker: which quant method and CPU kernel path the linears use; for
+    compressed-tensors also the scheme vLLM picked per layer and the kernel object it holds."""
     methods: dict[str, int] = {}
+    schemes: dict[str, int] = {}
+    kernels: dict[str, int] = {}
     w4a8: set[bool] = set()
+
+    def count(d: dict[str, int], key: str) -> None:
+        d[key] = d.get(key, 0) + 1
+
     for _name, mod in model.named_modules():  # type: ignore[attr-defined]
         qm = getattr(mod, "quant_method", None)
         if qm is not None and any(c.__name__ == "LinearBase" for c in type(mod).__mro__):
-            methods[type(qm).__name__] = methods.get(type(qm).__name__, 0) + 1
+            count(methods, type(qm).__name__)
             if hasattr(mod, "use_w4a8"):
                 w4a8.add(bool(mod.use_w4a8))
-    return {"quant_methods": methods, "use_w4a8": sorted(w4a8)}
+            scheme = getattr(mod, "scheme", None)
+            if scheme is not None:
+                count(schemes, type(scheme).__name__)
+                for obj in list(vars(scheme).values()) + list(vars(qm).values()):
+                    if type(obj).__name__.endswith("Kernel"):
+                        count(kernels, type(obj).__name__)
+    return {"quant_methods": methods, "use_w4a8": sorted(w4a8), "schemes": schemes,
+            "kernels": kernels}
 
 
 _KEPT: list = []  # the bare hooks' per-channel absmax, kept on the device (in the worker)

@@ -1,7 +1,8 @@
 """What-if schemes a real quantization library implements, measured through that library.
 
-``ct:PRESET`` (e.g. ``ct:W4A16``, ``ct:W8A16``, ``ct:W4A16_ASYM``, ``ct:FP8_DYNAMIC``,
-``ct:W8A8``) is compressed-tensors' own preset scheme: `applied_compressed_tensors` attaches it
+``ct:PRESET[-g<N>]`` (e.g. ``ct:W4A16``, ``ct:W8A16``, ``ct:W4A16_ASYM``, ``ct:FP8_DYNAMIC``,
+``ct:W8A8``; ``-g<N>`` sets the group size of a group-strategy preset, as an llmcompressor
+recipe may) is compressed-tensors' own preset scheme: `applied_compressed_tensors` attaches it
 with the library's ``apply_quantization_config`` (every Linear but lm_head), sets each weight's
 scale and zero point with the library's ``calculate_qparams`` from the weight's min/max per
 tensor / channel / group, and the forward the library installs quantizes the weights (and
@@ -38,7 +39,8 @@ def check_compressed_tensors_preset(preset: str) -> Any:
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    name = preset.strip().upper()
+    m = re.match(r"^([A-Z0-9_]+?)(?:-G(\d+))?$", preset.strip().upper())
+    name, group = (m.group(1), m.group(2)) if m else (preset.strip().upper(), None)
     if name not in PRESET_SCHEMES:
         raise UsageError(f"ct:{preset}: not a compressed-tensors preset; known: "
                          f"{', '.join(sorted(PRESET_SCHEMES))}")
@@ -46,6 +48,13 @@ def check_compressed_tensors_preset(preset: str) -> Any:
     w = scheme.weights
     if w is None:
         raise UsageError(f"ct:{name} quantizes no weights: nothing to compare")
+    if group is not None:
+        if str(getattr(w.strategy, "value", w.strategy)) != "group" or int(group) < 1:
+            raise UsageError(f"ct:{preset}: -g<N> sets the group size of a group-strategy "
+                             f"preset; {name} quantizes its weights per "
+                             f"{getattr(w.strategy, 'value', w.strategy)}")
+        w = w.model_copy(update={"group_size": int(group)})
+        scheme = scheme.model_copy(update={"weights": w})
     if str(getattr(w.strategy, "value", w.strategy)) not in ("tensor", "channel", "group"):
         raise UsageError(f"ct:{name}: weight strategy {w.strategy} is not supported here "
                          "(tensor, channel or group)")

@@ -110,6 +110,8 @@ class WhatIfResult:
         lines.append(f"salient channels: {self.salient_source}")
         lines.append("these figures: HF fake-quant (qforensics' quantize-dequantize in the "
                      "model's dtype, against the unquantized model as loaded)")
+        if any(s.scheme.startswith("ct:") for s in self.schemes):
+            lines.append("  (ct: rows: compressed-tensors' own quantized forward, same dtype)")
         lines += self._vllm_lines(pct, num)
         if c["best_scheme"] is not None:
             verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
@@ -120,8 +122,10 @@ class WhatIfResult:
 
     def _vllm_lines(self, pct: Any, num: Any) -> list[str]:
         done = [s for s in self.schemes if isinstance(s.vllm, dict) and "ppl" in s.vllm]
+        failed = [f"{s.scheme} through vLLM: not measured: {s.vllm['error']}"
+                  for s in self.schemes if isinstance(s.vllm, dict) and "error" in s.vllm]
         if not done:
-            return []
+            return ["", *failed] if failed else []
         head = ("scheme (through vLLM)", "answer top-1", "ppl", "ppl ref", "text top-1",
                 "recovered")
         rows = [(s.scheme + (" [NaN]" if s.vllm.get("nonfinite") else ""),
@@ -131,10 +135,11 @@ class WhatIfResult:
         out = ["", *["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]]
         out.insert(2, "  ".join("-" * w for w in widths))
-        out.append("these figures: vLLM's own kernels on the AWQ checkpoint, each against vLLM's "
+        out.append("these figures: vLLM's own kernels on the scheme's checkpoint (AWQ, or "
+                   "compressed-tensors written by the library), each against vLLM's "
                    "unquantized bfloat16 run of the same weights (top-1: same top token)")
         out += [f"  {s.scheme}: {s.vllm['path']}" for s in done]
-        return out
+        return out + failed
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from qforensics.whatif.schemes import (
 )
 
 log = logging.getLogger(__name__)
+SERVED = ("awq", "compressed-tensors")  # schemes --engine vllm serves (whatif.through_vllm)
 
 __all__ = [
     "CLAIM",
@@ -263,7 +264,7 @@ def run_whatif(
     else the demo model) is loaded (`qforensics.whatif.model`). With a trace, the model must
     match it (class, vocab size, module names, shapes): `UsageError` otherwise. ``progress``
     receives one line per scheme. Every weight change is undone before returning.
-    ``engine="vllm"`` also measures the ``awq:`` schemes through vLLM's own kernels
+    ``engine="vllm"`` also measures the ``awq:`` and ``ct:`` schemes through vLLM's kernels
     (`qforensics.whatif.through_vllm`; ``vllm_python``: the Python that has vLLM), next to the
     HF fake-quant figures, in each result's ``vllm``.
     """
@@ -278,9 +279,9 @@ def run_whatif(
     if engine == "vllm":
         from qforensics.whatif.through_vllm import resolve_vllm_python
 
-        if not any(s.library == "awq" for s in parsed):
-            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] schemes through vLLM; give "
-                             "one (e.g. --scheme awq:w4a16-g64)")
+        if not any(s.library in SERVED for s in parsed):
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] and ct:PRESET schemes "
+                             "through vLLM; give one (e.g. --scheme ct:W4A16)")
         python = resolve_vllm_python(vllm_python)  # before loading anything
     from qforensics.whatif.model import (ModelSource, check_model_matches, load_model_source,
                                          resolve_model_source)
@@ -347,19 +348,17 @@ def run_whatif(
     if python is not None:
         from qforensics.whatif.through_vllm import measure_through_vllm
 
-        awq = [r for r, sc in zip(result.schemes, parsed) if sc.library == "awq"]
-        groups = sorted({sc.awq_group for sc in parsed if sc.library == "awq"})
-        figs = measure_through_vllm(model, tokenizer, groups, wi.text_ids[0].tolist(),
+        served = list({sc.label: sc for sc in parsed if sc.library in SERVED}.values())
+        figs = measure_through_vllm(model, tokenizer, served, wi.text_ids[0].tolist(),
                                     wi.ref_full[0].tolist(), wi.n_prompt, python=python,
                                     progress=say)
-        for r in awq:
-            r.vllm = figs[int(r.scheme.rsplit("-g", 1)[-1])]
-            v = r.vllm
-            say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl {v['ppl']:.2f} "
-                f"(vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
-                f"{100 * v['recovered']:.1f}%; {v['path']}")
         for r, sc in zip(result.schemes, parsed):
-            if sc.library != "awq":
-                r.vllm = {"skipped": "vLLM runs published checkpoint formats; this scheme is "
-                                     "measured by the HF path only"}
+            r.vllm = figs.get(sc.label) or {
+                "skipped": "vLLM runs published checkpoint formats (awq:, ct:); this scheme "
+                           "is measured by the HF path only"}
+            v = r.vllm
+            if "ppl" in v:
+                say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl "
+                    f"{v['ppl']:.2f} (vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
+                    f"{100 * v['recovered']:.1f}%; {v['path']}")
     return result

@@ -1,6 +1,6 @@
-"""What-if scheme specs: ``[w:|act:]SPEC[+...]`` (the project's fake-quant schemes), ``ct:PRESET``
-(compressed-tensors' own presets) and ``awq:w4a16[-g<N>]`` (AWQ W4A16 in its published format,
-also measured through vLLM), parsed into a `WhatIfScheme`."""
+"""What-if scheme specs: ``[w:|act:]SPEC[+...]`` (the project's fake-quant schemes),
+``ct:PRESET[-g<N>]`` (compressed-tensors' own presets) and ``awq:w4a16[-g<N>]`` (AWQ W4A16 in
+its published format), both also measurable through vLLM, parsed into a `WhatIfScheme`."""
 
 from __future__ import annotations
 
@@ -73,11 +73,12 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
 
     if not isinstance(spec, str) or not spec.strip():
         raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
-    lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+)$", spec.strip(), re.IGNORECASE)
+    lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+(?:-g\d+)?)$", spec.strip(),
+                   re.IGNORECASE)
     if lib:  # a real library's preset, measured through it (qforensics.whatif.library)
         from qforensics.whatif.library import check_compressed_tensors_preset
 
-        preset = lib.group(2).upper()
+        preset = re.sub(r"-G(\d+)$", r"-g\1", lib.group(2).upper())
         check_compressed_tensors_preset(preset)
         return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
     from qforensics.whatif.through_vllm import awq_group

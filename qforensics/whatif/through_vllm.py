@@ -1,17 +1,24 @@
-"""What-if through vLLM's real kernels (`qforensics whatif TRACE --engine vllm --scheme awq:w4a16`).
+"""What-if through vLLM's real kernels (`qforensics whatif TRACE --engine vllm --scheme ...`).
 
-The scheme ``awq:w4a16[-g<N>]`` (AWQ W4A16: asymmetric uint4 with zero points, min/max per
-group of N input rows, default 128) is measured two ways, side by side:
+Two kinds of scheme have a published checkpoint format vLLM serves, and are measured two ways,
+side by side:
 
-- **HF fake-quant** (qforensics' own path, also without ``--engine vllm``): every Linear but
-  ``lm_head`` gets the weight the AWQ checkpoint holds, dequantized (the writer's own quantizer,
-  `qforensics.demo.vllm_checkpoints.awq_quantize`), in the model's dtype; activations untouched.
-- **vLLM** (``--engine vllm``): the model is written twice into temporary folders, unquantized in
-  bfloat16 and as an AWQ checkpoint in AutoAWQ's published GEMM layout (the same quantizer), and
-  each is served by vLLM in a subprocess (``python -m qforensics.demo.vllm_serve --score-ids``):
-  vLLM's own AWQ method and CPU kernel (W4A16, or W4A8 on AMX CPUs unless
-  VLLM_CPU_INT4_W4A8=0), bfloat16 activations. Both score the same token sequences with prompt
-  logprobs: the fixed perplexity text and the trace's prompt followed by the HF reference's answer.
+- ``awq:w4a16[-g<N>]`` (AWQ W4A16: asymmetric uint4 with zero points, min/max per group of N
+  input rows, default 128). **HF fake-quant**: every Linear but ``lm_head`` gets the weight the
+  AWQ checkpoint holds, dequantized (the writer's own quantizer,
+  `qforensics.demo.vllm_checkpoints.awq_quantize`), in the model's dtype. **vLLM**: the same
+  quantizer writes an AutoAWQ GEMM folder; vLLM runs its own AWQ method and CPU kernel (W4A16,
+  or W4A8 on AMX CPUs unless VLLM_CPU_INT4_W4A8=0).
+- ``ct:PRESET[-g<N>]`` (compressed-tensors' presets). **HF**: the library's own quantized
+  forward (`qforensics.whatif.library`). **vLLM**: the library writes the checkpoint from that
+  same quantized state (`qforensics.whatif.ct_checkpoint`); vLLM runs its compressed-tensors
+  method with the scheme and CPU kernel it picks for the preset (the engine info names both).
+  A preset vLLM cannot run here is reported with vLLM's own error, per preset.
+
+For ``--engine vllm`` the model is also written unquantized in bfloat16; each folder is served
+by vLLM in a subprocess (``python -m qforensics.demo.vllm_serve --score-ids``, one engine start
+each), bfloat16 activations. All score the same token sequences with prompt logprobs: the
+fixed perplexity text and the trace's prompt followed by the HF reference's answer.
 
 vLLM figures, each against vLLM's own unquantized bfloat16 run: perplexity on the text
 (exp of the mean negative prompt logprob), recovered = ppl_ref / ppl, text top-1 (how often the
@@ -28,6 +35,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +46,7 @@ from typing import Any
 from qforensics.errors import QForensicsError, UsageError
 
 __all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "awq_group", "check_awq_fits",
-           "measure_through_vllm", "resolve_vllm_python"]
+           "measure_through_vllm", "resolve_vllm_python", "write_checkpoint"]
 
 AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
 DEFAULT_GROUP = 128
@@ -142,26 +150,38 @@ def _base_state(model: Any) -> tuple[dict, dict]:
     return sd, cfg
 
 
-def write_checkpoints(model: Any, tokenizer: Any, groups: list[int], dst: Path
-                      ) -> dict[str, Path]:
-    """{"ref": bf16 folder, "g<N>": AWQ folder per group}, written under ``dst``."""
+def _write_awq(model: Any, tokenizer: Any, group: int, base: tuple[dict, dict], dst: Path
+               ) -> Path:
+    """An AWQ W4A16 folder (AutoAWQ's GEMM layout, ``group`` input rows per scale)."""
     from qforensics.demo.vllm_checkpoints import awq_quantize
     from qforensics.demo.vllm_model import _save_folder
 
-    sd, cfg = _base_state(model)
-    out = {"ref": _save_folder(dst / "ref-bf16", sd, cfg, tokenizer)}
-    names = [n for n, _ in _linears(model)]
-    for g in groups:
-        q = dict(sd)
-        for name in names:
-            w = q.pop(f"{name}.weight")
-            q[f"{name}.qweight"], q[f"{name}.qzeros"], q[f"{name}.scales"] = awq_quantize(w, g)
-        c = dict(cfg)
-        c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": g,
-                                    "zero_point": True, "version": "gemm",
-                                    "modules_to_not_convert": None}
-        out[f"g{g}"] = _save_folder(dst / f"awq-w4a16-g{g}", q, c, tokenizer)
-    return out
+    sd, cfg = base
+    q = dict(sd)
+    for name, _ in _linears(model):
+        w = q.pop(f"{name}.weight")
+        q[f"{name}.qweight"], q[f"{name}.qzeros"], q[f"{name}.scales"] = awq_quantize(w, group)
+    c = dict(cfg)
+    c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                "zero_point": True, "version": "gemm",
+                                "modules_to_not_convert": None}
+    return _save_folder(dst, q, c, tokenizer)
+
+
+def write_checkpoint(model: Any, tokenizer: Any, scheme: Any, base: tuple[dict, dict],
+                     work: Path) -> tuple[Path, dict[str, Any]]:
+    """(HF folder vLLM serves for ``scheme``, what the writer says about it): an AWQ folder
+    for ``awq:``, a compressed-tensors one written by the library for ``ct:``
+    (`qforensics.whatif.ct_checkpoint`)."""
+    dst = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", scheme.label)
+    if scheme.library == "awq":
+        return _write_awq(model, tokenizer, scheme.awq_group, base, dst), {}
+    if scheme.library == "compressed-tensors":
+        from qforensics.whatif.ct_checkpoint import write_ct_checkpoint
+
+        folder, n = write_ct_checkpoint(model, tokenizer, scheme.preset, base, dst)
+        return folder, {"hf_quantized_linears": n}
+    raise UsageError(f"{scheme.label}: vLLM serves published checkpoint formats (awq:, ct:)")
 
 
 # -- serving -------------------------------------------------------------------------------------
@@ -176,15 +196,47 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
                                                   if os.environ.get("PYTHONPATH") else []))}
     cmd = [python, "-m", "qforensics.demo.vllm_serve", str(folder), "--score-ids", str(ids),
            "--out", str(out), "--max-model-len", str(max(256, max(map(len, seqs)) + 8))]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s"
-                           ) from None
-    if proc.returncode != 0 or not out.is_file():
-        tail = " | ".join(proc.stderr.strip().splitlines()[-4:])[-600:]
-        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {proc.returncode}): {tail}")
+    log = work / f"{folder.name}.log.txt"  # vLLM logs (its workers' too) go to stdout
+    # its own session, output to a file: vLLM's worker processes outlive an engine that died
+    # and would hold a pipe open; the whole group is killed once the engine process is done
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if rc is None:
+        raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s")
+    if rc != 0 or not out.is_file():
+        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): "
+                           f"{root_cause(log.read_text(errors='replace'))}")
     return json.loads(out.read_text())
+
+
+_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \S+ \S+ \[[^\]]*\] ?")
+_RAISED = re.compile(r"^(?:[\w.]+(?:Error|Exception)|Exception): ")
+_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed")
+
+
+def root_cause(stderr: str) -> str:
+    """vLLM's own words for why it failed: the first exception raised that is not one of its
+    wrappers ("Engine core initialization failed"), with the lines it continues on (a kernel
+    table's reasons); else the last lines of stderr."""
+    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in stderr.splitlines()]
+    for i, ln in enumerate(lines):
+        if _RAISED.match(ln) and not any(w in ln for w in _WRAPPERS):
+            more = []
+            for nxt in lines[i + 1:i + 6]:
+                if not nxt.startswith(" ") or nxt.lstrip().startswith(("File ", "Traceback")):
+                    break
+                more.append(nxt.strip())
+            return " | ".join([ln.strip(), *more])[:900]
+    return " | ".join(ln.strip() for ln in lines[-4:] if ln.strip())[-600:]
 
 
 def _ppl(logprobs: list[float]) -> float:
@@ -197,24 +249,48 @@ def _agree(a: list[int], b: list[int]) -> float:
     return sum(int(x == y) for x, y in zip(a, b)) / len(a) if a else float("nan")
 
 
-def measure_through_vllm(model: Any, tokenizer: Any, groups: list[int], text_ids: list[int],
+def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_ids: list[int],
                          answer_seq: list[int], n_prompt: int, *, python: str,
                          progress: Callable[[str], None] = lambda m: None,
-                         timeout: float = 1800) -> dict[int, dict[str, Any]]:
-    """{group: vLLM figures} for each AWQ group size (see the module docstring)."""
+                         timeout: float = 1800) -> dict[str, dict[str, Any]]:
+    """{scheme label: vLLM figures} for each ``awq:`` / ``ct:`` scheme (see the module
+    docstring); a scheme vLLM could not serve gets ``{"error": vLLM's last words}`` and the
+    others go on. The unquantized reference failing raises `VllmRunError`."""
+    from qforensics.demo.vllm_model import _save_folder
+
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
         work = Path(tmp)
-        progress(f"vLLM: writing the bfloat16 and AWQ checkpoints into {work}")
-        folders = write_checkpoints(model, tokenizer, groups, work)
+        base = _base_state(model)
+        progress(f"vLLM: writing the bfloat16 checkpoint into {work}")
+        ref_dir = _save_folder(work / "ref-bf16", base[0], dict(base[1]), tokenizer)
         seqs = [list(text_ids), list(answer_seq)]
         progress("vLLM: scoring the unquantized bfloat16 model (one engine start)")
-        ref = _score(python, folders["ref"], seqs, work, timeout)
-        out = {}
-        for g in groups:
-            progress(f"vLLM: scoring awq:w4a16-g{g} (one engine start)")
-            got = _score(python, folders[f"g{g}"], seqs, work, timeout)
-            out[g] = _figures(ref, got, n_prompt)
+        ref = _score(python, ref_dir, seqs, work, timeout)
+        out: dict[str, dict[str, Any]] = {}
+        for sc in schemes:
+            progress(f"vLLM: writing the {sc.label} checkpoint")
+            folder, said = write_checkpoint(model, tokenizer, sc, base, work)
+            progress(f"vLLM: scoring {sc.label} (one engine start)")
+            try:
+                got = _score(python, folder, seqs, work, timeout)
+            except VllmRunError as exc:
+                out[sc.label] = {"error": str(exc), **said}
+                progress(f"{sc.label} (vLLM): not measured: {exc}")
+                continue
+            out[sc.label] = {**_figures(ref, got, n_prompt), **said}
+            shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def _kernel(eng: dict) -> str:
+    """The CPU kernel path vLLM's quantized linears took, from vllm_serve's engine info."""
+    w4a8 = eng.get("use_w4a8")
+    path = ("W4A8 (int8 activations)" if w4a8 == [True] else "W4A16" if w4a8 == [False]
+            else "")
+    kernels = ", ".join(eng.get("kernels") or {})
+    if path and kernels:
+        return f"{path} ({kernels})"
+    return path or kernels or "unknown"
 
 
 def _figures(ref: dict, got: dict, n_prompt: int) -> dict[str, Any]:
@@ -223,12 +299,11 @@ def _figures(ref: dict, got: dict, n_prompt: int) -> dict[str, Any]:
     ref_ppl, ppl = _ppl(r_text["token_logprobs"]), _ppl(s_text["token_logprobs"])
     lo = max(0, n_prompt - 1)  # top1[i] predicts token i + 1: the answer starts at n_prompt
     eng = got.get("engine", {})
-    w4a8 = eng.get("use_w4a8")
-    kernel = ("W4A8 (int8 activations)" if w4a8 == [True] else
-              "W4A16" if w4a8 == [False] else "unknown")
+    methods = ", ".join(eng.get("quant_methods", {})) or "?"
+    schemes = ", ".join(f"{k} x{v}" for k, v in (eng.get("schemes") or {}).items())
     return {
-        "path": f"vLLM {eng.get('vllm', '?')}: {', '.join(eng.get('quant_methods', {})) or '?'}"
-                f", CPU kernel {kernel}, bfloat16",
+        "path": f"vLLM {eng.get('vllm', '?')}: {methods}" + (f" ({schemes})" if schemes else "")
+                + f", CPU kernel {_kernel(eng)}, bfloat16",
         "ppl": ppl, "ref_ppl": ref_ppl,
         "recovered": ref_ppl / ppl if math.isfinite(ppl) and ppl > 0 else 0.0,
         "text_top1": _agree(s_text["top1"], r_text["top1"]),
