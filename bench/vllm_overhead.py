@@ -61,9 +61,9 @@ def _serve(model: Path, prompts: list[str], tokens: int, repeat: int, out: Path,
     if trace is not None:
         cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
                str(trace), *record_args, "--"] + cmd
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]]
-                                                       if os.environ.get("PYTHONPATH") else []))}
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    env = serve_env()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -88,12 +88,19 @@ def record_vllm(model: Path, trace: str, prompts: list[str], max_tokens: int,
     for p in prompts:
         cmd += ["--prompt", p]
     cmd += serve_args or []
+    return subprocess.run(cmd, env=serve_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def serve_env() -> dict[str, str]:
+    """The environment a vLLM subprocess of this project runs in: this checkout first on
+    PYTHONPATH (vLLM's spawned workers import qforensics from it), a 1 GiB KV cache unless
+    VLLM_CPU_KVCACHE_SPACE says otherwise."""
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
-                                                  if os.environ.get("PYTHONPATH") else []))}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd)
+    return {**os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
+                                                   if os.environ.get("PYTHONPATH") else []))}
 
 
 def run_vllm_scenarios(names: list[str] | None, out_dir: str | os.PathLike[str], *,

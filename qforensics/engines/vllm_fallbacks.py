@@ -30,7 +30,7 @@ from qforensics.guard.fallbacks import Fallback, dense_linear
 from qforensics.guard.policy import GuardPolicy
 
 __all__ = ["VLLM_FALLBACKS", "VllmCpuW4A16", "VllmLinearFallback", "VllmMethodProbe",
-           "is_vllm_linear", "local_output"]
+           "is_vllm_linear", "local_output", "parallel_kind"]
 
 _MAX_PROBE_K = 1 << 16  # an identity probe of a wider input would not be "one layer's memory"
 
@@ -50,12 +50,20 @@ def local_output(module: nn.Module) -> bool:
     QKVParallelLinear and MergedColumnParallelLinear: each rank computes its slice of the
     output columns from the whole input), or a row-parallel one that leaves the all-reduce to
     its caller. Then this rank's dense shard stands in for the layer on this rank alone."""
-    names = {c.__name__ for c in type(module).__mro__}
-    if "ColumnParallelLinear" in names:
+    kind = parallel_kind(module)
+    if kind == "column":
         return getattr(module, "gather_output", True) is False
-    if "RowParallelLinear" in names:
+    if kind == "row":
         return getattr(module, "reduce_results", True) is False
     return False
+
+
+def parallel_kind(module: nn.Module) -> str | None:
+    """"column" / "row" for vLLM's ColumnParallelLinear / RowParallelLinear (and subclasses:
+    QKVParallelLinear, MergedColumnParallelLinear), matched by class name; else None."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return ("column" if "ColumnParallelLinear" in names else
+            "row" if "RowParallelLinear" in names else None)
 
 
 class VllmLinearFallback(Fallback):

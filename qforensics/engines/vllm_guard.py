@@ -56,7 +56,11 @@ from torch import nn
 
 from qforensics.engines import vllm as adapter
 from qforensics.engines import vllm_tp
-from qforensics.engines.vllm_fallbacks import VLLM_FALLBACKS, VllmLinearFallback, is_vllm_linear
+from qforensics.engines.vllm_fallbacks import (
+    VLLM_FALLBACKS,
+    VllmLinearFallback,
+    is_vllm_linear,
+)
 from qforensics.engines.vllm_tp import needs_pre_reduce
 from qforensics.guard.fallbacks import Fallback, choose_fallback
 from qforensics.guard.outputs import fetch, split_output

@@ -19,14 +19,15 @@ from typing import Any
 
 from torch import nn
 
+from qforensics.engines.vllm_fallbacks import local_output, parallel_kind
+
 __all__ = ["PreReduceMethod", "install", "needs_pre_reduce", "uninstall"]
 
 
 def needs_pre_reduce(module: nn.Module) -> bool:
     """A row-parallel layer sharded over more than one rank that all-reduces in its forward."""
-    names = {c.__name__ for c in type(module).__mro__}
-    return ("RowParallelLinear" in names and int(getattr(module, "tp_size", 1) or 1) > 1
-            and getattr(module, "reduce_results", True) is not False)
+    return (parallel_kind(module) == "row" and int(getattr(module, "tp_size", 1) or 1) > 1
+            and not local_output(module))
 
 
 class PreReduceMethod:

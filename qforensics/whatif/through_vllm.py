@@ -190,10 +190,9 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
     ids = work / f"{folder.name}.ids.json"
     out = work / f"{folder.name}.scores.json"
     ids.write_text(json.dumps(seqs))
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
-                                                  if os.environ.get("PYTHONPATH") else []))}
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    env = serve_env()
     cmd = [python, "-m", "qforensics.demo.vllm_serve", str(folder), "--score-ids", str(ids),
            "--out", str(out), "--max-model-len", str(max(256, max(map(len, seqs)) + 8))]
     log = work / f"{folder.name}.log.txt"  # vLLM logs (its workers' too) go to stdout

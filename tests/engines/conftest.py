@@ -31,6 +31,29 @@ def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int
             "files": sorted(tmp.glob("t-*.h5"))}
 
 
+def run_whatif_vllm(out: Path, schemes: list[str]) -> dict:
+    """`qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm` with this
+    Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8 answer tokens;
+    asserts exit 0; returns the JSON and the output."""
+    import subprocess
+    import sys
+
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "qforensics.cli", "whatif",
+           str(repo / "sample_traces" / "fp16-reference.h5")]
+    for s in schemes:
+        cmd += ["--scheme", s]
+    cmd += ["--engine", "vllm", "--text-tokens", "256", "--max-new-tokens", "8", "--json",
+            str(out)]
+    env = {**serve_env(), "VLLM_CPU_INT4_W4A8": "0"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+
+
 @pytest.fixture(scope="session")
 def bf16_model_dir() -> Path:
     from qforensics.demo.vllm_model import vllm_model_dir

@@ -188,6 +188,18 @@ def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_
 
 
 
+def _ring_runner(tmp_path, monkeypatch, fresh_adapter, name: str):
+    """A fake runner module `name`, patched, loaded and captured with a 16-step ring and an
+    8-step trigger window: (runner, its capture)."""
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
+    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
+    mod = _runner_module(name)
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    return r, fresh_adapter._captures[id(r)]
+
+
 def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
         tmp_path, monkeypatch, fresh_adapter):
     """Two requests decode for 60 steps: every decode step has two token rows, yet only the
@@ -196,13 +208,7 @@ def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
     step's channels and, copied out of the ring for good, those of the 8 steps before it
     (trigger_window). Expectations come from
     the construction (which steps exist, which row of which weight is NaN)."""
-    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
-    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
-    mod = _runner_module("ring_model_runner")
-    fresh_adapter.patch_runner_module(mod)
-    r = mod.FakeModelRunner()
-    r.load_model()
-    cap = fresh_adapter._captures[id(r)]
+    r, cap = _ring_runner(tmp_path, monkeypatch, fresh_adapter, "ring_model_runner")
     n_decode, bad_decode = 60, 45
     try:
         r.dummy_run(8)  # warm-up, trace step 0
@@ -255,15 +261,9 @@ def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
     embedding is 1,000x the others: kept as a prefill, it trips no outlier-growth trigger (its
     maxima are no trend of the decode steps) and copies no window out of the ring. The same
     token read by a later decode step does trip it."""
-    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
-    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
-    mod = _runner_module("prefill_model_runner")
-    fresh_adapter.patch_runner_module(mod)
-    r = mod.FakeModelRunner()
-    r.load_model()
+    r, cap = _ring_runner(tmp_path, monkeypatch, fresh_adapter, "prefill_model_runner")
     with torch.no_grad():
         r.model.embed.weight[49] *= 1000.0
-    cap = fresh_adapter._captures[id(r)]
     ib = r.input_batch
     try:
         ib.req_ids = ["A"]

@@ -36,7 +36,6 @@ SERVE = ["--tensor-parallel-size", str(TP), "--memory-utilization", "0.15"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, bf16_model_dir):
-    import torch
     from safetensors.torch import load_file, save_file
 
     mp = pytest.MonkeyPatch()

@@ -11,13 +11,12 @@ for token (checked below): any difference left would be capture's doing.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from qforensics.demo.vllm_scenarios import serve_env
 from qforensics.trace.reader import open_trace
 from tests.engines.conftest import run_recorded
 
@@ -44,9 +43,8 @@ def runs(tmp_path_factory, bf16_model_dir):
                "--max-tokens", str(TOKENS), "--repeat", str(REPEAT), "--out", str(plain_json)]
         for p in PROMPTS:
             cmd += ["--prompt", p]
-        repo = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": repo}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, env=serve_env(), capture_output=True, text=True,
+                              timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rec = run_recorded(tmp, bf16_model_dir, PROMPTS, TOKENS,
                            serve_args=["--repeat", str(REPEAT)])

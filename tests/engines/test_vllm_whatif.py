@@ -6,32 +6,17 @@ to bfloat16 rounding, so their reference perplexities must be close too."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytestmark = pytest.mark.vllm
+from tests.engines.conftest import run_whatif_vllm
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("whatif-vllm") / "w.json"
-    env = {**os.environ, "VLLM_CPU_INT4_W4A8": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "qforensics.cli", "whatif",
-         str(REPO / "sample_traces" / "fp16-reference.h5"), "--scheme", "awq:w4a16-g64",
-         "--scheme", "w:int4-g64", "--engine", "vllm", "--text-tokens", "256",
-         "--max-new-tokens", "8", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+    return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm") / "w.json",
+                           ["awq:w4a16-g64", "w:int4-g64"])
 
 
 def test_awq_is_measured_through_vllms_awq_kernel_next_to_hf(result):

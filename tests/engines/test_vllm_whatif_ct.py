@@ -15,31 +15,19 @@ references (float32 HF, bfloat16 vLLM) must be close for the same reason."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+from tests.engines.conftest import run_whatif_vllm
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("whatif-vllm-ct") / "w.json"
-    env = {**os.environ, "VLLM_CPU_INT4_W4A8": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "qforensics.cli", "whatif",
-         str(REPO / "sample_traces" / "fp16-reference.h5"), "--scheme", "ct:W4A16",
-         "--scheme", "ct:W8A16", "--engine", "vllm", "--text-tokens", "256",
-         "--max-new-tokens", "8", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=1800, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+    return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm-ct") / "w.json",
+                           ["ct:W4A16", "ct:W8A16"])
 
 
 def _expected_w4a16_layers(model_dir: Path, group: int = 128) -> int:
