@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -167,6 +168,10 @@ def main() -> None:
         got = fn()
         done()
         assert torch.equal(ref, got), "a hooked run changed the generated tokens"
+    from qforensics.hooks import fused  # the one-pass step reduction: built off-thread, once
+
+    fused.REDUCER.wait()
+    print(f"end-of-step reduction: {fused.REDUCER.status()['reduction']}", file=sys.stderr)
     sizes.clear()
     rings.clear()
     times: dict[str, list[float]] = {k: [] for k in runners}

@@ -3,6 +3,8 @@ timing on a shared machine).
 
     python bench/hook_cost.py [--steps 200]
     python bench/hook_cost.py --vllm          # vLLM decode: 8 requests' rows, bfloat16, [rows, C]
+    QFORENSICS_REDUCE=eager python bench/hook_cost.py --vllm   # the eager reduction instead of
+                                              # the one-pass kernel (hooks/fused.py)
 
 Feeds SmolLM2-135M-shaped decode tensors (30 layers: q/k/v/o, gate/up/down, the block) through
 what the hooks do, single-threaded, and prints CPU milliseconds per step for:
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from qforensics.hooks import fused
 from qforensics.hooks.pending import PendingStep
 
 D, F, KV = 576, 1536, 192  # SmolLM2-135M hidden, MLP and k/v widths
@@ -103,12 +106,18 @@ def main() -> None:
                 if name.startswith("plan"):
                     assert p.on_plan, "the plan did not hold"
                 p.clear()
+            fused.REDUCER.wait()  # the one-pass reduction (hooks/fused.py) is built off-thread
             t, w = time.process_time(), time.perf_counter()
             for _ in range(args.steps):
                 fn()
                 p.clear()
             print(f"{name:<17} {(time.process_time() - t) / args.steps * 1e3:6.2f} ms CPU, "
                   f"{(time.perf_counter() - w) / args.steps * 1e3:6.2f} ms wall per step")
+
+    st = fused.REDUCER.status()
+    how = st.get("reduction_off") or "one pass, hooks/fused_reduce.c"
+    print(f"end-of-step reduction: {st['reduction']} ({how}; QFORENSICS_REDUCE=eager for the "
+          "eager one)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qforensics.hooks import reduce
 from qforensics.hooks.session import Capture
 from qforensics.engines import vllm as adapter
 from qforensics.trace import schema
@@ -91,9 +92,8 @@ class VllmCapture(Capture):
                 for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
                             and t.numel():
-                        ok = torch.isfinite(t).reshape(-1, t.shape[-1]).all(-1, True)
                         self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
-                                           (~ok).to(torch.float32))
+                                           reduce.nonfinite_rows(t))
                 self._next_call += 1
                 if output.is_floating_point() and output.numel():
                     self._logits = output

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from qforensics.hooks import fused
 from qforensics.trace import schema
 
 # Largest working set (elements) of one chunk of a reduction over a big activation: with its
@@ -55,6 +56,10 @@ def fast_parts(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> list[to
     variance the host derives (sumsq / n - mean^2) cannot afford. Single-token tensors
     (decoding) skip the per-channel pass: their channel ranges are the values themselves, and their per-token absmax is max(|min|, |max|),
     which the host derives: [sum, sumsq, min, max] (g each), then the values (g*C) when kept."""
+    if x.device.type == "cpu":
+        got = fused.REDUCER.parts(x, rows, chans, keep_ch)
+        if got is not None:
+            return got
     with torch.no_grad():
         g = x.shape[0]
         if x.dtype not in (torch.float32, torch.float64):
@@ -174,6 +179,17 @@ def exact_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) ->
             parts += [ch[:, 0].reshape(-1), ch[:, 1].reshape(-1)]
         parts.append(torch.stack(tok_parts).reshape(g * rows))
         return torch.cat(parts)
+
+
+def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] float32: 1.0 where a row of t (last dim) holds a NaN or an Inf, else 0.0.
+
+    x * 0 is 0 for every finite x and NaN for NaN and +-Inf, so a row's sum of those is 0 exactly
+    when the row is finite (no overflow: it sums zeros). One multiply and one sum, about 10x
+    cheaper on CPU than isfinite + all for bf16 logits."""
+    with torch.no_grad():
+        z = t.reshape(-1, t.shape[-1]).mul(0).sum(-1, keepdim=True)
+        return z.ne(0).to(torch.float32)
 
 
 def fast_logits(logits: torch.Tensor) -> torch.Tensor:

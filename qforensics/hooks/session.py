@@ -30,7 +30,7 @@ from torch import nn
 
 from qforensics.errors import CaptureError
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
-from qforensics.hooks import registry
+from qforensics.hooks import fused, registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
@@ -415,6 +415,7 @@ class Capture(StepEnd):
                 st["calls"] = self._next_call
                 if self._degraded:
                     st["capture_error"] = self._degraded
+                st.update(fused.REDUCER.status())  # how the step reductions ran
                 if self._writer is not None:
                     self._writer.close(st)
                 registry.unregister_exit(self)

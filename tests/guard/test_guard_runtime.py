@@ -176,7 +176,7 @@ def test_check_modules_without_rerun_blames_the_producer_not_the_propagator(tiny
 def test_check_modules_with_rerun_repairs(tiny: Tiny) -> None:
     with quant(tiny), guard(tiny, check="modules") as g:
         out = tiny(bad_input())
-    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1
+    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1, (g.failed, g.stats)
 
 
 class CacheModel(nn.Module):
@@ -222,7 +222,7 @@ def test_rerun_rolls_back_the_kv_cache() -> None:
     with emulate_quantized_linears(model, "fp8-e4m3-nosat", exclude=("l2", "head")):
         with guard(model) as g:
             out = model(bad_input(), cache=cache)
-    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1
+    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1, (g.failed, g.stats)
     assert cache.get_seq_length() == 3  # appended once, not twice
 
 
@@ -290,7 +290,7 @@ def test_forward_raising_inside_guard_leaves_it_usable(tiny: Tiny) -> None:
         with pytest.raises(RuntimeError):
             tiny(torch.zeros(2, 3))  # shape error inside forward
         out = tiny(bad_input())
-    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1
+    assert torch.isfinite(out).all() and g.stats.repaired_steps == 1, (g.failed, g.stats)
 
 
 def test_refuses_double_attach(tiny: Tiny) -> None:

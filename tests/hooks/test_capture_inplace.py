@@ -66,7 +66,11 @@ def test_stats_are_those_the_hook_saw(tmp_path, rows, inference):
             np.testing.assert_allclose(r["min"], flat.min(), rtol=1e-6)
             np.testing.assert_allclose(r["max"], flat.max(), rtol=1e-6)
             np.testing.assert_allclose(r["mean"], flat.mean(), rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(r["std"], flat.std(), rtol=1e-4)
+            # the fast pass keeps float32 sum and sum of squares, and the host derives
+            # var = sumsq/n - mean^2: rounding sumsq costs about eps32 * (mean^2 + var) / var of
+            # the variance (b's input has mean ~100 and std ~1.5), half that on the std
+            cancel = 4 * np.finfo(np.float32).eps * (flat.mean() ** 2 + flat.var()) / flat.var()
+            np.testing.assert_allclose(r["std"], flat.std(), rtol=max(1e-4, cancel))
             cmin, cmax = t.channel_ranges(r)
             np.testing.assert_allclose(cmin, flat.min(0), rtol=1e-6)
             np.testing.assert_allclose(cmax, flat.max(0), rtol=1e-6)

@@ -1,0 +1,169 @@
+"""The end-of-step reduction of CPU activations in one pass (a small C kernel, fused_reduce.c).
+
+On CPU the eager reduction in reduce.fast_parts reads a step's activations about seven times:
+a float32 copy, sum, sum of squares (plus its product), per-channel min and max, per-token min
+and max. fused_reduce.c reads each bf16 or fp32 value once and writes the same float32 vector,
+several times faster at vLLM's decode shapes (bench/hook_cost.py --vllm). Same numbers up to
+summation order; NaN and Inf propagate as in torch (tests/hooks/test_fused_reduce.py checks
+both against numpy).
+
+How it is built, and why not torch.compile: Inductor would fuse the same expression, but
+compiling in a background thread sets torch's process-wide ``is_compiling()`` flag for seconds,
+and while it is set PyTorch skips ``always_call`` forward hooks when a forward raises: the guard's
+and capture's step bookkeeping (and any user's) would break. The C file needs no torch headers:
+
+- the first CPU reduction starts a background thread that runs the system C compiler (``$CC``,
+  else ``cc``) once, into ``$QFORENSICS_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/qforensics``,
+  else ``~/.cache/qforensics``), keyed by the source, the flags and the CPU; later processes load
+  the cached library;
+- until it is loaded, and for fp16, float64, non-contiguous or GPU tensors, the eager pass runs;
+- no compiler, a failed build, or ``QFORENSICS_REDUCE=eager``: the eager pass, always; the
+  trace's status says which ran (``reduction``, ``fused_reductions``, ``eager_reductions``).
+
+The call goes through ctypes, which releases the GIL while the kernel runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("fused_reduce.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+_SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
+
+
+def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
+    """Length of fast_parts' vector for g tensors of rows x chans (hooks/plan.packed_size)."""
+    if rows == 1:
+        return 4 * g + (g * chans if keep else 0)
+    return 2 * g + (2 * g * chans if keep else 2 * g) + g * rows
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("QFORENSICS_CACHE_DIR")
+    if base:
+        return Path(base) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "qforensics" / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile fused_reduce.c into a shared library (or find it already built); its path."""
+    cc = cc or os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join((cc,) + FLAGS).encode() + _cpu_id().encode())
+    dst_dir = out_dir or cache_dir()
+    dst = dst_dir / f"fused_reduce-{key.hexdigest()[:16]}.so"
+    if dst.exists():
+        return dst
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                           text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        os.replace(tmp, dst)  # atomic: another process may build the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dst
+
+
+class FusedReducer:
+    """One-pass CPU reductions through fused_reduce.c, built off the hook's thread."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
+        self._fns: dict[torch.dtype, Any] | None = None
+        self._thread: threading.Thread | None = None
+        self.calls = 0
+        self.fused_calls = 0
+        self.eager_why: dict[str, int] = {}  # why a call took the eager pass, for the status
+
+    def parts(self, x: torch.Tensor, rows: int, chans: int, keep: bool
+              ) -> list[torch.Tensor] | None:
+        """reduce.fast_parts' vector for g stacked tensors, in one pass; None: use eager."""
+        if self.off is not None or x.device.type != "cpu":
+            return None
+        self.calls += 1
+        fns = self._fns
+        if fns is None:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._load, daemon=True,
+                                                name="qforensics-build")
+                self._thread.start()
+            return self._eager("not built yet")
+        fn = fns.get(x.dtype)
+        if fn is None:
+            return self._eager(f"dtype {str(x.dtype).replace('torch.', '')}")
+        g = int(x.shape[0]) if x.dim() else 0
+        if g == 0 or rows <= 0 or chans <= 0 or x.numel() != g * rows * chans:
+            return self._eager("shape")
+        if not x.is_contiguous():
+            return self._eager("layout")
+        out = torch.empty(packed_len(g, rows, chans, keep), dtype=torch.float32)
+        if fn(x.data_ptr(), g, rows, chans, int(keep), out.data_ptr()) != 0:
+            return self._eager("out of memory")
+        self.fused_calls += 1
+        return [out]
+
+    def _eager(self, why: str) -> None:
+        self.eager_why[why] = self.eager_why.get(why, 0) + 1
+        return None
+
+    def _load(self) -> None:
+        try:
+            lib = ctypes.CDLL(str(build()))
+            fns = {}
+            for dtype, name in _SYMBOLS.items():
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_int, ctypes.c_void_p]
+                fns[dtype] = fn
+            self._fns = fns
+        except Exception as exc:  # no compiler, a failed build: the eager pass from now on
+            self.off = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def wait(self, timeout: float = 120.0) -> None:
+        """Block until the library is built or has failed (tests, benchmarks; never hooks)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def status(self) -> dict[str, Any]:
+        """For the trace's status: how the step reductions ran in this process."""
+        return {"reduction": "eager" if self.off or self._fns is None else "fused",
+                **({"reduction_off": self.off} if self.off else {}),
+                "fused_reductions": self.fused_calls,
+                "eager_reductions": self.calls - self.fused_calls,
+                "eager_why": dict(self.eager_why)}
+
+
+REDUCER = FusedReducer(enabled=os.environ.get("QFORENSICS_REDUCE", "auto").lower() != "eager")

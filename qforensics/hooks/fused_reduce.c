@@ -1,0 +1,117 @@
+/* One pass over g stacked [R, C] activations -> the float32 vector of reduce.fast_parts.
+ *
+ * Built by hooks/fused.py with the system C compiler (no torch headers: it reads raw bf16 or
+ * fp32 memory and writes raw float32), loaded with ctypes, and called with the GIL released.
+ *
+ * Layout of out (g tensors, R rows, C channels), as reduce.fast_parts documents it:
+ *   R > 1:  sum[g], sumsq[g], then keep ? (chan_min[g*C], chan_max[g*C]) : (min[g], max[g]),
+ *           then token_absmax[g*R]
+ *   R == 1: sum[g], sumsq[g], min[g], max[g], then keep ? values[g*C]
+ * NaN propagates into every figure whose inputs hold one (as torch's sum/amin/amax do): the hot
+ * loop only notes that a row holds a NaN, and a tensor that does is swept again for its
+ * channels (failing steps only). An Inf gives Inf sums and extrema, and +Inf with -Inf a NaN sum.
+ * Sums run in float32 vector lanes over blocks of BLOCK values, blocks add up in double.
+ *
+ * Min and max are written as `v < m ? v : m`: the vector min/max instructions compute exactly
+ * that, so the loops vectorize without -ffast-math (NaN handling is the flag above).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 2048
+
+static inline float from_bf16(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float from_f32(float v) { return v; }
+
+/* The figures every loop keeps: sum, sum of squares, min, max, and whether a NaN was seen. */
+#define STATS(expr)                                                                         \
+    float v = (expr);                                                                       \
+    s += v; q += v * v;                                                                     \
+    mn = v < mn ? v : mn; mx = v > mx ? v : mx;                                             \
+    nan |= v != v;
+
+/* Row figures: sum, sum of squares, min, max, whether a NaN was seen; with cmin/cmax (keep and
+ * R > 1) the per-channel running min/max; with dst (R == 1 and keep) the values as float32. */
+#define DEFINE_ROW(NAME, T, CONV)                                                           \
+static void NAME(const T *row, int64_t C, float *cmin, float *cmax, float *dst,             \
+                 double *S, double *Q, float *mnp, float *mxp, int *nanp) {                 \
+    float mn = INFINITY, mx = -INFINITY;                                                    \
+    int nan = 0;                                                                            \
+    double s_all = 0.0, q_all = 0.0;                                                        \
+    for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {                                             \
+        int64_t c1 = c0 + BLOCK < C ? c0 + BLOCK : C;                                       \
+        float s = 0.f, q = 0.f;                                                             \
+        if (cmin) {                                                                         \
+            _Pragma("omp simd reduction(+:s,q) reduction(min:mn) reduction(max:mx) reduction(|:nan)") \
+            for (int64_t c = c0; c < c1; c++) {                                             \
+                STATS(CONV(row[c]));                                                        \
+                cmin[c] = v < cmin[c] ? v : cmin[c]; cmax[c] = v > cmax[c] ? v : cmax[c];   \
+            }                                                                               \
+        } else if (dst) {                                                                   \
+            _Pragma("omp simd reduction(+:s,q) reduction(min:mn) reduction(max:mx) reduction(|:nan)") \
+            for (int64_t c = c0; c < c1; c++) {                                             \
+                STATS(CONV(row[c]));                                                        \
+                dst[c] = v;                                                                 \
+            }                                                                               \
+        } else {                                                                            \
+            _Pragma("omp simd reduction(+:s,q) reduction(min:mn) reduction(max:mx) reduction(|:nan)") \
+            for (int64_t c = c0; c < c1; c++) {                                             \
+                STATS(CONV(row[c]));                                                        \
+            }                                                                               \
+        }                                                                                   \
+        s_all += s; q_all += q;                                                             \
+    }                                                                                       \
+    *S += s_all; *Q += q_all; *mnp = mn; *mxp = mx; *nanp = nan;                            \
+}
+
+#define DEFINE_REDUCE(NAME, ROW, T, CONV)                                                   \
+int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
+    const int chans = keep && R > 1;                                                        \
+    float *tok = out + 2 * g + (chans ? 2 * g * C : 2 * g);                                 \
+    for (int64_t t = 0; t < g; t++) {                                                       \
+        double S = 0.0, Q = 0.0;                                                            \
+        float tmin = INFINITY, tmax = -INFINITY;                                            \
+        int tnan = 0;                                                                       \
+        float *cmin = chans ? out + 2 * g + t * C : NULL;                                   \
+        float *cmax = chans ? out + 2 * g + g * C + t * C : NULL;                           \
+        float *dst = (R == 1 && keep) ? out + 4 * g + t * C : NULL;                         \
+        if (chans)                                                                          \
+            for (int64_t c = 0; c < C; c++) { cmin[c] = INFINITY; cmax[c] = -INFINITY; }    \
+        for (int64_t r = 0; r < R; r++) {                                                   \
+            float mn, mx;                                                                   \
+            int nan;                                                                        \
+            ROW(x + (t * R + r) * C, C, cmin, cmax, dst, &S, &Q, &mn, &mx, &nan);           \
+            tnan |= nan;                                                                    \
+            tmin = mn < tmin ? mn : tmin;                                                   \
+            tmax = mx > tmax ? mx : tmax;                                                   \
+            if (R > 1) tok[t * R + r] = nan ? NAN : (mx > -mn ? mx : -mn);                  \
+        }                                                                                   \
+        out[t] = tnan ? NAN : (float)S;                                                     \
+        out[g + t] = tnan ? NAN : (float)Q;                                                 \
+        if (!chans) {                                                                       \
+            out[2 * g + t] = tnan ? NAN : tmin;                                             \
+            out[3 * g + t] = tnan ? NAN : tmax;                                             \
+        } else if (tnan) { /* the channels that hold a NaN (failing steps only) */          \
+            for (int64_t r = 0; r < R; r++) {                                               \
+                const T *row = x + (t * R + r) * C;                                         \
+                for (int64_t c = 0; c < C; c++) {                                           \
+                    float v = CONV(row[c]);                                                 \
+                    if (v != v) { cmin[c] = NAN; cmax[c] = NAN; }                           \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    return 0;                                                                               \
+}
+
+DEFINE_ROW(row_bf16, uint16_t, from_bf16)
+DEFINE_ROW(row_f32, float, from_f32)
+DEFINE_REDUCE(qf_reduce_bf16, row_bf16, uint16_t, from_bf16)
+DEFINE_REDUCE(qf_reduce_f32, row_f32, float, from_f32)

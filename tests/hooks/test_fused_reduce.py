@@ -1,0 +1,128 @@
+"""The one-pass end-of-step reduction (hooks/fused.py, fused_reduce.c) against numpy, and what
+it leaves to the eager pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qforensics.hooks import fused, reduce
+
+def _expected(x: np.ndarray, keep: bool) -> np.ndarray:
+    """reduce.fast_parts' documented layout, in float64 numpy (NaN propagates like torch's)."""
+    g, rows, chans = x.shape
+    x = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s, q = x.sum((1, 2)), (x * x).sum((1, 2))
+        if rows == 1:
+            x2 = x.reshape(g, chans)
+            out = [s, q, x2.min(1), x2.max(1)] + ([x2.reshape(-1)] if keep else [])
+            return np.concatenate(out)
+        tmax, tmin = x.max(2), x.min(2)
+        tok = np.where(np.isnan(tmax) | np.isnan(tmin), np.nan, np.maximum(tmax, -tmin))
+        mid = ([x.min(1).reshape(-1), x.max(1).reshape(-1)] if keep
+               else [tmin.min(1), tmax.max(1)])
+        return np.concatenate([s, q, *mid, tok.reshape(-1)])
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=1e-4)
+
+
+SHAPES = [(12, 8, 576), (1, 8, 576), (4, 3, 1536), (30, 1, 576), (1, 1, 49152), (5, 40, 192)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_reduction_matches_numpy(dtype: torch.dtype, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))  # a fresh build, from source
+    red = fused.FusedReducer()
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for shape in SHAPES:
+        for keep in (True, False):
+            x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+            flat = x.view(-1)
+            if shape[0] > 1:  # non-finite values in some tensors of the group only
+                flat[7] = float("nan")
+                flat[-3] = float("inf")
+                flat[-5] = float("-inf")
+            cases.append((x, keep))
+    x0, keep0 = cases[0]
+    assert red.parts(x0, x0.shape[1], x0.shape[2], keep0) is None  # eager while it builds
+    red.wait()
+    assert red.off is None, red.off
+    assert list((tmp_path / "kernels").glob("fused_reduce-*.so"))
+    with torch.inference_mode():
+        for x, keep in cases:
+            got = red.parts(x, x.shape[1], x.shape[2], keep)
+            assert got is not None, red.eager_why
+            _close(torch.cat(got).numpy(), _expected(x.float().numpy(), keep))
+    assert red.fused_calls == len(cases)
+    assert red.status()["reduction"] == "fused"
+
+
+def test_what_the_kernel_does_not_take_goes_eager() -> None:
+    red = fused.FusedReducer()
+    red.parts(torch.zeros(2, 3, 4), 3, 4, True)
+    red.wait()
+    assert red.off is None, red.off
+    x = torch.randn(4, 8, 64)
+    assert red.parts(x[:, :, :32], 8, 32, True) is None  # not contiguous
+    assert red.parts(x.half(), 8, 64, True) is None  # no fp16 kernel
+    assert red.parts(x.double(), 8, 64, True) is None
+    assert red.eager_why == {"not built yet": 1, "layout": 1, "dtype float16": 1,
+                             "dtype float64": 1}
+    off = fused.FusedReducer(enabled=False)
+    assert off.parts(x, 8, 64, True) is None and off.status()["reduction"] == "eager"
+
+
+def test_no_compiler_means_eager_with_the_reason(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    red = fused.FusedReducer()
+    x = torch.randn(3, 8, 16)
+    assert red.parts(x, 8, 16, True) is None
+    red.wait()
+    assert red.off and "no-such-cc" in red.off
+    assert red.parts(x, 8, 16, True) is None
+    assert red.status()["reduction"] == "eager" and "no-such-cc" in red.status()["reduction_off"]
+
+
+def test_fast_parts_uses_the_fused_pass_with_the_same_numbers() -> None:
+    x = torch.randn(6, 8, 200).bfloat16()
+    want = _expected(x.float().numpy(), True)
+    _close(torch.cat(reduce.fast_parts(x, 8, 200, True)).numpy(), want)
+    fused.REDUCER.wait()
+    n = fused.REDUCER.fused_calls
+    _close(torch.cat(reduce.fast_parts(x, 8, 200, True)).numpy(), want)
+    assert fused.REDUCER.fused_calls == n + 1
+
+
+def test_packed_len_agrees_with_the_step_plans() -> None:
+    from qforensics.hooks.plan import packed_size
+
+    for g, rows, chans, keep in [(1, 1, 5, True), (3, 1, 5, False), (2, 7, 9, True),
+                                 (4, 3, 11, False)]:
+        assert fused.packed_len(g, rows, chans, keep) == packed_size(g, rows, chans, keep)
+        x = torch.randn(g, rows, chans)
+        eager = torch.cat(reduce.fast_parts(x.double(), rows, chans, keep))  # eager: float64
+        assert eager.numel() == packed_size(g, rows, chans, keep)
+
+
+def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf() -> None:
+    t = torch.randn(7, 300).bfloat16()
+    t[1, 3], t[3, 0], t[4, 299] = float("nan"), float("inf"), float("-inf")
+    t[5] = 3e38  # huge but finite: a plain sum of the row would overflow
+    want = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert reduce.nonfinite_rows(t).reshape(-1).tolist() == want
+    assert reduce.nonfinite_rows(t).shape == (7, 1)
