@@ -12,8 +12,8 @@ compiling in a background thread sets torch's process-wide ``is_compiling()`` fl
 and while it is set PyTorch skips ``always_call`` forward hooks when a forward raises: the guard's
 and capture's step bookkeeping (and any user's) would break. The C file needs no torch headers:
 
-- the first CPU reduction starts a background thread that runs the system C compiler (``$CC``,
-  else ``cc``) once, into ``$QFORENSICS_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/qforensics``,
+- the first CPU reduction of a process loads the library when it is already built; else it
+  starts a background thread that runs the system C compiler (``$CC``, else ``cc``) once, into ``$QFORENSICS_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/qforensics``,
   else ``~/.cache/qforensics``), keyed by the source, the flags and the CPU; later processes load
   the cached library;
 - until it is loaded, and for fp16, float64, non-contiguous or GPU tensors, the eager pass runs;
@@ -69,17 +69,23 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
+def library_path(cc: str | None = None, out_dir: Path | None = None) -> Path:
+    """Where the library for this source, compiler, flags and CPU is (or will be) kept."""
+    cc = cc or os.environ.get("CC") or "cc"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc,) + FLAGS).encode()
+                         + _cpu_id().encode())
+    return (out_dir or cache_dir()) / f"fused_reduce-{key.hexdigest()[:16]}.so"
+
+
 def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     """Compile fused_reduce.c into a shared library (or find it already built); its path."""
     cc = cc or os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cc,) + FLAGS).encode() + _cpu_id().encode())
-    dst_dir = out_dir or cache_dir()
-    dst = dst_dir / f"fused_reduce-{key.hexdigest()[:16]}.so"
+    dst = library_path(cc, out_dir)
     if dst.exists():
         return dst
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    dst_dir = dst.parent
     dst_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
     os.close(fd)
@@ -102,6 +108,7 @@ class FusedReducer:
         self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
         self._fns: dict[torch.dtype, Any] | None = None
         self._thread: threading.Thread | None = None
+        self._tried_cache = False
         self.calls = 0
         self.fused_calls = 0
         self.eager_why: dict[str, int] = {}  # why a call took the eager pass, for the status
@@ -113,7 +120,19 @@ class FusedReducer:
             return None
         self.calls += 1
         fns = self._fns
+        if fns is None and not self._tried_cache:
+            # already built (an earlier process): load it now, ~1 ms, so that a process's
+            # numbers do not depend on when a background thread finished
+            self._tried_cache = True
+            try:
+                if library_path().exists():
+                    self._load()
+                    fns = self._fns
+            except OSError:
+                pass
         if fns is None:
+            if self.off is not None:
+                return None
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._load, daemon=True,
                                                 name="qforensics-build")

@@ -70,9 +70,11 @@ def test_fused_reduction_matches_numpy(dtype: torch.dtype, tmp_path: Path,
     assert red.status()["reduction"] == "fused"
 
 
-def test_what_the_kernel_does_not_take_goes_eager() -> None:
+def test_what_the_kernel_does_not_take_goes_eager(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
     red = fused.FusedReducer()
-    red.parts(torch.zeros(2, 3, 4), 3, 4, True)
+    red.parts(torch.zeros(2, 3, 4), 3, 4, True)  # starts the build
     red.wait()
     assert red.off is None, red.off
     x = torch.randn(4, 8, 64)
@@ -83,6 +85,20 @@ def test_what_the_kernel_does_not_take_goes_eager() -> None:
                              "dtype float64": 1}
     off = fused.FusedReducer(enabled=False)
     assert off.parts(x, 8, 64, True) is None and off.status()["reduction"] == "eager"
+
+
+def test_a_built_library_is_loaded_at_the_first_call(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later process finds the library built: no eager steps while a thread catches up."""
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
+    first = fused.FusedReducer()
+    x = torch.randn(3, 8, 16)
+    assert first.parts(x, 8, 16, True) is None
+    first.wait()
+    assert fused.library_path().exists()
+    later = fused.FusedReducer()
+    assert later.parts(x, 8, 16, True) is not None
+    assert later.eager_why == {} and later.fused_calls == 1
 
 
 def test_no_compiler_means_eager_with_the_reason(monkeypatch: pytest.MonkeyPatch,
