@@ -251,10 +251,12 @@ def _agree(a: list[int], b: list[int]) -> float:
 def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_ids: list[int],
                          answer_seq: list[int], n_prompt: int, *, python: str,
                          progress: Callable[[str], None] = lambda m: None,
-                         timeout: float = 1800) -> dict[str, dict[str, Any]]:
+                         timeout: float = 1800, prebuilt: dict[str, Path] | None = None
+                         ) -> dict[str, dict[str, Any]]:
     """{scheme label: vLLM figures} for each ``awq:`` / ``ct:`` scheme (see the module
     docstring); a scheme vLLM could not serve gets ``{"error": vLLM's last words}`` and the
-    others go on. The unquantized reference failing raises `VllmRunError`."""
+    others go on. The unquantized reference failing raises `VllmRunError`. ``prebuilt``:
+    {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor)."""
     from qforensics.demo.vllm_model import _save_folder
 
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
@@ -267,8 +269,11 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
         ref = _score(python, ref_dir, seqs, work, timeout)
         out: dict[str, dict[str, Any]] = {}
         for sc in schemes:
-            progress(f"vLLM: writing the {sc.label} checkpoint")
-            folder, said = write_checkpoint(model, tokenizer, sc, base, work)
+            if sc.label in (prebuilt or {}):
+                folder, said = Path(prebuilt[sc.label]), {"checkpoint": "llmcompressor's"}
+            else:
+                progress(f"vLLM: writing the {sc.label} checkpoint")
+                folder, said = write_checkpoint(model, tokenizer, sc, base, work)
             progress(f"vLLM: scoring {sc.label} (one engine start)")
             try:
                 got = _score(python, folder, seqs, work, timeout)
@@ -277,7 +282,8 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
                 progress(f"{sc.label} (vLLM): not measured: {exc}")
                 continue
             out[sc.label] = {**_figures(ref, got, n_prompt), **said}
-            shutil.rmtree(folder, ignore_errors=True)
+            if sc.label not in (prebuilt or {}):  # a prebuilt one is the caller's (a cache)
+                shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
