@@ -166,7 +166,7 @@ def cache_name(model: Any, sc: Any, python: str, text: str, samples: int, seq_le
 
 
 def _stream(pipe: Any, log: Any, label: str, say: Callable[[str], None]) -> None:
-    """Copy the worker's stderr to ``log``; pass its own lines and each new layer on."""
+    """Copy the worker's output to ``log``; pass its own lines and each new layer on."""
     seen: set[str] = set()
     for raw in pipe:
         log.write(raw)
@@ -215,9 +215,11 @@ def calibrate(model: Any, tokenizer: Any, sc: Any, python: str, *,
             "TOKENIZERS_PARALLELISM": "false"}
         log_path = work / "llmc.log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, text=True,
-                                    errors="replace", start_new_session=True)
-            reader = threading.Thread(target=_stream, args=(proc.stderr, log, sc.label, say),
+            # llmcompressor logs (loguru) to stdout, the worker's own lines go to stderr
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    start_new_session=True)
+            reader = threading.Thread(target=_stream, args=(proc.stdout, log, sc.label, say),
                                       daemon=True)
             reader.start()
             try:

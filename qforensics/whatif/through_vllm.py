@@ -212,8 +212,13 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
     if rc is None:
         raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s")
     if rc != 0 or not out.is_file():
-        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): "
-                           f"{root_cause(log.read_text(errors='replace'))}")
+        why = root_cause(log.read_text(errors="replace"))
+        if "execute_model timed out" in why:  # a forward slower than vLLM's RPC limit
+            why += (f" (one forward took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
+                    f"{env.get('VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS', '300')} s: this kernel is "
+                    "too slow on this CPU for the scored text; raise the variable or pass "
+                    "--text-tokens)")
+        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): {why}")
     return json.loads(out.read_text())
 
 

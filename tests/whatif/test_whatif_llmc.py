@@ -166,3 +166,15 @@ def test_gptq_beats_minmax_rounding_on_the_calibration_objective(on_grid, demo):
         err_gptq = float(((w - q) @ x.T).pow(2).sum())
         err_rtn = float(((w - _rtn(w)) @ x.T).pow(2).sum())
         assert err_gptq <= err_rtn, (name, err_gptq, err_rtn)
+
+
+def test_a_failed_calibration_is_reported_with_its_reason(demo, tmp_path):
+    from qforensics.whatif.llmc import LlmcError
+
+    model, tok = demo
+    sc = parse_whatif_scheme("llmc:GPTQ-W4A16-g64")
+    with pytest.raises(LlmcError, match=r"llmcompressor failed \(exit 3\): ValueError: .*"
+                                        r"fewer than one window of 128"):
+        calibrate(model, tok, sc, resolve_llmc_python(None), calib_text="far too short",
+                  cache=tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing cached
