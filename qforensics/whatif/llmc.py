@@ -130,15 +130,13 @@ def _ignored(model: Any, sc: Any) -> list[str]:
     """Linears (not lm_head) whose in_features the scheme's group size does not divide."""
     from torch import nn
 
-    m = re.search(r"-g(\d+)$", sc.preset or "")
     from qforensics.whatif.library import check_compressed_tensors_preset
 
-    w = check_compressed_tensors_preset(sc.preset).weights
+    w = check_compressed_tensors_preset(sc.preset).weights  # -g<N> already applied
     if str(getattr(w.strategy, "value", w.strategy)) != "group":
         return []
-    g = int(m.group(1)) if m else int(w.group_size)
     return [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)
-            and not n.endswith("lm_head") and mod.in_features % g]
+            and not n.endswith("lm_head") and mod.in_features % int(w.group_size)]
 
 
 def _write_base(model: Any, tokenizer: Any, dst: Path) -> Path:

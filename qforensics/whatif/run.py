@@ -40,7 +40,8 @@ from qforensics.whatif.schemes import (
 )
 
 log = logging.getLogger(__name__)
-SERVED = ("awq", "compressed-tensors", "llmcompressor")  # schemes --engine vllm serves (whatif.through_vllm)
+# schemes --engine vllm serves (whatif.through_vllm)
+SERVED = ("awq", "compressed-tensors", "llmcompressor")
 
 __all__ = [
     "CLAIM",
@@ -385,9 +386,10 @@ def run_whatif(
                                     wi.ref_full[0].tolist(), wi.n_prompt, python=python,
                                     progress=say, prebuilt=wi.llmc_folders)
         for r, sc in zip(result.schemes, parsed):
-            r.vllm = figs.get(sc.label) or {
-                "skipped": "vLLM runs published checkpoint formats (awq:, ct:); this scheme "
-                           "is measured by the HF path only"}
+            r.vllm = ({"error": f"not calibrated: {r.error}"} if r.error else None) or \
+                figs.get(sc.label) or {
+                "skipped": "vLLM runs published checkpoint formats (awq:, ct:, llmc:); this "
+                           "scheme is measured by the HF path only"}
             v = r.vllm
             if "ppl" in v:
                 say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl "
