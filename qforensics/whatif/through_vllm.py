@@ -215,9 +215,9 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
         why = root_cause(log.read_text(errors="replace"))
         if "execute_model timed out" in why:  # a forward slower than vLLM's RPC limit
             why += (f" (one forward took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
-                    f"{env.get('VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS', '300')} s: this kernel is "
-                    "too slow on this CPU for the scored text; raise the variable or pass "
-                    "--text-tokens)")
+                    f"{env.get('VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS', '300')} s, vLLM's limit "
+                    "per engine step: this scheme's kernel is too slow on this CPU for the "
+                    "scored text; a larger value lets a slow step finish)")
         raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): {why}")
     return json.loads(out.read_text())
 
