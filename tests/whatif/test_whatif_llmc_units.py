@@ -71,3 +71,24 @@ def test_cli_llmc_python_without_llmcompressor_exits_2(tmp_path):
 def test_help_shows_an_llmc_example():
     r = CliRunner().invoke(main, ["whatif", "--help"])
     assert r.exit_code == 0 and "llmc:GPTQ-W4A16-g64" in r.output and "--llmc-python" in r.output
+
+
+def test_a_scheme_not_measured_is_shown_with_its_reason():
+    from qforensics.whatif.results import SchemeResult, WhatIfResult
+
+    nan = float("nan")
+    res = WhatIfResult(trace=None, prompt_source="p", salient_source="s", ref_text="t",
+                       ref_ppl=10.0, positions=8, text_tokens=100)
+    res.schemes.append(SchemeResult("ct:W8A8", "compressed-tensors W8A8", None, 1.0, 0.01, 10.5,
+                                    0.9, 10.0 / 10.5, False, "t", 1.0))
+    res.schemes.append(SchemeResult("llmc:SQ-W8A8", "llmcompressor W8A8", None, nan, nan, nan,
+                                    nan, nan, False, "", 0.0,
+                                    error="llmcompressor failed (exit 3): ValueError: boom"))
+    table = res.format_table()
+    row = next(ln for ln in table.splitlines() if ln.startswith("llmc:SQ-W8A8 "))
+    assert row.split()[1:] == ["-"] * 5
+    assert "llmc:SQ-W8A8: not measured: llmcompressor failed (exit 3): ValueError: boom" in table
+    c = res.claim()
+    assert c["best_scheme"] == "ct:W8A8" and c["schemes_meeting_claim"] == []
+    js = res.to_json()["schemes"][1]
+    assert js["error"].endswith("boom") and js["ppl"] is None and js["recovered"] is None
