@@ -20,7 +20,7 @@ a second run does not calibrate again.
 
 Measured like ``ct:``: **HF** from the checkpoint as this environment's transformers and
 compressed-tensors load it, decompressed (the library's quantized forward: weights on the
-calibrated grid, dynamic activation quantization for W8A8), in float32; **vLLM** (``--engine
+calibrated grid, dynamic activation quantization for W8A8), in the model's dtype; **vLLM** (``--engine
 vllm``) serving the very checkpoint (`qforensics.whatif.through_vllm`).
 """
 
@@ -254,15 +254,15 @@ def _root_cause(log: str) -> str:
     return tagged[-1][len(ERROR_TAG):] if tagged else root_cause(log)
 
 
-def load_llmc_model(folder: Path) -> Any:
+def load_llmc_model(folder: Path, dtype: Any = None) -> Any:
     """The checkpoint as this environment's transformers + compressed-tensors load it: the
     library's quantized forward (weights decompressed on the first forward, dynamic activation
-    quantization where the scheme has it), float32 elsewhere. Raises `LlmcError`."""
+    quantization where the scheme has it), in ``dtype`` (default float32). Raises `LlmcError`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
     except Exception as exc:  # noqa: BLE001 - the library's own words, per scheme
         raise LlmcError(f"{folder.name}: transformers / compressed-tensors cannot load "
                         f"llmcompressor's checkpoint: {type(exc).__name__}: {exc}") from None
@@ -277,7 +277,7 @@ def applied_llmc(whatif: Any, folder: Path) -> Iterator[None]:
     """``whatif`` measures the llmcompressor checkpoint's model instead of its own for the
     duration (SmoothQuant changes norms too: the whole model is the checkpoint's)."""
     own = whatif.model
-    whatif.model = load_llmc_model(folder)
+    whatif.model = load_llmc_model(folder, next(own.parameters()).dtype)  # as the model runs
     try:
         yield
     finally:
