@@ -20,8 +20,8 @@ a second run does not calibrate again.
 
 Measured like ``ct:``: **HF** from the checkpoint as this environment's transformers and
 compressed-tensors load it, decompressed (the library's quantized forward: weights on the
-calibrated grid, dynamic activation quantization for W8A8), in the model's dtype; **vLLM** (``--engine
-vllm``) serving the very checkpoint (`qforensics.whatif.through_vllm`).
+calibrated grid, dynamic activation quantization for W8A8), in the model's dtype; **vLLM**
+(``--engine vllm``) serving the very checkpoint (`qforensics.whatif.through_vllm`).
 """
 
 from __future__ import annotations
