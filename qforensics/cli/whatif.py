@@ -19,7 +19,10 @@ from qforensics.errors import UsageError
                    "ct:PRESET[-g<N>] (ct:W4A16, ct:W4A16-g64, ct:W8A8, ct:FP8_DYNAMIC) runs "
                    "compressed-tensors' own preset through the library (-g<N>: its group "
                    "size). awq:w4a16[-g<N>] (default g128) is AWQ W4A16 in its published "
-                   "format. Both are also measured through vLLM with --engine vllm.")
+                   "format. llmc:GPTQ-PRESET[-g<N>] (llmc:GPTQ-W4A16-g64) and llmc:SQ-W8A8 "
+                   "(SmoothQuant + GPTQ) are calibrated by llmcompressor in its own venv "
+                   "(--llmc-python) and shown next to the ct: twin with min/max scales. All "
+                   "three are also measured through vLLM with --engine vllm.")
 @click.option("--keep-salient", metavar="PCT",
               help="Keep this share of input channels (by the trace's recorded activation "
                    "absmax) in FP16 for the INT weight schemes of --scheme: 1% or 0.01.")
@@ -46,9 +49,14 @@ from qforensics.errors import UsageError
                    "vLLM cannot run is reported with vLLM's error; exit 2 when none ran.")
 @click.option("--vllm-python", metavar="PY",
               help="The Python that has vLLM (default: this one), e.g. .venv-vllm/bin/python.")
+@click.option("--llmc-python", metavar="PY",
+              help="The Python of llmcompressor's venv for llmc: schemes (scripts/install-llmc.sh"
+                   "; default: $QF_LLMC_PYTHON, else .venv-llmc/bin/python). Calibration takes "
+                   "minutes; its checkpoint is cached.")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
             model_spec: str | None, json_out: str | None, max_new_tokens: int,
-            text_tokens: int | None, engine: str, vllm_python: str | None) -> None:
+            text_tokens: int | None, engine: str, vllm_python: str | None,
+            llmc_python: str | None) -> None:
     """Rerun TRACE's prompt on the traced model under other quantization schemes.
 
     Compares each scheme with the unquantized reference: top-1 agreement (teacher-forced over
@@ -65,6 +73,8 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
         qforensics whatif trace.h5 --scheme ct:W4A16 --scheme ct:W8A8 --engine vllm \\
             --vllm-python .venv-vllm/bin/python
+        qforensics whatif trace.h5 --scheme llmc:GPTQ-W4A16-g64 --scheme llmc:SQ-W8A8 \\
+            --llmc-python .venv-llmc/bin/python --engine vllm --vllm-python .venv-vllm/bin/python
     """
     from qforensics.trace.reader import open_trace
     from qforensics.whatif.run import (
@@ -94,20 +104,26 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         from qforensics.whatif.through_vllm import resolve_vllm_python
 
         if not any(p.library in SERVED for p in parsed):
-            raise UsageError("--engine vllm measures awq:w4a16[-g<N>] and ct:PRESET schemes "
-                             "through vLLM; give one (e.g. --scheme ct:W4A16)")
+            raise UsageError("--engine vllm measures awq:w4a16[-g<N>], ct:PRESET and llmc: "
+                             "schemes through vLLM; give one (e.g. --scheme ct:W4A16)")
         resolve_vllm_python(vllm_python)  # no vLLM: exit 2 before loading
+    if any(p.library == "llmcompressor" for p in parsed):
+        from qforensics.whatif.llmc import resolve_llmc_python
+
+        llmc_python = resolve_llmc_python(llmc_python)  # no llmcompressor: exit 2 now
     with open_trace(trace) as t:  # unreadable trace: exit 2 before loading the model
         resolve_model_source(model_spec, t.meta)  # bad --model: exit 2 before loading
 
     result = run_whatif(trace, parsed, max_new_tokens=max_new_tokens, text_tokens=text_tokens,
                         model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True),
-                        engine=engine, vllm_python=vllm_python)
+                        engine=engine, vllm_python=vllm_python, llmc_python=llmc_python)
     click.echo(result.format_table())
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:
             json.dump(result.to_json(), fh, indent=2, allow_nan=False)
         click.echo(f"wrote {json_out}", err=True)
+    if all(s.error is not None for s in result.schemes):
+        raise UsageError("no scheme could be measured (the reasons are above)")
     tried = [s.vllm for s in result.schemes if isinstance(s.vllm, dict) and
              ("ppl" in s.vllm or "error" in s.vllm)]
     if tried and not any("ppl" in v for v in tried):

@@ -31,6 +31,8 @@ class SchemeResult:
     seconds: float
     # the same scheme through vLLM's kernels (whatif --engine vllm; qforensics.whatif.through_vllm)
     vllm: dict[str, Any] | None = None
+    error: str | None = None  # not measured (e.g. llmcompressor failed to calibrate): why
+    library: dict[str, Any] | None = None  # what the library said (llmc: its llmc.json)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -95,6 +97,9 @@ class WhatIfResult:
         rows = [("reference (unquantized)", "100.0%", "0", num(self.ref_ppl, ".2f"), "100.0%",
                  "100.0%")]
         for s in self.schemes:
+            if s.error is not None:
+                rows.append((s.scheme, *["-"] * 5))
+                continue
             rows.append((s.scheme + (" [NaN]" if s.nonfinite else ""), pct(s.top1),
                          num(s.kl, ".4f"), num(s.ppl, ".2f"), pct(s.text_top1),
                          pct(s.recovered)))
@@ -112,6 +117,10 @@ class WhatIfResult:
                      "model's dtype, against the unquantized model as loaded)")
         if any(s.scheme.startswith("ct:") for s in self.schemes):
             lines.append("  (ct: rows: compressed-tensors' own quantized forward, same dtype)")
+        if any(s.scheme.startswith("llmc:") for s in self.schemes):
+            lines.append("  (llmc: rows: llmcompressor's calibrated checkpoint, decompressed by "
+                         "compressed-tensors, same dtype; its ct: twin has min/max scales)")
+        lines += [f"{s.scheme}: not measured: {s.error}" for s in self.schemes if s.error]
         lines += self._vllm_lines(pct, num)
         if c["best_scheme"] is not None:
             verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]

@@ -40,7 +40,8 @@ from qforensics.whatif.schemes import (
 )
 
 log = logging.getLogger(__name__)
-SERVED = ("awq", "compressed-tensors")  # schemes --engine vllm serves (whatif.through_vllm)
+# schemes --engine vllm serves (whatif.through_vllm)
+SERVED = ("awq", "compressed-tensors", "llmcompressor")
 
 __all__ = [
     "CLAIM",
@@ -114,6 +115,7 @@ class WhatIf:
         self.ref_text_argmax = txt_logits[:-1].argmax(-1)
         del txt_logits
         self._absmax: dict[str, Any] | None = None
+        self.llmc_folders: dict[str, Any] = {}  # llmc: label -> checkpoint (whatif.llmc)
 
     def _generate(self) -> Any:
         import torch
@@ -149,6 +151,10 @@ class WhatIf:
                 from qforensics.whatif.library import applied_compressed_tensors
 
                 stack.enter_context(applied_compressed_tensors(self.model, sc.preset))
+            if sc.library == "llmcompressor":  # the calibrated checkpoint's model
+                from qforensics.whatif.llmc import applied_llmc
+
+                stack.enter_context(applied_llmc(self, self.llmc_folders[sc.label]))
             if sc.library == "awq":
                 from qforensics.whatif.through_vllm import applied_awq
 
@@ -255,6 +261,7 @@ def run_whatif(
     progress: Callable[[str], None] | None = None,
     engine: str = "hf",
     vllm_python: str | None = None,
+    llmc_python: str | None = None,
 ) -> WhatIfResult:
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
@@ -266,13 +273,27 @@ def run_whatif(
     receives one line per scheme. Every weight change is undone before returning.
     ``engine="vllm"`` also measures the ``awq:`` and ``ct:`` schemes through vLLM's kernels
     (`qforensics.whatif.through_vllm`; ``vllm_python``: the Python that has vLLM), next to the
-    HF fake-quant figures, in each result's ``vllm``.
+    HF fake-quant figures, in each result's ``vllm``. ``llmc:`` schemes are calibrated by
+    llmcompressor in ``llmc_python`` (`qforensics.whatif.llmc`), each next to its ``ct:`` twin
+    (the same preset with min/max scales), added when not given.
     """
     say = progress or (lambda msg: None)
     parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
               for s in schemes]
     if not parsed:
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
+    lpy = None
+    if any(s.library == "llmcompressor" for s in parsed):
+        from qforensics.whatif.llmc import resolve_llmc_python, twin_ct
+
+        lpy = resolve_llmc_python(llmc_python)  # before loading anything
+        labels, withtwins = {s.label for s in parsed}, []
+        for s in parsed:  # each llmc: row after its min/max ct: twin
+            if s.library == "llmcompressor" and twin_ct(s) not in labels:
+                labels.add(twin_ct(s))
+                withtwins.append(parse_whatif_scheme(twin_ct(s)))
+            withtwins.append(s)
+        parsed = withtwins
     if engine not in ("hf", "vllm"):
         raise UsageError(f"unknown engine {engine!r}: hf or vllm")
     python = None
@@ -335,7 +356,18 @@ def run_whatif(
                           salient_source=salient_source, ref_text=wi.ref_text,
                           ref_ppl=wi.ref_ppl, positions=int(wi.targets.numel()),
                           text_tokens=int(wi.text_ids.shape[1]))
+    llmc: dict[str, Any] = {}
+    if lpy is not None:
+        from qforensics.whatif.llmc import prepare_llmc
+
+        llmc = prepare_llmc(model, tokenizer, parsed, lpy, say)
+        wi.llmc_folders = {k: f for k, (f, _) in llmc.items() if f is not None}
     for k, sc in enumerate(parsed):
+        if sc.library == "llmcompressor":
+            from qforensics.whatif.llmc import measure_llmc
+
+            result.schemes.append(measure_llmc(wi, sc, llmc[sc.label], say))
+            continue
         if sc.library == "awq":
             from qforensics.whatif.through_vllm import check_awq_fits
 
@@ -348,14 +380,16 @@ def run_whatif(
     if python is not None:
         from qforensics.whatif.through_vllm import measure_through_vllm
 
-        served = list({sc.label: sc for sc in parsed if sc.library in SERVED}.values())
+        served = list({sc.label: sc for sc in parsed if sc.library in SERVED and (
+            sc.library != "llmcompressor" or sc.label in wi.llmc_folders)}.values())
         figs = measure_through_vllm(model, tokenizer, served, wi.text_ids[0].tolist(),
                                     wi.ref_full[0].tolist(), wi.n_prompt, python=python,
-                                    progress=say)
+                                    progress=say, prebuilt=wi.llmc_folders)
         for r, sc in zip(result.schemes, parsed):
-            r.vllm = figs.get(sc.label) or {
-                "skipped": "vLLM runs published checkpoint formats (awq:, ct:); this scheme "
-                           "is measured by the HF path only"}
+            r.vllm = ({"error": f"not calibrated: {r.error}"} if r.error else None) or \
+                figs.get(sc.label) or {
+                "skipped": "vLLM runs published checkpoint formats (awq:, ct:, llmc:); this "
+                           "scheme is measured by the HF path only"}
             v = r.vllm
             if "ppl" in v:
                 say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl "

@@ -1,5 +1,6 @@
 """What-if scheme specs: ``[w:|act:]SPEC[+...]`` (the project's fake-quant schemes),
-``ct:PRESET[-g<N>]`` (compressed-tensors' own presets) and ``awq:w4a16[-g<N>]`` (AWQ W4A16 in
+``ct:PRESET[-g<N>]`` (compressed-tensors' own presets), ``llmc:GPTQ-PRESET[-g<N>]`` /
+``llmc:SQ-W8A8`` (llmcompressor's calibration) and ``awq:w4a16[-g<N>]`` (AWQ W4A16 in
 its published format), both also measurable through vLLM, parsed into a `WhatIfScheme`."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class WhatIfScheme:
     activations: Any = None  # QuantScheme
     library: str | None = None  # "compressed-tensors": the library's own preset, ``preset``
     preset: str | None = None
+    algo: str | None = None  # "llmcompressor": its calibrating recipe (gptq, sq-gptq)
 
     @property
     def awq_group(self) -> int:
@@ -73,6 +75,11 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
 
     if not isinstance(spec, str) or not spec.strip():
         raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
+    from qforensics.whatif.llmc import parse_llmc
+
+    llmc = parse_llmc(spec)  # llmcompressor's calibration, in its own venv (whatif.llmc)
+    if llmc is not None:
+        return llmc
     lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+(?:-g\d+)?)$", spec.strip(),
                    re.IGNORECASE)
     if lib:  # a real library's preset, measured through it (qforensics.whatif.library)

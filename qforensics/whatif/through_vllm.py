@@ -212,8 +212,13 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
     if rc is None:
         raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s")
     if rc != 0 or not out.is_file():
-        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): "
-                           f"{root_cause(log.read_text(errors='replace'))}")
+        why = root_cause(log.read_text(errors="replace"))
+        if "execute_model timed out" in why:  # a forward slower than vLLM's RPC limit
+            why += (f" (one forward took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
+                    f"{env.get('VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS', '300')} s, vLLM's limit "
+                    "per engine step: this scheme's kernel is too slow on this CPU for the "
+                    "scored text; a larger value lets a slow step finish)")
+        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): {why}")
     return json.loads(out.read_text())
 
 
@@ -251,10 +256,12 @@ def _agree(a: list[int], b: list[int]) -> float:
 def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_ids: list[int],
                          answer_seq: list[int], n_prompt: int, *, python: str,
                          progress: Callable[[str], None] = lambda m: None,
-                         timeout: float = 1800) -> dict[str, dict[str, Any]]:
+                         timeout: float = 1800, prebuilt: dict[str, Path] | None = None
+                         ) -> dict[str, dict[str, Any]]:
     """{scheme label: vLLM figures} for each ``awq:`` / ``ct:`` scheme (see the module
     docstring); a scheme vLLM could not serve gets ``{"error": vLLM's last words}`` and the
-    others go on. The unquantized reference failing raises `VllmRunError`."""
+    others go on. The unquantized reference failing raises `VllmRunError`. ``prebuilt``:
+    {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor)."""
     from qforensics.demo.vllm_model import _save_folder
 
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
@@ -267,8 +274,11 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
         ref = _score(python, ref_dir, seqs, work, timeout)
         out: dict[str, dict[str, Any]] = {}
         for sc in schemes:
-            progress(f"vLLM: writing the {sc.label} checkpoint")
-            folder, said = write_checkpoint(model, tokenizer, sc, base, work)
+            if sc.label in (prebuilt or {}):
+                folder, said = Path(prebuilt[sc.label]), {"checkpoint": "llmcompressor's"}
+            else:
+                progress(f"vLLM: writing the {sc.label} checkpoint")
+                folder, said = write_checkpoint(model, tokenizer, sc, base, work)
             progress(f"vLLM: scoring {sc.label} (one engine start)")
             try:
                 got = _score(python, folder, seqs, work, timeout)
@@ -277,7 +287,8 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
                 progress(f"{sc.label} (vLLM): not measured: {exc}")
                 continue
             out[sc.label] = {**_figures(ref, got, n_prompt), **said}
-            shutil.rmtree(folder, ignore_errors=True)
+            if sc.label not in (prebuilt or {}):  # a prebuilt one is the caller's (a cache)
+                shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
