@@ -44,7 +44,7 @@ _SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
 
 
 def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
-    """Length of fast_parts' vector for g tensors of rows x chans (hooks/plan.packed_size)."""
+    """Length of reduce.fast_parts' vector for g tensors of rows x chans."""
     if rows == 1:
         return 4 * g + (g * chans if keep else 0)
     return 2 * g + (2 * g * chans if keep else 2 * g) + g * rows

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import reduce
+from qforensics.hooks import fused, reduce
 from qforensics.hooks.assemble import describe
 
 # slot values fold into the take signature below this bound
@@ -39,11 +39,7 @@ def signature(rel_ci: int, mid: int, io: int, slot: int, n_mod: int) -> int:
     return ((rel_ci * n_mod + mid) * 2 + io) * SLOTS + slot
 
 
-def packed_size(g: int, rows: int, chans: int, keep: bool) -> int:
-    """Length of reduce.fast_stacked's vector for g tensors of rows x chans."""
-    if rows == 1:
-        return 4 * g + (g * chans if keep else 0)
-    return 2 * g + (2 * g * chans if keep else 2 * g) + g * rows
+packed_size = fused.packed_len  # reduce.fast_stacked's vector length
 
 
 class StepPlan:

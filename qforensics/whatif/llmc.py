@@ -207,10 +207,10 @@ def calibrate(model: Any, tokenizer: Any, sc: Any, python: str, *,
                "--seq-len", str(seq_len), "--ignore", *ignore]
         if m:
             cmd[cmd.index("--calib"):cmd.index("--calib")] = ["--group", m.group(1)]
-        repo = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [repo] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
-            "TOKENIZERS_PARALLELISM": "false"}
+        from qforensics.demo.vllm_scenarios import serve_env  # this checkout on PYTHONPATH
+        from qforensics.whatif.through_vllm import wait_group
+
+        env = {**serve_env(), "TOKENIZERS_PARALLELISM": "false"}
         log_path = work / "llmc.log"
         with open(log_path, "w") as log:
             # llmcompressor logs (loguru) to stdout, the worker's own lines go to stderr
@@ -221,13 +221,8 @@ def calibrate(model: Any, tokenizer: Any, sc: Any, python: str, *,
                                       daemon=True)
             reader.start()
             try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
+                rc = wait_group(proc, timeout)
             finally:
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, 9)
-                proc.wait()
                 reader.join(10)
         if rc is None:
             raise LlmcError(f"{sc.label}: llmcompressor did not finish within {timeout:.0f} s")

@@ -185,6 +185,20 @@ def write_checkpoint(model: Any, tokenizer: Any, scheme: Any, base: tuple[dict, 
 
 
 # -- serving -------------------------------------------------------------------------------------
+def wait_group(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Wait for a process started with start_new_session=True, then kill its whole group
+    (children that outlive it: vLLM's workers). Its exit code, or None on timeout."""
+    try:
+        rc: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return rc
+
+
 def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout: float
            ) -> dict:
     ids = work / f"{folder.name}.ids.json"
@@ -201,14 +215,7 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        rc = wait_group(proc, timeout)
     if rc is None:
         raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s")
     if rc != 0 or not out.is_file():
