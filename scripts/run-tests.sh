@@ -9,6 +9,11 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
 fi
+# a C compiler: capture's one-pass reduction (qforensics/hooks/fused_reduce.c) is built with it
+if ! command -v cc >/dev/null; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc
+fi
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 $PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" "$@"
