@@ -5,7 +5,9 @@ a float32 copy, sum, sum of squares (plus its product), per-channel min and max,
 and max. fused_reduce.c reads each bf16 or fp32 value once and writes the same float32 vector,
 several times faster at vLLM's decode shapes (bench/hook_cost.py --vllm). Same numbers up to
 summation order; NaN and Inf propagate as in torch (tests/hooks/test_fused_reduce.py checks
-both against numpy).
+both against numpy). The same library computes reduce.fast_logits' figures of the last logits
+row (min, max, mean, variance, softmax entropy, top 5) in one call instead of about ten torch
+ops (0.1 ms instead of 0.6 ms per vLLM decode step on [8, 49152] bf16 logits).
 
 How it is built, and why not torch.compile: Inductor would fuse the same expression, but
 compiling in a background thread sets torch's process-wide ``is_compiling()`` flag for seconds,
@@ -40,7 +42,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("fused_reduce.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+LIBS = ("-lm",)
 _SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
+_LOGITS = {torch.bfloat16: "qf_logits_bf16", torch.float32: "qf_logits_f32"}
 
 
 def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
@@ -72,7 +76,7 @@ def _cpu_id() -> str:
 def library_path(cc: str | None = None, out_dir: Path | None = None) -> Path:
     """Where the library for this source, compiler, flags and CPU is (or will be) kept."""
     cc = cc or os.environ.get("CC") or "cc"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc,) + FLAGS).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc,) + FLAGS + LIBS).encode()
                          + _cpu_id().encode())
     return (out_dir or cache_dir()) / f"fused_reduce-{key.hexdigest()[:16]}.so"
 
@@ -90,7 +94,7 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True,
                            text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-300:]}")
@@ -107,6 +111,7 @@ class FusedReducer:
     def __init__(self, enabled: bool = True) -> None:
         self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
         self._fns: dict[torch.dtype, Any] | None = None
+        self._logit_fns: dict[torch.dtype, Any] = {}
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -152,6 +157,16 @@ class FusedReducer:
         self.fused_calls += 1
         return [out]
 
+    def logits(self, v: torch.Tensor) -> torch.Tensor | None:
+        """reduce.fast_logits' 15 figures of one row of logits in one C call; None: use the
+        torch ops (not built yet, GPU, another dtype, a strided row)."""
+        fn = self._logit_fns.get(v.dtype) if self._fns is not None else None
+        if fn is None or v.device.type != "cpu" or v.dim() != 1 or not v.is_contiguous():
+            return None
+        out = torch.empty(15, dtype=torch.float32)
+        fn(v.data_ptr(), v.numel(), out.data_ptr())
+        return out
+
     def _eager(self, why: str) -> None:
         self.eager_why[why] = self.eager_why.get(why, 0) + 1
         return None
@@ -166,6 +181,13 @@ class FusedReducer:
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_int, ctypes.c_void_p]
                 fns[dtype] = fn
+            logit_fns = {}
+            for dtype, name in _LOGITS.items():
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                logit_fns[dtype] = fn
+            self._logit_fns = logit_fns
             self._fns = fns
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

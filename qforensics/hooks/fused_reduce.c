@@ -115,3 +115,69 @@ DEFINE_ROW(row_bf16, uint16_t, from_bf16)
 DEFINE_ROW(row_f32, float, from_f32)
 DEFINE_REDUCE(qf_reduce_bf16, row_bf16, uint16_t, from_bf16)
 DEFINE_REDUCE(qf_reduce_f32, row_f32, float, from_f32)
+
+/* exp(x) for x <= 0 in float, in a form the compiler vectorizes (no float->int conversion):
+ * t = x log2(e) = k + f with k = round(t) (read from the low bits of t + 1.5 * 2^23) and f in
+ * [-0.5, 0.5]; 2^f by its Taylor series to degree 7 (relative error below 1e-7 there), 2^k
+ * through the exponent bits. Below -87 (2^-126) it returns 0. */
+static inline float exp_nonpos(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.f ? -126.f : t;
+    float y = t + 12582912.f;
+    float f = (t - (y - 12582912.f)) * 0.69314718055994531f;
+    float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120
+              + f * (1.f / 720 + f * (1.f / 5040)))))));
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    bits = (bits - 0x4B400000u + 127u) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* The logits figures of reduce.fast_logits for one row of n values, out[15]: min, max, mean,
+ * variance (E[v^2] - mean^2), entropy of softmax(v), the 5 largest values (descending), their
+ * indices (as floats; among equal values the lower index first, like argmax). A row holding a
+ * NaN or an Inf gets NaN in out[0..4]: reduce.logits_row then takes its exact pass. */
+#define DEFINE_LOGITS(NAME, ROW, T, CONV)                                                   \
+int NAME(const T *src, int64_t n, float *out) {                                             \
+    float mn = INFINITY, mx = -INFINITY;                                                    \
+    int nan = 0;                                                                            \
+    double S = 0.0, Q = 0.0;                                                                \
+    ROW(src, n, NULL, NULL, NULL, &S, &Q, &mn, &mx, &nan);  /* sums, min, max, NaN */       \
+    for (int i = 0; i < 5; i++) { out[5 + i] = NAN; out[10 + i] = -1.f; }                  \
+    if (n <= 0 || nan || isinf(mn) || isinf(mx)) {                                          \
+        for (int i = 0; i < 5; i++) out[i] = NAN;                                           \
+        return 0;                                                                           \
+    }                                                                                       \
+    double mean = S / (double)n;                                                            \
+    double z = 0.0, a = 0.0;                                                                \
+    for (int64_t c0 = 0; c0 < n; c0 += BLOCK) {  /* softmax sums, relative to the max */    \
+        int64_t c1 = c0 + BLOCK < n ? c0 + BLOCK : n;                                       \
+        float zs = 0.f, as = 0.f;                                                           \
+        _Pragma("omp simd reduction(+:zs,as)")                                              \
+        for (int64_t c = c0; c < c1; c++) {                                                 \
+            float d = CONV(src[c]) - mx;                                                    \
+            float e = exp_nonpos(d);                                                        \
+            zs += e; as += e * d;                                                           \
+        }                                                                                   \
+        z += zs; a += as;                                                                   \
+    }                                                                                       \
+    float top[5]; int64_t idx[5]; int k = 0;                                                \
+    for (int64_t c = 0; c < n; c++) {                                                       \
+        float x = CONV(src[c]);                                                             \
+        if (k < 5 || x > top[k - 1]) {            /* insertion into the sorted five */      \
+            int j = k < 5 ? k++ : 4;                                                        \
+            while (j > 0 && x > top[j - 1]) { top[j] = top[j - 1]; idx[j] = idx[j - 1]; j--; } \
+            top[j] = x; idx[j] = c;                                                         \
+        }                                                                                   \
+    }                                                                                       \
+    out[0] = mn; out[1] = mx; out[2] = (float)mean;                                         \
+    out[3] = (float)(Q / (double)n - mean * mean);                                          \
+    out[4] = (float)(log(z) - a / z);                                                       \
+    for (int i = 0; i < k; i++) { out[5 + i] = top[i]; out[10 + i] = (float)idx[i]; }       \
+    return 0;                                                                               \
+}
+
+DEFINE_LOGITS(qf_logits_bf16, row_bf16, uint16_t, from_bf16)
+DEFINE_LOGITS(qf_logits_f32, row_f32, float, from_f32)

@@ -15,6 +15,7 @@ Memory: copies and the references kept for the exact pass and snapshots count ag
 
 from __future__ import annotations
 
+from ctypes import memmove
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,11 @@ class PendingStep:
                 if self.track:
                     ver = t._version
                     if s < 0:
-                        pl.views[k].copy_(t if self.nograd else t.detach())
+                        d = pl.dst[k]
+                        if d and t.is_contiguous():  # same shape, dtype, device: the bytes
+                            memmove(d, t.data_ptr(), pl.size[k])
+                        else:
+                            pl.views[k].copy_(t if self.nograd else t.detach())
                         self.vers[k] = ver  # type: ignore[index]
                         self.refs[k] = t  # type: ignore[index]
                         self.pos = k + 1
@@ -124,7 +129,11 @@ class PendingStep:
                         self.pos = k + 1
                         return
                 elif s < 0:
-                    pl.views[k].copy_(t)
+                    d = pl.dst[k]
+                    if d and t.is_contiguous():
+                        memmove(d, t.data_ptr(), pl.size[k])
+                    else:
+                        pl.views[k].copy_(t)
                     self.refs[k] = t  # type: ignore[index]
                     self.pos = k + 1
                     return

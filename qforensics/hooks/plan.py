@@ -9,8 +9,9 @@ hooks/pending.py with small tensors only, its sequence of takes becomes a `StepP
 - per take, in order: the call's position in the step, module, io and slot folded into one int,
   and the tensor's shape, dtype and device, each checked in one comparison when the hook runs;
   then either the slice of a preallocated buffer the tensor is copied into (`copy_`: one op, no
-  allocation) or the earlier take whose tensor this one must be (identity, plus the version
-  counter where there is one);
+  allocation; on CPU, for a contiguous tensor, one `ctypes.memmove` of its bytes to the row's
+  address, a few times cheaper between GEMMs that have flushed the caches) or the earlier take
+  whose tensor this one must be (identity, plus the version counter where there is one);
 - per (shape, dtype, device): one buffer [n, *shape], reduced as it stands at the end of the
   step (no stack), in chunks of bounded size;
 - the host-side facts that do not change: record columns (call position, module, io, slot),
@@ -47,7 +48,7 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "reduced", "singles")
+                 "nbytes", "reduced", "singles", "dst", "size")
 
     def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
@@ -145,5 +146,13 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
     pl.seen = seen  # None for the tensors reduced in their hook: the original, per step
     pl.views = [seen[j] if share[k] < 0 and j not in reduced else None
                 for k, j in enumerate(which.tolist())]
+    # a CPU copy is one memmove into the buffer row (address, bytes), 0: through copy_
+    pl.dst = [0] * n
+    pl.size = [0] * n
+    for k, v in enumerate(pl.views):
+        if (v is not None and v.device.type == "cpu" and v.is_contiguous() and v.numel()
+                and not v.dtype.is_complex):
+            pl.dst[k] = v.data_ptr()
+            pl.size[k] = v.numel() * v.element_size()
     pl.described = describe(pl.desc)
     return pl

@@ -37,6 +37,16 @@ def _close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=1e-4)
 
 
+def _built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> fused.FusedReducer:
+    """A reducer whose library was just built from source into tmp_path."""
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
+    red = fused.FusedReducer()
+    red.parts(torch.zeros(2, 3, 4), 3, 4, True)  # starts the build
+    red.wait()
+    assert red.off is None, red.off
+    return red
+
+
 SHAPES = [(12, 8, 576), (1, 8, 576), (4, 3, 1536), (30, 1, 576), (1, 1, 49152), (5, 40, 192)]
 
 
@@ -72,11 +82,7 @@ def test_fused_reduction_matches_numpy(dtype: torch.dtype, tmp_path: Path,
 
 def test_what_the_kernel_does_not_take_goes_eager(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
-    red = fused.FusedReducer()
-    red.parts(torch.zeros(2, 3, 4), 3, 4, True)  # starts the build
-    red.wait()
-    assert red.off is None, red.off
+    red = _built(tmp_path, monkeypatch)
     x = torch.randn(4, 8, 64)
     assert red.parts(x[:, :, :32], 8, 32, True) is None  # not contiguous
     assert red.parts(x.half(), 8, 64, True) is None  # no fp16 kernel
@@ -142,3 +148,63 @@ def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf() -> None:
     want = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     assert reduce.nonfinite_rows(t).reshape(-1).tolist() == want
     assert reduce.nonfinite_rows(t).shape == (7, 1)
+
+
+def _logits_expected(v: np.ndarray) -> np.ndarray:
+    """fast_logits' 15 figures in float64 numpy: min max mean var entropy, top-5 values, their
+    indices (a stable descending sort: among equal values the lower index first)."""
+    v = v.astype(np.float64)
+    m = v.max()
+    logp = v - m - np.log(np.exp(v - m).sum())
+    order = np.argsort(-v, kind="stable")[:5]
+    return np.concatenate([[v.min(), m, v.mean(), (v * v).mean() - v.mean() ** 2,
+                            -(np.exp(logp) * logp).sum()], v[order], order])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_kernel_matches_numpy(dtype: torch.dtype, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    red = _built(tmp_path, monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    v = (torch.randn(49152, generator=gen) * 4).to(dtype)
+    v[[100, 200, 300]] = 30.0  # a tie at the top: argmax takes the first, like numpy's
+    got = red.logits(v)
+    assert got is not None
+    want = _logits_expected(v.float().numpy())
+    np.testing.assert_allclose(got[:5].numpy(), want[:5], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[5:10].numpy(), want[5:10].astype(np.float32))
+    np.testing.assert_array_equal(got[10:].numpy(), want[10:])
+    assert got[10:13].tolist() == [100.0, 200.0, 300.0]
+    # fewer than five values: the missing ranks stay NaN / -1
+    short = red.logits(torch.tensor([1.0, 3.0, 2.0], dtype=dtype))
+    assert short[5:8].tolist() == [3.0, 2.0, 1.0] and short[10:13].tolist() == [1.0, 2.0, 0.0]
+    assert np.isnan(short[8:10].numpy()).all() and short[13:].tolist() == [-1.0, -1.0]
+    # a NaN or an Inf anywhere: NaN figures, so that reduce.logits_row takes its exact pass
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = v.clone()
+        w[4321] = bad
+        assert np.isnan(red.logits(w)[:5].numpy()).all()
+    # what it does not take goes to torch's ops
+    assert red.logits(v.double()) is None and red.logits(v.reshape(2, -1)) is None
+    assert red.logits(torch.randn(2, 100).to(dtype)[:, 0]) is None  # strided
+
+
+def test_fast_logits_rows_agree_between_the_kernel_and_torch() -> None:
+    """The logits row a trace stores is the same whichever path computed it."""
+    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
+    fused.REDUCER.wait()
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(8, 49152, generator=gen) * 4).bfloat16()
+    # five distinct largest values (bf16 ties would leave torch.topk's order unspecified)
+    logits[-1, [4000, 17, 30000, 999, 45000]] = torch.tensor([40.0, 39.0, 38.0, 37.0, 36.0]
+                                                             ).bfloat16()
+    via_c = reduce.logits_row(reduce.fast_logits(logits).numpy(), logits)
+    saved, fused.REDUCER._logit_fns = fused.REDUCER._logit_fns, {}
+    try:
+        via_torch = reduce.logits_row(reduce.fast_logits(logits).numpy(), logits)
+    finally:
+        fused.REDUCER._logit_fns = saved
+    assert via_c is not None and len(via_c) == len(via_torch) == 18
+    np.testing.assert_allclose(via_c[:5], via_torch[:5], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(via_c[5:], via_torch[5:])  # nan/inf counts, argmax, top-5
+    assert via_c[7] == 4000 and via_c[8:13].tolist() == [4000, 17, 30000, 999, 45000]
