@@ -14,6 +14,10 @@ of this script, not something qforensics offers. Steps run while detached are no
 
 Prints the median of the per-pair ratios (captured / plain, the figure to quote), the ratio of
 the fastest calls, and whether the captured calls generated the same tokens as the plain ones.
+
+`--profile` also wraps capture's main functions with timers and prints where a captured step's
+time went, in ms per step (the timers themselves slow the captured calls: read its ratio as an
+upper bound, and a small function's figure as inflated by about a microsecond per call).
 """
 
 from __future__ import annotations
@@ -34,11 +38,59 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from vllm_overhead import PROMPTS  # noqa: E402
 
+# (module, class or None for a function, name): what --profile times
+_PROFILED = [
+    ("qforensics.hooks.session", "Capture", "_on_call"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_logits"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_root_pre"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "on_runner_output"),
+    ("qforensics.hooks.session", "Capture", "_end_step"),
+    ("qforensics.hooks.pending", "PendingStep", "take"),
+    ("qforensics.hooks.pending", "PendingStep", "reduce_on_device"),
+    ("qforensics.hooks.assemble", "UniqueStats", "unpack"),
+    ("qforensics.hooks.stepend", "StepEnd", "_emit"),
+    ("qforensics.hooks.recorder", "FlightRecorder", "apply"),
+    ("qforensics.trace.writer", "TraceWriter", "submit"),
+    ("qforensics.trace.writer", "TraceWriter", "_write"),
+    ("qforensics.trace.columns", "ColumnWriter", "_write_ring"),
+    ("qforensics.trace.writer", "TraceWriter", "_append_batch"),
+    ("qforensics.hooks.stepend", None, "assemble_records"),
+    ("qforensics.hooks.stepend", None, "build_batch"),
+    ("qforensics.hooks.reduce", None, "fast_logits"),
+    ("qforensics.hooks.reduce", None, "nonfinite_rows"),
+]
+
+
+def _profile() -> tuple[dict, dict]:
+    """Wrap the functions of _PROFILED with timers: (nanoseconds, calls) by name."""
+    import importlib
+
+    spent: dict[str, int] = collections.Counter()
+    calls: dict[str, int] = collections.Counter()
+    for mod_name, cls_name, name in _PROFILED:
+        mod = importlib.import_module(mod_name)
+        owner = getattr(mod, cls_name) if cls_name else mod
+        fn = getattr(owner, name)
+        key = f"{cls_name}.{name}" if cls_name else name
+
+        def timed(*args, _fn=fn, _key=key, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_key] += time.perf_counter_ns() - t0
+                calls[_key] += 1
+
+        setattr(owner, name, timed)
+    return spent, calls
+
+
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                 "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 
 def _child(a: argparse.Namespace) -> int:
+    spent, calls = _profile() if a.profile else ({}, {})
     from vllm import LLM, SamplingParams
 
     from qforensics.engines import vllm as adapter
@@ -90,6 +142,9 @@ def _child(a: argparse.Namespace) -> int:
             res[mode].append(t)
         print(f"pair {i + 1}/{a.pairs}: plain {res['plain'][-1]:.3f} s, captured "
               f"{res['captured'][-1]:.3f} s", file=sys.stderr, flush=True)
+    if a.profile:  # over the captured calls only (the plain ones run without hooks)
+        res["profile"] = {"steps": calls.get("VllmCapture._on_root_pre", 0),
+                          "ms": {k: v / 1e6 for k, v in spent.items()}, "calls": dict(calls)}
     Path(a.child).write_text(json.dumps(res))
     return 0
 
@@ -101,6 +156,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--record-args", default="",
                     help='capture options for record, e.g. "--channel-steps none"')
+    ap.add_argument("--profile", action="store_true",
+                    help="time capture's main functions, print ms per captured step")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -118,11 +175,12 @@ def main() -> int:
         cmd = [sys.executable, "-m", "qforensics.cli", "record", "-o", str(Path(tmp) / "t.h5"),
                *shlex.split(a.record_args), "--", sys.executable, str(Path(__file__).resolve()),
                "--child", str(out), "--model", str(vllm_model_dir()), "--pairs", str(a.pairs),
-               "--prompts", str(a.prompts), "--tokens", str(a.tokens)]
+               "--prompts", str(a.prompts), "--tokens", str(a.tokens),
+               *(["--profile"] if a.profile else [])]
         print(f"one engine, {a.pairs} pairs of generate calls ({a.prompts} prompts x "
               f"{a.tokens} tokens), plain and captured alternately ...", file=sys.stderr)
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+                              text=True, check=False)
         if proc.returncode != 0 or not out.exists():
             sys.exit(f"the vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         res = json.loads(out.read_text())
@@ -137,6 +195,16 @@ def main() -> int:
           f"(pairs {min(pairs):.3f}-{max(pairs):.3f}); fastest to fastest {min(c) / min(p):.3f} "
           f"(target <= 1.10)")
     print(f"  calls whose tokens equal the plain call's of the same pair: {same} of {len(p)}")
+    prof = res.get("profile")
+    if prof and prof["steps"]:
+        n = prof["steps"]
+        per_call = n / (len(p) + 1)  # the warm-up call ran captured too
+        print(f"where a captured step's time went ({n} steps, a plain step "
+              f"{statistics.median(p) / per_call * 1e3:.1f} ms):")
+        for k, ms in sorted(prof["ms"].items(), key=lambda kv: -kv[1]):
+            c = prof["calls"][k]
+            print(f"  {k:<32} {ms / n:7.3f} ms/step  {c / n:6.1f} calls/step  "
+                  f"{ms * 1e3 / max(c, 1):8.1f} us/call")
     return 0 if same == len(p) else 1
 
 
