@@ -2,7 +2,8 @@
 
 Serves prompts with greedy decoding through vLLM's `LLM` API and writes what came out (text and
 token ids per request, seconds spent generating) as JSON. It knows nothing about qforensics: it
-is the unmodified program that `qforensics record`, the tests and bench/vllm_overhead.py run.
+is the unmodified program that `qforensics record`, the tests and bench/vllm_overhead.py run
+(started by `whatif`, it ends with it: qforensics/lifeline.py).
 
     qforensics record -o 't-{rank}.h5' -- python -m qforensics.demo.vllm_serve DIR --out o.json
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bare-hook", action="store_true",
                     help="a per-channel absmax pre-hook on every linear (a baseline)")
     a = ap.parse_args(argv)
+    from qforensics.lifeline import watch_parent
+
+    watch_parent()  # started by whatif: end with it (nothing without QFORENSICS_PARENT_PID)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.score_ids or a.bare_hook:  # _describe ships one function to vLLM's own worker process (pickle)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

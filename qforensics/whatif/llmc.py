@@ -208,9 +208,10 @@ def calibrate(model: Any, tokenizer: Any, sc: Any, python: str, *,
         if m:
             cmd[cmd.index("--calib"):cmd.index("--calib")] = ["--group", m.group(1)]
         from qforensics.demo.vllm_scenarios import serve_env  # this checkout on PYTHONPATH
+        from qforensics.lifeline import child_env
         from qforensics.whatif.through_vllm import wait_group
 
-        env = {**serve_env(), "TOKENIZERS_PARALLELISM": "false"}
+        env = child_env({**serve_env(), "TOKENIZERS_PARALLELISM": "false"})
         log_path = work / "llmc.log"
         with open(log_path, "w") as log:
             # llmcompressor logs (loguru) to stdout, the worker's own lines go to stderr

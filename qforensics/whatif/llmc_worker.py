@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--ignore", nargs="*", default=[])
     a = ap.parse_args(argv)
+    from qforensics.lifeline import watch_parent
+
+    watch_parent()  # a whatif killed outright takes this worker with it
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from qforensics.errors import QForensicsError, UsageError
+from qforensics.lifeline import child_env
 
 __all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "awq_group", "check_awq_fits",
            "measure_through_vllm", "resolve_vllm_python", "write_checkpoint"]
@@ -206,7 +207,7 @@ def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout
     ids.write_text(json.dumps(seqs))
     from qforensics.demo.vllm_scenarios import serve_env
 
-    env = serve_env()
+    env = child_env(serve_env())  # it ends if this process is killed (qforensics/lifeline.py)
     cmd = [python, "-m", "qforensics.demo.vllm_serve", str(folder), "--score-ids", str(ids),
            "--out", str(out), "--max-model-len", str(max(256, max(map(len, seqs)) + 8))]
     log = work / f"{folder.name}.log.txt"  # vLLM logs (its workers' too) go to stdout
