@@ -201,14 +201,26 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
             "info": json.dumps(info, sort_keys=True)}
 
 
+def io_width(m: nn.Module) -> int:
+    """Input plus output features of a linear-like layer (0 when it does not say). Read from
+    the layer's own sizes first: vLLM's CPU linears keep an empty `weight` once their weights
+    are repacked for oneDNN (shape (0,)), and packed quantized weights have other shapes."""
+    for a, b in (("in_features", "out_features"), ("input_size", "output_size")):
+        i, o = getattr(m, a, None), getattr(m, b, None)
+        if isinstance(i, int) and isinstance(o, int) and i > 0 and o > 0:
+            return i + o
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0]) + int(w.shape[1])
+    return 0
+
+
 def ring_chunk(modules: list[nn.Module]) -> int:
     """Ring chunk width for the trace writer: about a quarter of a step's channel block, which
-    holds roughly every hooked layer's input and output widths (a power of two, 4096-65536)."""
-    width = 0
-    for m in modules:
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            width += int(w.shape[0]) + int(w.shape[1])
+    holds roughly every hooked layer's input and output widths (a power of two, 4096-65536).
+    Each chunk of a ring slot is one HDF5 call per step: a width guessed too small (it was 4096
+    for vLLM's repacked linears: 67 calls a slot) costs more than the bytes."""
+    width = sum(io_width(m) for m in modules)
     chunk = 4096
     while chunk < 65536 and chunk * 4 < width:
         chunk *= 2

@@ -347,3 +347,32 @@ def test_awq_module_is_recognised_and_snapshotted_packed(tmp_path):
         assert kept["scales"].dtype == np.float16 and kept["scales"].shape == (2, 16)
         assert "weight_cols" not in kept  # small enough to keep whole: no tile span
         assert json.loads(kept["call.json"].tobytes())["kept"] == "whole"
+
+
+def test_ring_chunks_are_sized_from_the_layers_widths():
+    """vLLM's CPU linears keep an empty weight once repacked and say their sizes as
+    input_size / output_size; nn.Linear as in_features / out_features; a packed weight's shape
+    is no width. A slot of ~4 chunks either way (the layers' widths over 4, a power of two)."""
+    from qforensics.hooks.modules import io_width, ring_chunk
+
+    class Repacked(nn.Module):  # vLLM's QKVParallelLinear after oneDNN repacking
+        def __init__(self, i: int, o: int) -> None:
+            super().__init__()
+            self.input_size, self.output_size = i, o
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    class Packed(nn.Module):  # int4 weights packed 8 per int32 (AWQ-like): shape is not width
+        def __init__(self, i: int, o: int) -> None:
+            super().__init__()
+            self.in_features, self.out_features = i, o
+            self.register_buffer("weight", torch.zeros(i, o // 8, dtype=torch.int32))
+
+    assert io_width(Repacked(576, 960)) == 1536
+    assert io_width(nn.Linear(576, 1536)) == 2112
+    assert io_width(Packed(576, 1536)) == 2112
+    assert io_width(nn.ReLU()) == 0
+    vllm_like = [Repacked(576, 960), Repacked(576, 576), Repacked(576, 3072),
+                 Repacked(1536, 576)] * 30  # SmolLM2's 30 layers: 253,440 channels
+    assert ring_chunk(vllm_like) == 65536  # 253,440 / 4 = 63,360 -> the next power of two
+    assert ring_chunk([nn.Linear(64, 64)] * 4) == 4096  # the floor
+    assert ring_chunk([nn.Linear(576, 576)] * 20) == 8192  # 23,040 / 4 = 5,760 -> 8,192
