@@ -36,54 +36,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from step_timers import profile as _profile  # noqa: E402
+from step_timers import report  # noqa: E402
 from vllm_overhead import PROMPTS  # noqa: E402
-
-# (module, class or None for a function, name): what --profile times
-_PROFILED = [
-    ("qforensics.hooks.session", "Capture", "_on_call"),
-    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_logits"),
-    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_root_pre"),
-    ("qforensics.engines.vllm_capture", "VllmCapture", "on_runner_output"),
-    ("qforensics.hooks.session", "Capture", "_end_step"),
-    ("qforensics.hooks.pending", "PendingStep", "take"),
-    ("qforensics.hooks.pending", "PendingStep", "reduce_on_device"),
-    ("qforensics.hooks.assemble", "UniqueStats", "unpack"),
-    ("qforensics.hooks.stepend", "StepEnd", "_emit"),
-    ("qforensics.hooks.recorder", "FlightRecorder", "apply"),
-    ("qforensics.trace.writer", "TraceWriter", "submit"),
-    ("qforensics.trace.writer", "TraceWriter", "_write"),
-    ("qforensics.trace.columns", "ColumnWriter", "_write_ring"),
-    ("qforensics.trace.writer", "TraceWriter", "_append_batch"),
-    ("qforensics.hooks.stepend", None, "assemble_records"),
-    ("qforensics.hooks.stepend", None, "build_batch"),
-    ("qforensics.hooks.reduce", None, "fast_logits"),
-    ("qforensics.hooks.reduce", None, "nonfinite_rows"),
-]
-
-
-def _profile() -> tuple[dict, dict]:
-    """Wrap the functions of _PROFILED with timers: (nanoseconds, calls) by name."""
-    import importlib
-
-    spent: dict[str, int] = collections.Counter()
-    calls: dict[str, int] = collections.Counter()
-    for mod_name, cls_name, name in _PROFILED:
-        mod = importlib.import_module(mod_name)
-        owner = getattr(mod, cls_name) if cls_name else mod
-        fn = getattr(owner, name)
-        key = f"{cls_name}.{name}" if cls_name else name
-
-        def timed(*args, _fn=fn, _key=key, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spent[_key] += time.perf_counter_ns() - t0
-                calls[_key] += 1
-
-        setattr(owner, name, timed)
-    return spent, calls
-
 
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                 "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
@@ -144,7 +99,7 @@ def _child(a: argparse.Namespace) -> int:
               f"{res['captured'][-1]:.3f} s", file=sys.stderr, flush=True)
     if a.profile:  # over the captured calls only (the plain ones run without hooks)
         res["profile"] = {"steps": calls.get("VllmCapture._on_root_pre", 0),
-                          "ms": {k: v / 1e6 for k, v in spent.items()}, "calls": dict(calls)}
+                          "ns": dict(spent), "calls": dict(calls)}
     Path(a.child).write_text(json.dumps(res))
     return 0
 
@@ -201,10 +156,7 @@ def main() -> int:
         per_call = n / (len(p) + 1)  # the warm-up call ran captured too
         print(f"where a captured step's time went ({n} steps, a plain step "
               f"{statistics.median(p) / per_call * 1e3:.1f} ms):")
-        for k, ms in sorted(prof["ms"].items(), key=lambda kv: -kv[1]):
-            c = prof["calls"][k]
-            print(f"  {k:<32} {ms / n:7.3f} ms/step  {c / n:6.1f} calls/step  "
-                  f"{ms * 1e3 / max(c, 1):8.1f} us/call")
+        report(prof["ns"], prof["calls"], n)
     return 0 if same == len(p) else 1
 
 

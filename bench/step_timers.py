@@ -1,0 +1,66 @@
+"""Timers around capture's main functions, for the benchmarks' `--profile` (where a captured
+step's time goes). Each wrapped call costs about a microsecond more: a small function's figure
+is inflated by that much per call, and the timed run is slower than an untimed one."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import time
+
+# (module, class or None for a module function, name)
+PROFILED = [
+    ("qforensics.hooks.session", "Capture", "_on_call"),
+    ("qforensics.hooks.session", "Capture", "_on_root_pre"),
+    ("qforensics.hooks.session", "Capture", "_close_root"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_logits"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "_on_root_pre"),
+    ("qforensics.engines.vllm_capture", "VllmCapture", "on_runner_output"),
+    ("qforensics.hooks.session", "Capture", "_end_step"),
+    ("qforensics.hooks.pending", "PendingStep", "take"),
+    ("qforensics.hooks.pending", "PendingStep", "reduce_on_device"),
+    ("qforensics.hooks.assemble", "UniqueStats", "unpack"),
+    ("qforensics.hooks.stepend", "StepEnd", "_emit"),
+    ("qforensics.hooks.recorder", "FlightRecorder", "apply"),
+    ("qforensics.trace.writer", "TraceWriter", "submit"),
+    ("qforensics.trace.writer", "TraceWriter", "_write"),
+    ("qforensics.trace.columns", "ColumnWriter", "_write_ring"),
+    ("qforensics.trace.writer", "TraceWriter", "_append_batch"),
+    ("qforensics.hooks.stepend", None, "assemble_records"),
+    ("qforensics.hooks.stepend", None, "build_batch"),
+    ("qforensics.hooks.reduce", None, "fast_logits"),
+    ("qforensics.hooks.reduce", None, "nonfinite_rows"),
+]
+
+
+def profile() -> tuple[dict, dict]:
+    """Wrap the functions of PROFILED with timers: (nanoseconds, calls) by name. Call it
+    before the capture is attached (hooks bind their methods then)."""
+    spent: dict[str, int] = collections.Counter()
+    calls: dict[str, int] = collections.Counter()
+    for mod_name, cls_name, name in PROFILED:
+        mod = importlib.import_module(mod_name)
+        owner = getattr(mod, cls_name) if cls_name else mod
+        fn = owner.__dict__.get(name) if cls_name else getattr(mod, name)
+        if fn is None:  # inherited: the subclass's own entry wraps it
+            continue
+        key = f"{cls_name}.{name}" if cls_name else name
+
+        def timed(*args, _fn=fn, _key=key, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_key] += time.perf_counter_ns() - t0
+                calls[_key] += 1
+
+        setattr(owner, name, timed)
+    return spent, calls
+
+
+def report(spent: dict, calls: dict, steps: int) -> None:
+    """Print ms per step, calls per step and us per call, largest first."""
+    for k, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
+        c = calls[k]
+        print(f"  {k:<32} {ns / 1e6 / steps:7.3f} ms/step  {c / steps:6.1f} calls/step  "
+              f"{ns / 1e3 / max(c, 1):8.1f} us/call")
