@@ -30,17 +30,12 @@ def main() -> int:
         ap.error("--tokens must be at least 2")
     spent, calls = profile()
     import torch
+    from capture_overhead import smollm2_generation
 
     import qforensics
-    from qforensics.demo.model import load_model
 
     torch.set_num_threads(a.threads)
-    model, tok = load_model()
-    enc = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    gen = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False,
-               pad_token_id=tok.eos_token_id)
+    model, enc, gen = smollm2_generation(a.tokens)
 
     def timed() -> float:
         with torch.inference_mode():
