@@ -10,8 +10,9 @@ hooks/pending.py with small tensors only, its sequence of takes becomes a `StepP
   and the tensor's shape, dtype and device, each checked in one comparison when the hook runs;
   then either the slice of a preallocated buffer the tensor is copied into (`copy_`: one op, no
   allocation; on CPU, for a contiguous tensor, one `ctypes.memmove` of its bytes to the row's
-  address, a few times cheaper between GEMMs that have flushed the caches) or the earlier take
-  whose tensor this one must be (identity, plus the version counter where there is one);
+  address, which skips torch's dispatcher: a take in a vLLM decode step 9.2 -> 8.3 us) or the
+  earlier take whose tensor this one must be (identity, plus the version counter where there
+  is one);
 - per (shape, dtype, device): one buffer [n, *shape], reduced as it stands at the end of the
   step (no stack), in chunks of bounded size;
 - the host-side facts that do not change: record columns (call position, module, io, slot),
