@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shlex
 import statistics
 import subprocess

@@ -174,21 +174,19 @@ class FusedReducer:
     def _load(self) -> None:
         try:
             lib = ctypes.CDLL(str(build()))
-            fns = {}
-            for dtype, name in _SYMBOLS.items():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                               ctypes.c_int, ctypes.c_void_p]
-                fns[dtype] = fn
-            logit_fns = {}
-            for dtype, name in _LOGITS.items():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                logit_fns[dtype] = fn
-            self._logit_fns = logit_fns
-            self._fns = fns
+
+            def bind(symbols: dict[torch.dtype, str], *argtypes: Any) -> dict[torch.dtype, Any]:
+                fns = {}
+                for dtype, name in symbols.items():
+                    fn = getattr(lib, name)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = list(argtypes)
+                    fns[dtype] = fn
+                return fns
+
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            self._logit_fns = bind(_LOGITS, ptr, i64, ptr)
+            self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"
 
