@@ -70,16 +70,16 @@ def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def smollm2_generation(tokens: int) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    """The real SmolLM2, its chat prompt and greedy `generate` arguments for `tokens` tokens
-    (shared with bench/hf_step_profile.py)."""
+def smollm2_generation(tokens: int) -> tuple[torch.nn.Module, Any, Any, dict[str, Any]]:
+    """The real SmolLM2, its tokenizer, its chat prompt and greedy `generate` arguments for
+    `tokens` tokens (shared with bench/hf_step_profile.py)."""
     model, tok = load_model()
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                pad_token_id=tok.eos_token_id)
-    return model, enc, gen
+    return model, tok, enc, gen
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, enc, gen = smollm2_generation(args.tokens)
+    model, tok, enc, gen = smollm2_generation(args.tokens)
     tmp = tempfile.TemporaryDirectory()
     sizes: dict[str, list[float]] = {}
     rings: dict[str, list[float]] = {}

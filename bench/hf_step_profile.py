@@ -35,7 +35,7 @@ def main() -> int:
     import qforensics
 
     torch.set_num_threads(a.threads)
-    model, enc, gen = smollm2_generation(a.tokens)
+    model, _tok, enc, gen = smollm2_generation(a.tokens)
 
     def timed() -> float:
         with torch.inference_mode():

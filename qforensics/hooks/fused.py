@@ -73,18 +73,22 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def library_path(cc: str | None = None, out_dir: Path | None = None) -> Path:
+def library_path(cc: str | None = None, out_dir: Path | None = None, *,
+                 source: Path = SOURCE, flags: tuple[str, ...] = FLAGS,
+                 libs: tuple[str, ...] = LIBS) -> Path:
     """Where the library for this source, compiler, flags and CPU is (or will be) kept."""
     cc = cc or os.environ.get("CC") or "cc"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc,) + FLAGS + LIBS).encode()
+    key = hashlib.sha256(source.read_bytes() + " ".join((cc,) + flags + libs).encode()
                          + _cpu_id().encode())
-    return (out_dir or cache_dir()) / f"fused_reduce-{key.hexdigest()[:16]}.so"
+    return (out_dir or cache_dir()) / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile fused_reduce.c into a shared library (or find it already built); its path."""
+def build(cc: str | None = None, out_dir: Path | None = None, *, source: Path = SOURCE,
+          flags: tuple[str, ...] = FLAGS, libs: tuple[str, ...] = LIBS) -> Path:
+    """Compile a C source of this package (fused_reduce.c unless told) into a shared library,
+    or find it already built; its path."""
     cc = cc or os.environ.get("CC") or "cc"
-    dst = library_path(cc, out_dir)
+    dst = library_path(cc, out_dir, source=source, flags=flags, libs=libs)
     if dst.exists():
         return dst
     if shutil.which(cc) is None:
@@ -94,7 +98,7 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True,
+        r = subprocess.run([cc, *flags, "-o", tmp, str(source), *libs], capture_output=True,
                            text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-300:]}")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import reduce
+from qforensics.hooks import fast_take, reduce
 from qforensics.hooks.plan import SLOTS, StepPlan
 from qforensics.hooks.plan import build as build_plan
 
@@ -41,7 +41,8 @@ class PendingStep:
 
     __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
                  "track", "nograd", "clone_limit", "plans", "plan", "key", "first", "pos",
-                 "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses")
+                 "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses", "take",
+                 "_cursor")
 
     def __init__(self, clone_limit: int = CLONE_LIMIT, plan_budget: int = 256 << 20) -> None:
         self.clone_limit = clone_limit
@@ -57,6 +58,10 @@ class PendingStep:
         self.first = 0
         self.plan: StepPlan | None = None
         self.missed = False
+        # `take` is the hooks' entry: hooks/fast_take.c's Cursor.take once that is built (a
+        # plan's takes in C, the rest handed to _take_slow), else _take_py
+        self._cursor: Any = None
+        self.take = self._take_py
         self.clear()
 
     def start(self, key: Any, first_call: int) -> None:
@@ -72,6 +77,45 @@ class PendingStep:
             self.vers = [0] * pl.n if self.track else None
             if pl.singles:
                 self.outs = [None] * pl.n
+            cur = self._cursor
+            if cur is None and pl.spec is not None:
+                cur = self.ensure_cursor()
+            if cur is not None and pl.spec is not None:
+                cur.begin(pl.spec, self.refs, self.vers, first_call, pl.n_mod)
+
+    def ensure_cursor(self) -> Any:
+        """The C cursor (hooks/fast_take.c), made once the extension is built; else None (a
+        build starts in the background)."""
+        if self._cursor is None:
+            cursor_type = fast_take.TAKER.cursor_type()
+            if cursor_type is not None:
+                self._cursor = cursor_type(self._take_slow)
+                self.take = self._cursor.take
+        return self._cursor
+
+    def take_status(self) -> dict[str, Any]:
+        """For the trace's status: whether plan takes ran in C, and how many did."""
+        st = fast_take.TAKER.status()
+        if self._cursor is not None:
+            st["c_takes"], st["python_takes"], st["c_hook_calls"] = self._cursor.counts
+        return st
+
+    def _sync(self) -> None:
+        """Take the C cursor's position back (before Python reads or moves `pos`)."""
+        cur = self._cursor
+        if cur is not None and cur.active:
+            self.pos = cur.pos
+
+    def _take_slow(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
+        """The C cursor's fallback: a take it did not do, done by _take_py."""
+        cur = self._cursor
+        if cur.active:
+            self.pos = cur.pos
+            self._take_py(ci, mid, io, slot, t)
+            if self.plan is not None:
+                cur.pos = self.pos
+        else:
+            self._take_py(ci, mid, io, slot, t)
 
     def clear(self) -> None:
         # record: (call_index, module_id, io, slot, unique index, version when its hook ran)
@@ -88,14 +132,17 @@ class PendingStep:
         self.refs: list[Any] | None = None  # plan mode: the tensor of each take
         self.vers: list[int] | None = None  # plan mode, with version counters: their versions
         self.outs: list[Any] | None = None  # plan mode: vectors of tensors reduced in hooks
+        if self._cursor is not None:
+            self._cursor.end()
         if getattr(self, "plan", None) is not None:
             self.plan = None
 
     def __len__(self) -> int:
+        self._sync()
         return self.pos if self.plan is not None else len(self.recs)
 
-    def take(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
-        """Hot path: one call per recorded tensor."""
+    def _take_py(self, ci: int, mid: int, io: int, slot: int, t: torch.Tensor) -> None:
+        """Hot path: one call per recorded tensor (through `take`)."""
         pl = self.plan
         if pl is not None:
             k = self.pos
@@ -189,9 +236,12 @@ class PendingStep:
         """The step stopped matching its plan: turn the takes so far into the generic state
         (their copies stay in the plan's buffers, which nothing rewrites before the step ends)
         and let the plan be rebuilt from this step."""
+        self._sync()
         pl, n = self.plan, self.pos
         if pl is None:
             return
+        if self._cursor is not None:
+            self._cursor.end()
         refs, vers, outs = self.refs or [], self.vers, self.outs
         self.plan = None
         self.refs = self.vers = self.outs = None
@@ -253,6 +303,7 @@ class PendingStep:
     def settle(self) -> None:
         """Before the step's reduction: a step that took fewer tensors than its plan leaves
         it."""
+        self._sync()
         if self.plan is not None and self.pos != self.plan.n:
             self.leave_plan()
 

@@ -49,7 +49,7 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "reduced", "singles", "dst", "size")
+                 "nbytes", "reduced", "singles", "dst", "size", "spec")
 
     def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
@@ -156,4 +156,22 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
             pl.dst[k] = v.data_ptr()
             pl.size[k] = v.numel() * v.element_size()
     pl.described = describe(pl.desc)
+    pl.spec = c_spec(pl)
     return pl
+
+
+# a take's mode in hooks/fast_take.c: Python's path, a copy of the bytes, an earlier take's tensor
+MODE_PY, MODE_COPY, MODE_SHARE = 0, 1, 2
+
+
+def c_spec(pl: StepPlan) -> tuple | None:
+    """The plan as hooks/fast_take.c's Cursor.begin reads it: (signature, share, destination
+    address, bytes, mode) as int64 (mode uint8) bytes, then shapes, dtypes and devices; None
+    when a signature does not fit an int64 (the takes then run in Python)."""
+    mode = bytes(MODE_SHARE if s >= 0 else MODE_COPY if v is not None and d else MODE_PY
+                 for s, v, d in zip(pl.share, pl.views, pl.dst))
+    try:
+        cols = [np.array(c, np.int64).tobytes() for c in (pl.sig, pl.share, pl.dst, pl.size)]
+    except OverflowError:
+        return None
+    return (*cols, mode, tuple(pl.shapes), tuple(pl.dtypes), tuple(pl.devices))

@@ -30,7 +30,7 @@ from torch import nn
 
 from qforensics.errors import CaptureError
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
-from qforensics.hooks import fused, registry
+from qforensics.hooks import fast_take, fused, registry
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
@@ -138,6 +138,7 @@ class Capture(StepEnd):
         # run state
         self.step = -1
         self._in_step = False
+        self._c_hooks = False  # hooks/fast_take.c hooks attached
         self._root_depth = 0
         self._next_call = 0
         self._step_first_call = 0
@@ -217,12 +218,20 @@ class Capture(StepEnd):
                 ring_chunk=ring_chunk(self._modules),
             )
             root_id = len(chosen) - 1
+            # the hooks in C (hooks/fast_take.c) when the extension is already built: they do
+            # _on_call's work while a step runs on its plan and call _on_call otherwise
+            cursor = self._pending.ensure_cursor()
+            c_hook = fast_take.TAKER.hook_type if cursor is not None else None
+            self._c_hooks = c_hook is not None
             for mid, (name, mod, kind) in enumerate(chosen):
                 if kind == "root":
                     continue
+                hook: Any = partial(self._on_call, mid, kind == "block")
+                if c_hook is not None:
+                    hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
+                                  _MAX_INPUTS, _MAX_OUTPUTS)
                 self._handles.append(mod.register_forward_hook(
-                    partial(self._on_call, mid, kind == "block"), with_kwargs=True,
-                    always_call=True))
+                    hook, with_kwargs=True, always_call=True))
             self._handles.append(self.model.register_forward_pre_hook(
                 self._on_root_pre, with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
@@ -325,10 +334,15 @@ class Capture(StepEnd):
                     o = _first_tensor(output)
                     if o is not None:
                         take(ci, mid, 1, 0, o)
-            if self._pending.nbytes > self._budget:
-                self._reduce_pending()
+            self._check_budget()
         except Exception as exc:
             self._degrade(exc)
+
+    def _check_budget(self) -> None:
+        """Past pending_budget: reduce what the hooks took so far (the C hooks call this too,
+        after a take they handed to Python)."""
+        if self._pending.nbytes > self._budget:
+            self._reduce_pending()
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:
@@ -416,6 +430,8 @@ class Capture(StepEnd):
                 if self._degraded:
                     st["capture_error"] = self._degraded
                 st.update(fused.REDUCER.status())  # how the step reductions ran
+                st.update(self._pending.take_status())  # how the hooks' takes ran
+                st["hooks"] = "c" if self._c_hooks else "python"
                 if self._writer is not None:
                     self._writer.close(st)
                 registry.unregister_exit(self)

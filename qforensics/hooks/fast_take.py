@@ -1,0 +1,102 @@
+"""A step plan's takes in C: fast_take.c, a small CPython extension, built and cached like
+fused_reduce.c (hooks/fused.py: the system C compiler, once per source, flags and CPU, off the
+hook's thread).
+
+Why: a decode step's ~300 takes each checked the plan in Python and copied through
+`ctypes.memmove`, ~4 us a take, most of it interpreter and ctypes overhead; the extension does
+the same checks through the tensor's Python attributes and a memcpy. Only the takes that match
+their plan and need nothing more than a copy (or the check that an earlier take copied the
+same tensor) run in C; every other take goes to PendingStep's Python path unchanged.
+
+Needs Python's headers (``Python.h``) besides the compiler; without them, with
+``QFORENSICS_REDUCE=eager``, or until the build is done, every take runs in Python, which the
+trace's status says (``takes``).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Any
+
+from qforensics.hooks import fused
+
+SOURCE = Path(__file__).with_name("fast_take.c")
+MODULE = "qf_fast_take"
+
+
+def _flags() -> tuple[str, ...]:
+    include = sysconfig.get_paths()["include"]
+    # the interpreter's ABI is part of the cache key through its include path and tag
+    return ("-O2", "-shared", "-fPIC", f"-I{include}",
+            f"-DQF_ABI_{sys.implementation.cache_tag.replace('-', '_')}")
+
+
+def _load_module(path: Path) -> Any:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+class FastTake:
+    """The extension's Cursor type once built; None until then (and for good when off)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
+        self._cursor: type | None = None
+        self.hook_type: type | None = None  # the extension's Hook, once loaded
+        self._thread: threading.Thread | None = None
+        self._tried_cache = False
+
+    def _build_and_load(self) -> None:
+        try:
+            if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+                raise RuntimeError("Python.h not found (install the Python headers)")
+            path = fused.build(source=SOURCE, flags=_flags(), libs=())
+            mod = _load_module(path)
+            self.hook_type = mod.Hook
+            self._cursor = mod.Cursor  # set last: ready
+        except Exception as exc:  # no compiler or headers, a failed build: Python takes
+            self.off = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def cursor_type(self) -> type | None:
+        """The Cursor type, or None: not built yet (a background build starts), or off."""
+        if self._cursor is not None or self.off is not None:
+            return self._cursor
+        if not self._tried_cache:
+            self._tried_cache = True
+            try:  # built by an earlier process: load it now (~1 ms)
+                path = fused.library_path(source=SOURCE, flags=_flags(), libs=())
+                if path.exists():
+                    self._build_and_load()
+                    return self._cursor
+            except OSError:
+                pass
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._build_and_load, daemon=True,
+                                            name="qforensics-build-take")
+            self._thread.start()
+        return None
+
+    def wait(self, timeout: float = 120.0) -> None:
+        """Block until the extension is built or has failed (tests, benchmarks; never hooks)."""
+        self.cursor_type()
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def status(self) -> dict[str, Any]:
+        return {"takes": "c" if self._cursor is not None else "python",
+                **({"takes_off": self.off} if self.off else {})}
+
+
+TAKER = FastTake(enabled=os.environ.get("QFORENSICS_REDUCE", "auto").lower() != "eager")

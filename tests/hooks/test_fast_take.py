@@ -1,0 +1,242 @@
+"""hooks/fast_take.c: a step plan's takes in C. The same steps run through PendingStep with the
+C cursor and with Python takes only must give the same records, versions and reduced vectors;
+the C run must really have taken in C; and what a record describes is the tensor as its hook
+saw it (checked against numpy on copies made at take time), also when it changes in place
+afterwards. Steps that leave their plan (another tensor, a strided one, another dtype, one
+changed in place between its takes) exercise the hand-over to Python."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from qforensics.hooks import fast_take
+from qforensics.hooks.pending import PendingStep
+
+
+@pytest.fixture(scope="module")
+def cursor_type():
+    fast_take.TAKER.wait()
+    typ = fast_take.TAKER.cursor_type()
+    assert typ is not None, fast_take.TAKER.off  # gcc and Python.h are part of the set-up
+    return typ
+
+
+def _steps():
+    """Per step: takes (ci, mid, io, slot, tensor or callable run at that point). Two linears
+    a and b read one input x; b's output feeds c."""
+    torch.manual_seed(0)
+    out = []
+    for s in range(8):
+        x = torch.randn(2, 8)
+        ya, yb = torch.randn(2, 6), torch.randn(2, 6)
+        yc = torch.randn(2, 8)
+        takes = [(0, 1, 0, 0, x), (0, 1, 1, 0, ya), (1, 2, 0, 0, x), (1, 2, 1, 0, yb),
+                 (2, 3, 0, 0, yb), (2, 3, 1, 0, yc)]
+        if s == 3:  # x changed in place between a's take and b's: b must not share a's copy
+            takes.insert(2, ("mutate", x))
+        if s == 4:  # c's output strided (same shape): Python copies it
+            takes[5] = (2, 3, 1, 0, torch.randn(8, 2).t())
+        if s == 5:  # another dtype at b's output: the plan misses there
+            takes[3] = (1, 2, 1, 0, yb.to(torch.float64))
+            takes[4] = (2, 3, 0, 0, takes[3][4])
+        if s == 6:  # b reads another tensor than a
+            takes[2] = (1, 2, 0, 0, x.clone())
+        out.append(takes)
+    return out
+
+
+def _run(use_c: bool, monkeypatch) -> tuple[list, list, PendingStep]:
+    if not use_c:
+        monkeypatch.setattr(fast_take, "TAKER", fast_take.FastTake(enabled=False))
+    p = PendingStep()
+    p.n_mod = 4
+    p.track = True
+    got, seen = [], []
+    first = 0
+    with torch.no_grad():
+        for takes in _steps():
+            p.start("k", first)
+            copies = []
+            for t in takes:
+                if t[0] == "mutate":
+                    t[1].mul_(3.0)
+                    continue
+                ci, mid, io, slot, ten = t
+                copies.append(ten.double().numpy().copy())
+                p.take(first + ci, mid, io, slot, ten)
+            p.settle()
+            meta, which, vers = p.record_arrays()
+            plan, per_dev = p.reduce_on_device()
+            host = torch.cat(per_dev[torch.device("cpu")]).numpy().copy()
+            got.append((meta.tolist(), which.tolist(), list(vers), host, p.on_plan))
+            seen.append((copies, which.tolist(), plan))
+            p.learn()
+            p.clear()
+            first += 10
+    monkeypatch.undo()
+    return got, seen, p
+
+
+def test_c_takes_equal_python_takes(cursor_type, monkeypatch):
+    c_got, c_seen, c_p = _run(True, monkeypatch)
+    py_got, _, py_p = _run(False, monkeypatch)
+    assert py_p._cursor is None and c_p._cursor is not None
+    fast, slow, _ = c_p._cursor.counts
+    assert fast > 0  # the plan's steps took in C
+    for k, (a, b) in enumerate(zip(c_got, py_got)):
+        assert a[:3] == b[:3], f"step {k}"
+        np.testing.assert_array_equal(a[3], b[3], err_msg=f"step {k}")
+        assert a[4] == b[4], f"step {k}"
+    # on the plan to the end: 1 and 2 (step 0's plan), 4 (the plan learnt from step 3, where
+    # b's input was a copy of its own: copying it again matches; the strided output goes
+    # through Python's copy), 7 (step 6's plan); 3, 5 and 6 leave the plan they started on
+    assert [g[4] for g in c_got] == [False, True, True, False, True, False, False, True]
+    st = c_p.take_status()
+    assert st["takes"] == "c" and st["c_takes"] == fast and st["python_takes"] == slow
+
+
+def test_records_describe_the_tensor_as_its_hook_saw_it(cursor_type, monkeypatch):
+    """The sum and sum of squares (fast_parts' first figures) of every unique tensor equal
+    numpy's on the copy made at take time, on and off the plan."""
+    got, seen, _ = _run(True, monkeypatch)
+    for k, ((_, which, _, host, _), (copies, which2, plan)) in enumerate(zip(got, seen)):
+        first_copy = {}
+        for rec, j in enumerate(which):
+            first_copy.setdefault(j, copies[rec])
+        off = 0
+        for idx, rows, chans, keep, _dev, size in plan:
+            g = len(idx)
+            flat = host[off:off + size]
+            for i, j in enumerate(idx.tolist()):
+                ref = first_copy[j]
+                np.testing.assert_allclose(flat[i], ref.sum(), rtol=1e-5, atol=1e-5,
+                                           err_msg=f"step {k} tensor {j}")
+                np.testing.assert_allclose(flat[g + i], (ref * ref).sum(), rtol=1e-5,
+                                           err_msg=f"step {k} tensor {j}")
+            off += size
+        assert off == len(host)
+    # step 3: x was tripled after a's take; a's input keeps the old values, b's input is new
+    copies3, which3, _ = seen[3]
+    assert which3[0] != which3[2]
+    np.testing.assert_allclose(copies3[2], 3.0 * copies3[0])
+
+
+def test_cursor_rejects_malformed_plans(cursor_type):
+    cur = cursor_type(lambda *a: None)
+    with pytest.raises(ValueError):
+        cur.begin((b"",) * 8, [None], None, 0, 1)
+    with pytest.raises(ValueError):  # vers not as long as refs
+        spec = (np.zeros(1, np.int64).tobytes(),) * 4 + (b"\x01", (torch.Size([1]),),
+                                                          (torch.float32,), (torch.device("cpu"),))
+        cur.begin(spec, [None], [0, 0], 0, 1)
+    with pytest.raises(TypeError):
+        cur.take(1, 2, 3)
+    with pytest.raises(TypeError):
+        cursor_type(42)
+    assert not cur.active
+
+
+def test_a_take_off_the_plan_goes_to_the_fallback(cursor_type):
+    calls = []
+    cur = cursor_type(lambda *a: calls.append(a))
+    t = torch.ones(3)
+    cur.take(0, 1, 0, 0, t)  # no plan begun: everything to Python
+    assert len(calls) == 1 and calls[0][4] is t
+    assert cur.counts == (0, 1, 0)
+
+
+class TupleOut(torch.nn.Module):
+    """Like vLLM's linears: returns (output, bias)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor):
+        return self.lin(x), None
+
+
+class KwargOnly(torch.nn.Module):
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states * 2.0
+
+
+class DictOut(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"y": x + 1.0}
+
+
+class Mixed(torch.nn.Module):
+    """Every kind of call the C hook must do itself or hand to `_on_call`."""
+
+    def __init__(self, d: int = 8, bad_at: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = torch.nn.Linear(d, d)
+        self.t = TupleOut(d)
+        self.k = KwargOnly()
+        self.dct = DictOut()
+        self.b = torch.nn.Linear(d, d)
+        self.bad_at, self.calls = bad_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.bad_at:
+            x = x.as_subclass(BadShape)
+        h = self.a(x).as_subclass(torch.Tensor)
+        h, _ = self.t(h)
+        h = self.k(hidden_states=h)
+        h = self.dct(h)["y"]
+        return self.b(h.as_subclass(torch.Tensor))
+
+
+class BadShape(torch.Tensor):
+    @property
+    def shape(self):  # what a broken tensor subclass could do inside a hook
+        raise RuntimeError("no shape today")
+
+
+def _capture_records(tmp_path, name: str, use_c: bool, monkeypatch, bad_at: int = -1):
+    import qforensics
+
+    if not use_c:
+        monkeypatch.setattr(fast_take, "TAKER", fast_take.FastTake(enabled=False))
+    m = Mixed(bad_at=bad_at)
+    torch.manual_seed(5)
+    xs = [torch.randn(2, 8) for _ in range(6)]
+    path = tmp_path / f"{name}.h5"
+    outs = []
+    with torch.no_grad(), qforensics.capture(m, path, modules=["a", "t", "k", "dct", "b"]) as cap:
+        for x in xs:
+            outs.append(m(x))
+        assert cap._c_hooks == use_c
+    monkeypatch.undo()
+    with qforensics.open_trace(path) as t:
+        recs = [t.records(s) for s in range(t.n_steps)]
+        status = t.meta.get("status", {})
+    return recs, status, outs
+
+
+def test_c_hooks_record_what_python_hooks_record(cursor_type, tmp_path, monkeypatch):
+    c_recs, c_status, _ = _capture_records(tmp_path, "c", True, monkeypatch)
+    py_recs, py_status, _ = _capture_records(tmp_path, "py", False, monkeypatch)
+    assert c_status["hooks"] == "c" and py_status["hooks"] == "python"
+    assert c_status["c_takes"] > 0 and "c_takes" not in py_status
+    assert c_status["c_hook_calls"] > 0  # calls the C hooks did whole
+    assert len(c_recs) == len(py_recs) == 6
+    for a, b in zip(c_recs, py_recs):
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+    # every module's call is there: a, t, k (kwargs), dct (a dict), b, in each step
+    names = set(c_recs[-1]["module"])
+    assert {"a", "t", "k", "dct", "b"} <= names, names
+
+
+def test_an_error_in_a_c_hook_degrades_capture_not_the_run(cursor_type, tmp_path,
+                                                           monkeypatch):
+    _, status, outs = _capture_records(tmp_path, "bad", True, monkeypatch, bad_at=4)
+    assert len(outs) == 6 and all(torch.isfinite(o).all() for o in outs)
+    assert "no shape today" in status.get("capture_error", ""), status
+    assert status["c_hook_calls"] > 0  # step 4's `a` ran on the plan, in C
