@@ -224,36 +224,42 @@ def _joined(parts: list[np.ndarray], empty: Any) -> np.ndarray:
 
 
 def assemble_records(step: int, track_versions: bool, meta_arr: np.ndarray, tensors: list,
-                     versions: list, which: np.ndarray, st: UniqueStats, chan_io: str
-                     ) -> dict[str, Any]:
+                     versions: list, which: np.ndarray, st: UniqueStats, chan_io: str,
+                     template: np.ndarray | None = None) -> dict[str, Any]:
     """One reduction's records (in pending order) with offsets into its own channel and token
-    arrays."""
+    arrays. `template`: an earlier step's records of the same plan (hooks/planunpack.py),
+    whose layout columns (module, io, slot, dtype, sizes, offsets) this step shares; only the
+    call indices, flags and statistics are written then."""
     n = len(meta_arr)
-    rec = np.zeros(n, dtype=schema.record_dtype())
+    if template is not None and len(template) == n:
+        rec = template.copy()
+    else:
+        rec = np.zeros(n, dtype=schema.record_dtype())
+        rec["module_id"] = meta_arr[:, 1]
+        rec["io"] = meta_arr[:, 2]
+        rec["slot"] = meta_arr[:, 3]
+        rec["dtype"] = st.dtype_code[which]
+        rec["numel"] = st.numel[which]
+        rec["rows"] = st.rows[which]
+        rec["channels"] = st.chans[which]
+        coff = st.chan_off[which]
+        if chan_io == "inputs":
+            coff = np.where(meta_arr[:, 2] == schema.IO_INPUT, coff, -1)
+        rec["chan_offset"] = coff
+        rec["tok_offset"] = st.tok_off[which]
+        rec["tok_count"] = st.tok_cnt[which]
     rec["call_index"] = meta_arr[:, 0]
     rec["step"] = step
-    rec["module_id"] = meta_arr[:, 1]
-    rec["io"] = meta_arr[:, 2]
-    rec["slot"] = meta_arr[:, 3]
-    rec["dtype"] = st.dtype_code[which]
     flags = st.flags[which].copy()
     if track_versions:
         now = np.fromiter((t._version for t in tensors), np.int64, n)
         flags |= np.where(now != np.asarray(versions, np.int64), schema.FLAG_MUTATED, 0)
     rec["flags"] = flags
-    rec["numel"] = st.numel[which]
-    rec["rows"] = st.rows[which]
-    rec["channels"] = st.chans[which]
+    sc = st.sc[which]
     for k, f in enumerate(("min", "max", "mean", "std", "absmax")):
-        rec[f] = st.sc[which, k]
+        rec[f] = sc[:, k]
     rec["nan_count"] = st.nan[which]
     rec["inf_count"] = st.inf[which]
-    coff = st.chan_off[which]
-    if chan_io == "inputs":
-        coff = np.where(meta_arr[:, 2] == schema.IO_INPUT, coff, -1)
-    rec["chan_offset"] = coff
-    rec["tok_offset"] = st.tok_off[which]
-    rec["tok_count"] = st.tok_cnt[which]
     cmin, cmax = st.channel_blocks()
     return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": st.tok()}
 

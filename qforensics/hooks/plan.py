@@ -49,7 +49,7 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "reduced", "singles", "dst", "size", "spec")
+                 "nbytes", "reduced", "singles", "dst", "size", "spec", "unpackers")
 
     def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
@@ -157,6 +157,7 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
             pl.size[k] = v.numel() * v.element_size()
     pl.described = describe(pl.desc)
     pl.spec = c_spec(pl)
+    pl.unpackers = {}  # hooks/planunpack.py, by the step's channel needs
     return pl
 
 

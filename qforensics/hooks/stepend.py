@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qforensics.hooks import reduce
+from qforensics.hooks import planunpack, reduce
 from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.trace import schema
 
@@ -87,7 +87,13 @@ class StepEnd:
             st.set_described(described)
         else:
             st.describe_all(p.column(3))
-        st.unpack(plan, host, cursor)
+        up = planunpack.unpacker(p.plan, plan, need) if p.plan is not None else None
+        if up is not None:  # on a plan: the same layout as its first step, vectorized
+            dev = plan[0][4]
+            up.apply(st, host[dev])
+            cursor[dev] += up.size
+        else:
+            st.unpack(plan, host, cursor)
         logits_row = None
         ids_host = np.zeros(0, np.int64)
         if logit_dev is not None:
@@ -108,7 +114,10 @@ class StepEnd:
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
         part = assemble_records(self.step, self._track_versions, meta_arr,
-                                p.record_tensors(which), versions, which, st, chan_io)
+                                p.record_tensors(which), versions, which, st, chan_io,
+                                template=up.template if up is not None else None)
+        if up is not None and up.template is None:
+            up.template = part["records"].copy()  # before build_batch rebases its offsets
         assert self._snaps is not None
         if not self._snaps.done:  # each record's tensor as its hook saw it
             self._snaps.maybe_snapshot(part, lambda: (

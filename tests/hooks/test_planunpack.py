@@ -1,0 +1,113 @@
+"""hooks/planunpack.py: a plan's vectorized unpack gives bit for bit what UniqueStats.unpack
+gives, on random reduced vectors with NaN and Inf, for every kind of buffer (one token or
+many, channel ranges kept or not, kept for some tensors only), and a real capture's records are
+the same with and without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+import qforensics
+from qforensics.hooks import planunpack
+from qforensics.hooks.assemble import UniqueStats
+from qforensics.hooks.plan import packed_size
+
+from capture_models import Tiny, ids
+
+
+def _layout(rng: np.random.Generator):
+    """Plan rows over 14 unique tensors, and a host vector with room after them."""
+    specs = [  # (unique ids, rows, chans, keep)
+        ([3], 5, 7, True),  # a single reduced in its hook
+        ([0, 1, 2], 1, 6, True),
+        ([4, 5], 1, 4, False),
+        ([6, 7, 8], 4, 5, True),
+        ([9, 10], 3, 6, False),
+        ([11, 12, 13], 2, 3, True),
+    ]
+    cpu = torch.device("cpu")
+    plan = [(np.array(i, np.int64), r, c, k, cpu, packed_size(len(i), r, c, k))
+            for i, r, c, k in specs]
+    size = sum(row[-1] for row in plan)
+    h = rng.standard_normal(size + 15).astype(np.float32) * 10
+    h[rng.choice(size, 6, replace=False)] = [np.nan, np.inf, -np.inf, np.nan, np.inf, 0.0]
+    return plan, h
+
+
+def _fill(plan, h, need, vectorized: bool) -> UniqueStats:
+    st = UniqueStats(14, need)
+    if vectorized:
+        up = planunpack.PlanUnpack(plan, need)
+        up.apply(st, h)
+        assert up.size == sum(row[-1] for row in plan)
+    else:
+        st.unpack(plan, {torch.device("cpu"): h}, {torch.device("cpu"): 0})
+    return st
+
+
+def test_vectorized_unpack_equals_the_generic_one():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        plan, h = _layout(rng)
+        need = rng.random(14) < (1.0 if trial % 2 else 0.6)
+        a, b = _fill(plan, h, need, True), _fill(plan, h, need, False)
+        for name in ("sc", "rows", "computed", "tok_off", "tok_cnt", "chan_off"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
+                                          err_msg=f"{name}, trial {trial}")
+        for fn in ("cmin", "cmax", "tok"):
+            np.testing.assert_array_equal(getattr(a, fn)(), getattr(b, fn)(), err_msg=fn)
+        lo_a, hi_a = a.channel_blocks()
+        lo_b, hi_b = b.channel_blocks()
+        assert (lo_a is hi_a) == (lo_b is hi_b)
+
+
+def test_single_token_buffers_share_one_channel_block():
+    cpu = torch.device("cpu")
+    plan = [(np.array([0, 1], np.int64), 1, 4, True, cpu, packed_size(2, 1, 4, True))]
+    h = np.arange(16, dtype=np.float32)
+    st = UniqueStats(2, np.ones(2, bool))
+    planunpack.PlanUnpack(plan, np.ones(2, bool)).apply(st, h)
+    lo, hi = st.channel_blocks()
+    assert lo is hi
+    np.testing.assert_array_equal(lo, h[8:16])  # after sums, squares, mins, maxes
+    np.testing.assert_array_equal(st.sc[:, 0], [4.0, 5.0])
+
+
+def test_records_are_the_same_with_and_without_it(tmp_path, monkeypatch):
+    def run(name: str) -> list:
+        m = Tiny()
+        path = tmp_path / f"{name}.h5"
+        with torch.no_grad(), qforensics.capture(m, path):
+            x = ids(4)
+            for _ in range(6):  # decode-like: one new token per step after the first
+                logits = m(x)
+                x = logits[:, -1:].argmax(-1)
+        with qforensics.open_trace(path) as t:
+            out = []
+            for s in range(t.n_steps):
+                recs = t.records(s)
+                ranges = [t.channel_ranges(r) for _, r in recs.iterrows()]
+                out.append((recs, ranges))
+            return out
+
+    calls = []
+    real = planunpack.unpacker
+    monkeypatch.setattr(planunpack, "unpacker",
+                        lambda *a: calls.append(1) or real(*a))
+    with_it = run("with")
+    assert calls  # steps ran on their plan and took the vectorized path
+    monkeypatch.setattr(planunpack, "unpacker", lambda *a: None)
+    without = run("without")
+    assert len(with_it) == len(without) == 6
+    kept = 0
+    for (a, ra), (b, rb) in zip(with_it, without):
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+        for x, y in zip(ra, rb):
+            assert (x is None) == (y is None)
+            if x is not None:
+                kept += 1
+                np.testing.assert_array_equal(x[0], y[0])
+                np.testing.assert_array_equal(x[1], y[1])
+    assert kept
