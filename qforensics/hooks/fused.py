@@ -45,6 +45,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
 LIBS = ("-lm",)
 _SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
 _LOGITS = {torch.bfloat16: "qf_logits_bf16", torch.float32: "qf_logits_f32"}
+_NONFINITE = {torch.bfloat16: "qf_nonfinite_bf16", torch.float32: "qf_nonfinite_f32"}
 
 
 def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
@@ -116,6 +117,7 @@ class FusedReducer:
         self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
         self._fns: dict[torch.dtype, Any] | None = None
         self._logit_fns: dict[torch.dtype, Any] = {}
+        self._nonfinite_fns: dict[torch.dtype, Any] = {}
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -175,6 +177,19 @@ class FusedReducer:
         self.eager_why[why] = self.eager_why.get(why, 0) + 1
         return None
 
+    def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
+        """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
+        built yet, GPU, another dtype, strided, no rows)."""
+        fn = self._nonfinite_fns.get(t.dtype) if self._fns is not None else None
+        if (fn is None or t.device.type != "cpu" or not t.dim() or not t.shape[-1]
+                or not t.is_contiguous()):
+            return None
+        chans = int(t.shape[-1])
+        rows = t.numel() // chans
+        out = torch.empty((rows, 1), dtype=torch.float32)
+        fn(t.data_ptr(), rows, chans, out.data_ptr())
+        return out
+
     def _load(self) -> None:
         try:
             lib = ctypes.CDLL(str(build()))
@@ -190,6 +205,7 @@ class FusedReducer:
 
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             self._logit_fns = bind(_LOGITS, ptr, i64, ptr)
+            self._nonfinite_fns = bind(_NONFINITE, ptr, i64, i64, ptr)
             self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

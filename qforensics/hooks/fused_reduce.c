@@ -181,3 +181,21 @@ int NAME(const T *src, int64_t n, float *out) {                                 
 
 DEFINE_LOGITS(qf_logits_bf16, row_bf16, uint16_t, from_bf16)
 DEFINE_LOGITS(qf_logits_f32, row_f32, float, from_f32)
+
+/* reduce.nonfinite_rows: out[r] = 1 where row r of x (R rows of C values) holds a NaN or an
+ * Inf (all exponent bits set), else 0. Integer tests on the bits, so the loop vectorizes. */
+#define DEFINE_NONFINITE(NAME, T, EXP)                                                      \
+int NAME(const T *x, int64_t R, int64_t C, float *out) {                                    \
+    for (int64_t r = 0; r < R; r++) {                                                       \
+        const T *row = x + r * C;                                                           \
+        T bad = 0;                                                                          \
+        _Pragma("omp simd reduction(|:bad)")                                                \
+        for (int64_t c = 0; c < C; c++)                                                     \
+            bad |= (T)((row[c] & EXP) == EXP);                                              \
+        out[r] = bad ? 1.f : 0.f;                                                           \
+    }                                                                                       \
+    return 0;                                                                               \
+}
+
+DEFINE_NONFINITE(qf_nonfinite_bf16, uint16_t, (uint16_t)0x7F80u)
+DEFINE_NONFINITE(qf_nonfinite_f32, uint32_t, 0x7F800000u)

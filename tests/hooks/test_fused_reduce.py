@@ -141,13 +141,29 @@ def test_packed_len_agrees_with_the_step_plans() -> None:
         assert eager.numel() == packed_size(g, rows, chans, keep)
 
 
-def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf() -> None:
-    t = torch.randn(7, 300).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf(dtype, kernel,
+                                                               monkeypatch) -> None:
+    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
+    fused.REDUCER.wait()
+    if not kernel:
+        monkeypatch.setattr(fused.REDUCER, "_nonfinite_fns", {})
+    torch.manual_seed(0)
+    t = torch.randn(7, 300).to(dtype)
     t[1, 3], t[3, 0], t[4, 299] = float("nan"), float("inf"), float("-inf")
-    t[5] = 3e38  # huge but finite: a plain sum of the row would overflow
-    want = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
-    assert reduce.nonfinite_rows(t).reshape(-1).tolist() == want
-    assert reduce.nonfinite_rows(t).shape == (7, 1)
+    t[5] = torch.finfo(dtype).max  # huge but finite: a plain sum of the row would overflow
+    t[6, 17] = -torch.finfo(dtype).max
+    want = (~np.isfinite(t.float().numpy())).any(axis=1).astype(np.float32)
+    assert want.tolist() == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    for x in (t, t.reshape(7, 3, 100).transpose(0, 1)[0:1], t.reshape(1, 7, 300)):
+        flat = x.reshape(-1, x.shape[-1])
+        exp = (~np.isfinite(flat.float().numpy())).any(axis=1).astype(np.float32)
+        got = reduce.nonfinite_rows(x)
+        assert got.dtype == torch.float32 and got.shape == (flat.shape[0], 1)
+        np.testing.assert_array_equal(got.reshape(-1).numpy(), exp)
+    if kernel and dtype != torch.float16:  # the C pass ran (fp16 has no kernel)
+        assert fused.REDUCER.nonfinite_rows(t) is not None
 
 
 def _logits_expected(v: np.ndarray) -> np.ndarray:
