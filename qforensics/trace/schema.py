@@ -6,6 +6,8 @@ the reader both take it from here. No torch import.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 FORMAT_NAME = "qforensics-trace"
@@ -206,25 +208,31 @@ LIMITS_DATASET = "limits"
 META_KEYS = ("environment", "capture_options", "status", "outcome")
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def step_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in STEP_COLUMNS])
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def record_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in RECORD_COLUMNS])
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def incident_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in INCIDENT_COLUMNS])
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def trigger_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in TRIGGER_COLUMNS])
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def snapshot_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in SNAPSHOT_COLUMNS])
 
 
+@functools.cache  # np.dtype is immutable: built once, shared
 def engine_dtype(table: str) -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in ENGINE_TABLES[table]])
