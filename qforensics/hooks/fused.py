@@ -124,9 +124,10 @@ class FusedReducer:
         self.fused_calls = 0
         self.eager_why: dict[str, int] = {}  # why a call took the eager pass, for the status
 
-    def parts(self, x: torch.Tensor, rows: int, chans: int, keep: bool
-              ) -> list[torch.Tensor] | None:
-        """reduce.fast_parts' vector for g stacked tensors, in one pass; None: use eager."""
+    def parts(self, x: torch.Tensor, rows: int, chans: int, keep: bool,
+              out: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        """reduce.fast_parts' vector for g stacked tensors, in one pass; None: use eager.
+        `out`: a contiguous float32 CPU vector of packed_len values to write it into."""
         if self.off is not None or x.device.type != "cpu":
             return None
         self.calls += 1
@@ -157,7 +158,12 @@ class FusedReducer:
             return self._eager("shape")
         if not x.is_contiguous():
             return self._eager("layout")
-        out = torch.empty(packed_len(g, rows, chans, keep), dtype=torch.float32)
+        n = packed_len(g, rows, chans, keep)
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32)
+        elif (out.numel() != n or out.dtype != torch.float32 or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            return self._eager("out")
         if fn(x.data_ptr(), g, rows, chans, int(keep), out.data_ptr()) != 0:
             return self._eager("out of memory")
         self.fused_calls += 1

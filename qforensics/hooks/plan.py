@@ -49,7 +49,8 @@ class StepPlan:
 
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
-                 "nbytes", "reduced", "singles", "dst", "size", "spec", "unpackers")
+                 "nbytes", "reduced", "singles", "dst", "size", "spec", "unpackers", "one_cpu",
+                 "out_len")
 
     def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
@@ -57,6 +58,18 @@ class StepPlan:
         concatenated in this order), in the layout of PendingStep.reduce_on_device."""
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         plan = []
+        if self.one_cpu:  # one fresh vector, written in place: no concatenation after
+            buf = torch.empty(self.out_len, dtype=torch.float32)
+            off = 0
+            for k, row in self.singles:
+                buf[off:off + row[-1]].copy_(outs[k])
+                off += row[-1]
+                plan.append(row)
+            for x, row in self.red:
+                reduce.fast_parts(x, row[1], row[2], row[3], out=buf[off:off + row[-1]])
+                off += row[-1]
+                plan.append(row)
+            return plan, {torch.device("cpu"): [buf]}
         for k, row in self.singles:
             packed = outs[k]
             per_dev.setdefault(packed.device, []).append(packed)
@@ -158,6 +171,9 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
     pl.described = describe(pl.desc)
     pl.spec = c_spec(pl)
     pl.unpackers = {}  # hooks/planunpack.py, by the step's channel needs
+    rows_all = [row for _, row in pl.singles] + [row for _, row in pl.red]
+    pl.one_cpu = bool(rows_all) and all(row[4].type == "cpu" for row in rows_all)
+    pl.out_len = sum(int(row[-1]) for row in rows_all)
     return pl
 
 

@@ -121,10 +121,8 @@ class PlanUnpack:
             vmin[self.d_dst] = h[self.d_min]
             vmax[self.d_dst] = h[self.d_max]
             if len(self.r_dst):
-                hh = h if self.r_max.max() < len(h) and self.r_min.max() < len(h) else (
-                    np.append(h, np.float32(0)))
-                vmin[self.r_dst] = np.minimum.reduceat(hh, self.r_min)[::2]
-                vmax[self.r_dst] = np.maximum.reduceat(hh, self.r_max)[::2]
+                vmin[self.r_dst] = np.minimum.reduceat(h, _ends(self.r_min, len(h)))[::2]
+                vmax[self.r_dst] = np.maximum.reduceat(h, _ends(self.r_max, len(h)))[::2]
             absmax = np.maximum(np.abs(vmin), np.abs(vmax))
             st.sc[self.u] = np.stack([vmin, vmax, mean, np.sqrt(var), absmax], axis=1)
         st.rows[self.u] = self.rows_u
@@ -141,6 +139,12 @@ class PlanUnpack:
             st._cmin = [lo]
             st._cmax = [lo if self.hi is None else _cat(h, self.hi)]
             st._chan_len = self.chan_len
+
+
+def _ends(pairs: np.ndarray, n: int) -> np.ndarray:
+    """reduceat indices for (start, end) pairs in a vector of n values: a last end at n is
+    dropped (the last index reduces to the end), every other index is below n."""
+    return pairs[:-1] if pairs[-1] == n else pairs
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -45,7 +45,8 @@ def fast_stacked(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> torch
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def fast_parts(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> list[torch.Tensor]:
+def fast_parts(x: torch.Tensor, rows: int, chans: int, keep_ch: bool,
+               out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """g tensors stacked on dim 0 -> float32 vectors to concatenate: sum (g), sum of squares (g), then
     per-channel min (g*C) and max (g*C) when kept, else the tensor min (g) and max (g), then
     per-token absmax (g*R). NaN/Inf propagate. The host derives min/max/absmax/mean/std from
@@ -56,6 +57,13 @@ def fast_parts(x: torch.Tensor, rows: int, chans: int, keep_ch: bool) -> list[to
     variance the host derives (sumsq / n - mean^2) cannot afford. Single-token tensors
     (decoding) skip the per-channel pass: their channel ranges are the values themselves, and their per-token absmax is max(|min|, |max|),
     which the host derives: [sum, sumsq, min, max] (g each), then the values (g*C) when kept."""
+    if out is not None:  # the vector written into `out` (a plan's step buffer)
+        if x.device.type == "cpu":
+            got = fused.REDUCER.parts(x, rows, chans, keep_ch, out)
+            if got is not None:
+                return got
+        torch.cat(fast_parts(x, rows, chans, keep_ch), out=out)
+        return [out]
     if x.device.type == "cpu":
         got = fused.REDUCER.parts(x, rows, chans, keep_ch)
         if got is not None:

@@ -59,18 +59,21 @@ class StepEnd:
         chan_io = self.options["channel_io"]
         plan, per_dev = p.reduce_on_device()
         logit_dev = ids_dev = None
+        # on CPU the logits figures and the ids are host arrays of their own (nothing to
+        # transfer): a plan's step vector then stays whole, without a concatenation
         if final and self._logits is not None:
             lp = reduce.fast_logits(self._logits)
-            logit_dev = lp.device
-            per_dev.setdefault(lp.device, []).append(lp)
+            logit_dev = lp.device if lp.device.type != "cpu" else "cpu-logits"
+            per_dev.setdefault(logit_dev, []).append(lp)
         n_ids = 0
         if final and self._step_ids is not None and self._step_ids.numel():
             ids_t = self._step_ids.reshape(-1)[:65536].to(torch.float32)  # exact < 2**24
             n_ids = ids_t.numel()
-            ids_dev = ids_t.device
+            ids_dev = ids_t.device if ids_t.device.type != "cpu" else "cpu-ids"
             per_dev.setdefault(ids_dev, []).append(ids_t)
         # ONE device->host transfer per device
-        host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in per_dev.items()}
+        host = {dev: (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+                for dev, parts in per_dev.items()}
         cursor = {dev: 0 for dev in host}
 
         meta_arr, which, versions = p.record_arrays()

@@ -224,3 +224,22 @@ def test_fast_logits_rows_agree_between_the_kernel_and_torch() -> None:
     np.testing.assert_allclose(via_c[:5], via_torch[:5], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(via_c[5:], via_torch[5:])  # nan/inf counts, argmax, top-5
     assert via_c[7] == 4000 and via_c[8:13].tolist() == [4000, 17, 30000, 999, 45000]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_parts_into_a_given_vector(dtype) -> None:
+    """A plan's step vector: each buffer's figures written in place (the C pass for bf16, the
+    eager ops then a copy for fp16), the same numbers as a fresh vector."""
+    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
+    fused.REDUCER.wait()
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 50).to(dtype)
+    fresh = torch.cat(reduce.fast_parts(x, 4, 50, True))
+    big = torch.full((fresh.numel() + 10,), -7.0)
+    view = big[5:5 + fresh.numel()]
+    got = reduce.fast_parts(x, 4, 50, True, out=view)
+    assert len(got) == 1 and got[0].data_ptr() == view.data_ptr()
+    np.testing.assert_array_equal(view.numpy(), fresh.numpy())
+    assert (big[:5] == -7).all() and (big[-5:] == -7).all()  # nothing outside it
+    want = _expected(x.float().numpy(), True)
+    _close(view.numpy(), want)

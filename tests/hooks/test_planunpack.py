@@ -111,3 +111,11 @@ def test_records_are_the_same_with_and_without_it(tmp_path, monkeypatch):
                 np.testing.assert_array_equal(x[0], y[0])
                 np.testing.assert_array_equal(x[1], y[1])
     assert kept
+
+
+def test_reduceat_spans_may_end_at_the_vector_end():
+    h = np.array([5.0, 1.0, 7.0, -2.0, 3.0], np.float32)
+    pairs = np.array([0, 2, 3, 5], np.int64)  # spans [0, 2) and [3, 5): the last ends at n
+    idx = planunpack._ends(pairs, len(h))
+    np.testing.assert_array_equal(np.minimum.reduceat(h, idx)[::2], [1.0, -2.0])
+    np.testing.assert_array_equal(np.maximum.reduceat(h, idx)[::2], [5.0, 3.0])
