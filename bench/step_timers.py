@@ -21,6 +21,8 @@ PROFILED = [
     ("qforensics.hooks.pending", "PendingStep", "reduce_on_device"),
     ("qforensics.hooks.assemble", "UniqueStats", "unpack"),
     ("qforensics.hooks.planunpack", "PlanUnpack", "apply"),
+    ("qforensics.hooks.planunpack", "SplitLayout", "apply"),
+    ("qforensics.hooks.planunpack", "SplitLayout", "reduce"),
     ("qforensics.hooks.assemble", "UniqueStats", "__init__"),
     ("qforensics.hooks.snapshots", "Snapshots", "maybe_snapshot"),
     ("qforensics.hooks.pending", "PendingStep", "clear"),

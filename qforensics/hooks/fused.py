@@ -46,6 +46,7 @@ LIBS = ("-lm",)
 _SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
 _LOGITS = {torch.bfloat16: "qf_logits_bf16", torch.float32: "qf_logits_f32"}
 _NONFINITE = {torch.bfloat16: "qf_nonfinite_bf16", torch.float32: "qf_nonfinite_f32"}
+_SPLIT = {torch.bfloat16: "qf_split_bf16", torch.float32: "qf_split_f32"}
 
 
 def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
@@ -118,6 +119,7 @@ class FusedReducer:
         self._fns: dict[torch.dtype, Any] | None = None
         self._logit_fns: dict[torch.dtype, Any] = {}
         self._nonfinite_fns: dict[torch.dtype, Any] = {}
+        self._split_fns: dict[torch.dtype, Any] = {}
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -183,6 +185,25 @@ class FusedReducer:
         self.eager_why[why] = self.eager_why.get(why, 0) + 1
         return None
 
+    def split_ready(self, dtype: torch.dtype) -> bool:
+        """The split-layout kernel for this dtype is loaded (hooks/planunpack.SplitLayout)."""
+        return self._fns is not None and dtype in self._split_fns
+
+    def split(self, x: torch.Tensor, rows: int, chans: int, sums: int, cmin: int | None,
+              cmax: int | None, tok: int) -> bool:
+        """g stacked tensors reduced into a plan's split layout, at the given addresses:
+        sums [S, Q, min, max] (4g floats), channel ranges (or values) g*C each (None: not
+        kept), per-row absmax g*rows. False (nothing written): use the packed path."""
+        fn = self._split_fns.get(x.dtype) if self._fns is not None else None
+        g = int(x.shape[0]) if x.dim() else 0
+        if (fn is None or x.device.type != "cpu" or not x.is_contiguous() or g == 0
+                or x.numel() != g * rows * chans):
+            return False
+        self.calls += 1
+        self.fused_calls += 1
+        fn(x.data_ptr(), g, rows, chans, sums, cmin, cmax, tok)
+        return True
+
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
         built yet, GPU, another dtype, strided, no rows)."""
@@ -212,6 +233,7 @@ class FusedReducer:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             self._logit_fns = bind(_LOGITS, ptr, i64, ptr)
             self._nonfinite_fns = bind(_NONFINITE, ptr, i64, i64, ptr)
+            self._split_fns = bind(_SPLIT, ptr, i64, i64, i64, ptr, ptr, ptr, ptr)
             self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -71,34 +71,38 @@ static void NAME(const T *row, int64_t C, float *cmin, float *cmax, float *dst, 
     *S += s_all; *Q += q_all; *mnp = mn; *mxp = mx; *nanp = nan;                            \
 }
 
-#define DEFINE_REDUCE(NAME, ROW, T, CONV)                                                   \
-int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
-    const int chans = keep && R > 1;                                                        \
-    float *tok = out + 2 * g + (chans ? 2 * g * C : 2 * g);                                 \
+/* The reduction of g stacked tensors of R rows x C channels, written through pointers (any
+ * may be NULL): S, Q, MN, MX (g each: sum, sum of squares, min, max; NaN where the tensor holds
+ * a NaN), CMIN and CMAX (g*C each: per-channel ranges when R > 1; when R == 1 the values, into
+ * CMIN and, when given, CMAX too), TOK (g*R: per-row absmax, NaN for a row with a NaN). */
+#define DEFINE_CORE(NAME, ROW, T, CONV)                                                     \
+static void NAME(const T *x, int64_t g, int64_t R, int64_t C, float *S_, float *Q_,         \
+                 float *MN, float *MX, float *CMIN, float *CMAX, float *TOK) {              \
     for (int64_t t = 0; t < g; t++) {                                                       \
         double S = 0.0, Q = 0.0;                                                            \
         float tmin = INFINITY, tmax = -INFINITY;                                            \
         int tnan = 0;                                                                       \
-        float *cmin = chans ? out + 2 * g + t * C : NULL;                                   \
-        float *cmax = chans ? out + 2 * g + g * C + t * C : NULL;                           \
-        float *dst = (R == 1 && keep) ? out + 4 * g + t * C : NULL;                         \
+        float *cmin = CMIN ? CMIN + t * C : NULL;                                           \
+        float *cmax = CMAX ? CMAX + t * C : NULL;                                           \
+        const int chans = R > 1 && cmin && cmax;                                            \
         if (chans)                                                                          \
             for (int64_t c = 0; c < C; c++) { cmin[c] = INFINITY; cmax[c] = -INFINITY; }    \
         for (int64_t r = 0; r < R; r++) {                                                   \
             float mn, mx;                                                                   \
             int nan;                                                                        \
-            ROW(x + (t * R + r) * C, C, cmin, cmax, dst, &S, &Q, &mn, &mx, &nan);           \
+            ROW(x + (t * R + r) * C, C, chans ? cmin : NULL, chans ? cmax : NULL,           \
+                R == 1 ? cmin : NULL, &S, &Q, &mn, &mx, &nan);                              \
             tnan |= nan;                                                                    \
             tmin = mn < tmin ? mn : tmin;                                                   \
             tmax = mx > tmax ? mx : tmax;                                                   \
-            if (R > 1) tok[t * R + r] = nan ? NAN : (mx > -mn ? mx : -mn);                  \
+            if (TOK) TOK[t * R + r] = nan ? NAN : (mx > -mn ? mx : -mn);                    \
         }                                                                                   \
-        out[t] = tnan ? NAN : (float)S;                                                     \
-        out[g + t] = tnan ? NAN : (float)Q;                                                 \
-        if (!chans) {                                                                       \
-            out[2 * g + t] = tnan ? NAN : tmin;                                             \
-            out[3 * g + t] = tnan ? NAN : tmax;                                             \
-        } else if (tnan) { /* the channels that hold a NaN (failing steps only) */          \
+        if (R == 1 && cmin && cmax) memcpy(cmax, cmin, (size_t)C * sizeof(float));          \
+        if (S_) S_[t] = tnan ? NAN : (float)S;                                              \
+        if (Q_) Q_[t] = tnan ? NAN : (float)Q;                                              \
+        if (MN) MN[t] = tnan ? NAN : tmin;                                                  \
+        if (MX) MX[t] = tnan ? NAN : tmax;                                                  \
+        if (chans && tnan) { /* the channels that hold a NaN (failing steps only) */        \
             for (int64_t r = 0; r < R; r++) {                                               \
                 const T *row = x + (t * R + r) * C;                                         \
                 for (int64_t c = 0; c < C; c++) {                                           \
@@ -108,13 +112,36 @@ int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {   
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
+}
+
+/* reduce.fast_parts' packed vector (fused.packed_len values). */
+#define DEFINE_REDUCE(NAME, CORE, T)                                                        \
+int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
+    const int chans = keep && R > 1;                                                        \
+    float *tok = R > 1 ? out + 2 * g + (chans ? 2 * g * C : 2 * g) : NULL;                  \
+    CORE(x, g, R, C, out, out + g, chans ? NULL : out + 2 * g, chans ? NULL : out + 3 * g,  \
+         chans ? out + 2 * g : (R == 1 && keep ? out + 4 * g : NULL),                       \
+         chans ? out + 2 * g + g * C : NULL, tok);                                          \
+    return 0;                                                                               \
+}
+
+/* A plan's split layout (hooks/planunpack.py): sums = [S, Q, min, max] (4g), the channel
+ * ranges (or values) into cmin/cmax (NULL: not kept), per-row absmax into tok (g*R). */
+#define DEFINE_SPLIT(NAME, CORE, T)                                                         \
+int NAME(const T *x, int64_t g, int64_t R, int64_t C, float *sums, float *cmin,             \
+         float *cmax, float *tok) {                                                         \
+    CORE(x, g, R, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);          \
     return 0;                                                                               \
 }
 
 DEFINE_ROW(row_bf16, uint16_t, from_bf16)
 DEFINE_ROW(row_f32, float, from_f32)
-DEFINE_REDUCE(qf_reduce_bf16, row_bf16, uint16_t, from_bf16)
-DEFINE_REDUCE(qf_reduce_f32, row_f32, float, from_f32)
+DEFINE_CORE(core_bf16, row_bf16, uint16_t, from_bf16)
+DEFINE_CORE(core_f32, row_f32, float, from_f32)
+DEFINE_REDUCE(qf_reduce_bf16, core_bf16, uint16_t)
+DEFINE_REDUCE(qf_reduce_f32, core_f32, float)
+DEFINE_SPLIT(qf_split_bf16, core_bf16, uint16_t)
+DEFINE_SPLIT(qf_split_f32, core_f32, float)
 
 /* exp(x) for x <= 0 in float, in a form the compiler vectorizes (no float->int conversion):
  * t = x log2(e) = k + f with k = round(t) (read from the low bits of t + 1.5 * 2^23) and f in

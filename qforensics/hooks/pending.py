@@ -42,7 +42,7 @@ class PendingStep:
     __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
                  "track", "nograd", "clone_limit", "plans", "plan", "key", "first", "pos",
                  "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses", "take",
-                 "_cursor")
+                 "_cursor", "split_out")
 
     def __init__(self, clone_limit: int = CLONE_LIMIT, plan_budget: int = 256 << 20) -> None:
         self.clone_limit = clone_limit
@@ -132,6 +132,7 @@ class PendingStep:
         self.refs: list[Any] | None = None  # plan mode: the tensor of each take
         self.vers: list[int] | None = None  # plan mode, with version counters: their versions
         self.outs: list[Any] | None = None  # plan mode: vectors of tensors reduced in hooks
+        self.split_out: Any = None  # plan mode: (SplitLayout, its vector) of reduce_on_device
         if self._cursor is not None:
             self._cursor.end()
         if getattr(self, "plan", None) is not None:
@@ -356,7 +357,8 @@ class PendingStep:
         (plan, per-device packed vectors), plan rows (unique ids, rows, chans, keep, device,
         size) in the order of the packed vectors."""
         if self.plan is not None:
-            return self.plan.reduce(self.outs or [])
+            plan, per_dev, self.split_out = self.plan.reduce(self.outs or [])
+            return plan, per_dev
         plan: list = []
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         for j, rows, chans, keep, packed in self.singles:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import fused, reduce
+from qforensics.hooks import fused, planunpack, reduce
 from qforensics.hooks.assemble import describe
 
 # slot values fold into the take signature below this bound
@@ -50,14 +50,24 @@ class StepPlan:
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
                  "nbytes", "reduced", "singles", "dst", "size", "spec", "unpackers", "one_cpu",
-                 "out_len")
+                 "out_len", "split")
 
-    def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]]]:
+    def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]], Any]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
         reduce.fast_parts over each buffer chunk: (plan rows, per-device vectors, to be
-        concatenated in this order), in the layout of PendingStep.reduce_on_device."""
+        concatenated in this order), in the layout of PendingStep.reduce_on_device; third,
+        (SplitLayout, its vector) when the buffers went through hooks/planunpack.py's split
+        layout instead (the rows and vectors are then the hook-reduced tensors' only)."""
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         plan = []
+        lay = planunpack.split_layout(self)
+        if lay is not None:
+            buf = lay.reduce(self.red)
+            if buf is not None:
+                for k, row in self.singles:
+                    per_dev.setdefault(row[4], []).append(outs[k])
+                    plan.append(row)
+                return plan, per_dev, (lay, buf)
         if self.one_cpu:  # one fresh vector, written in place: no concatenation after
             buf = torch.empty(self.out_len, dtype=torch.float32)
             off = 0
@@ -69,7 +79,7 @@ class StepPlan:
                 reduce.fast_parts(x, row[1], row[2], row[3], out=buf[off:off + row[-1]])
                 off += row[-1]
                 plan.append(row)
-            return plan, {torch.device("cpu"): [buf]}
+            return plan, {torch.device("cpu"): [buf]}, None
         for k, row in self.singles:
             packed = outs[k]
             per_dev.setdefault(packed.device, []).append(packed)
@@ -81,7 +91,7 @@ class StepPlan:
                 parts = per_dev[dev] = []
             parts += reduce.fast_parts(x, rows, chans, keep)
             plan.append(row)
-        return plan, per_dev
+        return plan, per_dev, None
 
 
 def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int, keep: bool,
@@ -174,6 +184,7 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
     rows_all = [row for _, row in pl.singles] + [row for _, row in pl.red]
     pl.one_cpu = bool(rows_all) and all(row[4].type == "cpu" for row in rows_all)
     pl.out_len = sum(int(row[-1]) for row in rows_all)
+    pl.split = None  # hooks/planunpack.SplitLayout, once the kernel can take the buffers
     return pl
 
 

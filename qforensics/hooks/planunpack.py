@@ -162,13 +162,165 @@ def _cat(h: np.ndarray, slices: list[slice]) -> np.ndarray:
     return h[slices[0]] if len(slices) == 1 else np.concatenate([h[s] for s in slices])
 
 
-def unpacker(pl: Any, plan: list, need: np.ndarray) -> PlanUnpack | None:
-    """The plan's PlanUnpack for this `need` (built once), or None when its rows span devices."""
+def unpacker(pl: Any, plan: list, need: np.ndarray, split: bool = False) -> PlanUnpack | None:
+    """The plan's PlanUnpack for these rows (all of them, or with `split` the hook-reduced
+    ones only) and this `need` (built once), or None when its rows span devices."""
     if len({row[4] for row in plan}) != 1:
         return None
     cache = pl.unpackers
-    key = need.tobytes()
+    key = (need.tobytes(), split)
     up = cache.get(key)
     if up is None:
         up = cache[key] = PlanUnpack(plan, need)
     return up
+
+
+class SplitLayout:
+    """A plan's step in one fresh float32 vector laid out for the host, on CPU with the C
+    kernel (fused_reduce.c `qf_split_*`): per reduced buffer its tensors' [sum, sum of
+    squares, min, max]; then every kept tensor's channel minima in one region, their maxima in
+    another (single-token tensors: their values, one region for both when no tensor has more
+    rows); then every tensor's per-row absmax. The record's channel and token arrays are then
+    views of the regions, not concatenations, and min/max need no pass over channel ranges.
+
+    `red`: the plan's (buffer chunk, row) pairs (hooks/plan.py), all on CPU; a buffer whose
+    dtype the kernel does not take (bf16 and fp32 only) is reduced with torch ops into it."""
+
+    def __init__(self, red: list) -> None:
+        rows_of = [(row[0], int(row[1]), int(row[2]), bool(row[3])) for _, row in red]
+        multi = any(r > 1 and k for _, r, _, k in rows_of)
+        n_sums = sum(4 * len(idx) for idx, _, _, _ in rows_of)
+        n_chan = sum(len(idx) * c for idx, _, c, k in rows_of if k)
+        n_tok = sum(len(idx) * r for idx, r, _, _ in rows_of)
+        self.cmin0 = n_sums
+        self.cmax0 = n_sums + n_chan if multi else None
+        self.tok0 = n_sums + n_chan * (2 if multi else 1)
+        self.total = self.tok0 + n_tok
+        self.n_chan, self.n_tok = n_chan, n_tok
+        self.calls = []  # (sums, cmin, cmax, tok) element offsets per buffer chunk
+        self.template: np.ndarray | None = None  # the plan's records (hooks/assemble.py)
+        u, pos, n_el, rows_u, tok_off, tok_cnt, chan_u, chan_off = ([] for _ in range(8))
+        s = c = t = 0
+        for idx, r, ch, k in rows_of:
+            g = len(idx)
+            self.calls.append((s, self.cmin0 + c if k else None,
+                               (self.cmax0 + c if multi else None) if k else None,
+                               self.tok0 + t))
+            u += [int(j) for j in idx]
+            pos += range(s, s + g)
+            s += 4 * g
+            n_el += [float(r * ch)] * g
+            rows_u += [r] * g
+            tok_off += range(t, t + g * r, r)
+            tok_cnt += [r] * g
+            t += g * r
+            if k:
+                chan_u += [int(j) for j in idx]
+                chan_off += range(c, c + g * ch, ch)
+                c += g * ch
+        i64 = np.int64
+        self.u, self.n_el = np.array(u, i64), np.array(n_el, np.float64)
+        self.pos = np.array(pos, i64)  # S at pos; Q, min, max at pos + g of its chunk ...
+        # ... so gather each from its chunk: sums of chunk at s..s+4g are [S(g) Q(g) mn(g) mx(g)]
+        q, mn, mx = [], [], []
+        s = 0
+        for idx, _, _, _ in rows_of:
+            g = len(idx)
+            q += range(s + g, s + 2 * g)
+            mn += range(s + 2 * g, s + 3 * g)
+            mx += range(s + 3 * g, s + 4 * g)
+            s += 4 * g
+        self.pos_q, self.pos_mn, self.pos_mx = (np.array(a, i64) for a in (q, mn, mx))
+        self.rows_u = np.array(rows_u, i64)
+        self.tok_off, self.tok_cnt = np.array(tok_off, i64), np.array(tok_cnt, i64)
+        self.chan_u, self.chan_off = np.array(chan_u, i64), np.array(chan_off, i64)
+        self.chan_len = np.array([ch for idx, _, ch, k in rows_of if k
+                                  for _ in idx], i64)
+
+    def reduce(self, red: list) -> np.ndarray | None:
+        """Run the kernel over every buffer chunk into a fresh vector; None when the kernel
+        declines one (nothing usable then: the caller takes the packed path)."""
+        from qforensics.hooks import fused
+
+        buf = np.empty(self.total, np.float32)
+        base = buf.ctypes.data
+        for (x, row), (s, lo, hi, t) in zip(red, self.calls):
+            rows, chans = int(row[1]), int(row[2])
+            if not fused.REDUCER.split(x, rows, chans, base + 4 * s,
+                                       None if lo is None else base + 4 * lo,
+                                       None if hi is None else base + 4 * hi, base + 4 * t):
+                _eager_into(x, rows, chans, buf, s, lo, hi, t)
+        return buf
+
+    def apply(self, st: UniqueStats, buf: np.ndarray) -> None:
+        """Add the buffers' tensors to `st` (after whatever it holds: offsets follow it)."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            mean = buf[self.pos].astype(np.float64) / self.n_el
+            var = np.maximum(buf[self.pos_q].astype(np.float64) / self.n_el - mean * mean,
+                             0.0)
+            vmin = buf[self.pos_mn].astype(np.float64)
+            vmax = buf[self.pos_mx].astype(np.float64)
+            st.sc[self.u] = np.stack([vmin, vmax, mean, np.sqrt(var),
+                                      np.maximum(np.abs(vmin), np.abs(vmax))], axis=1)
+        st.rows[self.u] = self.rows_u
+        st.computed[self.u] = True
+        st.tok_off[self.u] = st._tok_len + self.tok_off
+        st.tok_cnt[self.u] = self.tok_cnt
+        st._tok.append(buf[self.tok0:self.tok0 + self.n_tok])
+        st._tok_len += self.n_tok
+        if not len(self.chan_u):
+            return
+        need = st.need[self.chan_u]
+        lo = buf[self.cmin0:self.cmin0 + self.n_chan]
+        hi = lo if self.cmax0 is None else buf[self.cmax0:self.cmax0 + self.n_chan]
+        if not need.all():  # only some tensors' ranges are kept (channel_io="inputs")
+            spans = [np.arange(o, o + n) for o, n in zip(self.chan_off[need],
+                                                        self.chan_len[need])]
+            sel = np.concatenate(spans) if spans else np.zeros(0, np.int64)
+            lo_k = lo[sel]
+            hi = lo_k if self.cmax0 is None else hi[sel]
+            lo = lo_k
+            offs = np.concatenate([[0], np.cumsum(self.chan_len[need])[:-1]]).astype(np.int64)
+            st.chan_off[self.chan_u[need]] = st._chan_len + offs
+        else:
+            st.chan_off[self.chan_u] = st._chan_len + self.chan_off
+        st._cmin.append(lo)
+        st._cmax.append(hi)
+        st._chan_len += len(lo)
+
+
+def _eager_into(x: Any, rows: int, chans: int, buf: np.ndarray, s: int, lo: int | None,
+                hi: int | None, t: int) -> None:
+    """The kernel's split figures with torch ops (a dtype it does not take: fp16, integers),
+    NaN-propagating like it."""
+    import torch
+
+    with torch.no_grad():
+        g = int(x.shape[0])
+        xf = x.reshape(g, rows, chans).to(torch.float32)
+        tmax, tmin = xf.amax(2), xf.amin(2)  # per row
+        sums = torch.cat([xf.sum((1, 2)), (xf * xf).sum((1, 2)), tmin.amin(1), tmax.amax(1)])
+        buf[s:s + 4 * g] = sums.numpy()
+        buf[t:t + g * rows] = torch.maximum(tmax, -tmin).reshape(-1).numpy()
+        if lo is not None:
+            lo_v = xf.amin(1) if rows > 1 else xf[:, 0]
+            buf[lo:lo + g * chans] = lo_v.reshape(-1).numpy()
+            if hi is not None:
+                hi_v = xf.amax(1) if rows > 1 else xf[:, 0]
+                buf[hi:hi + g * chans] = hi_v.reshape(-1).numpy()
+
+
+def split_layout(pl: Any) -> SplitLayout | None:
+    """The plan's SplitLayout when its buffers can take it (one CPU device, the kernel
+    loaded), else None; built once."""
+    from qforensics.hooks import fused
+
+    if not pl.one_cpu or not pl.red:
+        return None
+    lay = pl.split
+    if lay is None:
+        # once the kernel is loaded (a buffer of a dtype it does not take: torch ops)
+        if not any(fused.REDUCER.split_ready(x.dtype) for x, _ in pl.red):
+            return None
+        lay = pl.split = SplitLayout(pl.red)
+    return lay

@@ -90,13 +90,17 @@ class StepEnd:
             st.set_described(described)
         else:
             st.describe_all(p.column(3))
-        up = planunpack.unpacker(p.plan, plan, need) if p.plan is not None else None
+        split = p.split_out if p.plan is not None else None
+        up = (planunpack.unpacker(p.plan, plan, need, split is not None)
+              if p.plan is not None else None)
         if up is not None:  # on a plan: the same layout as its first step, vectorized
             dev = plan[0][4]
             up.apply(st, host[dev])
             cursor[dev] += up.size
         else:
             st.unpack(plan, host, cursor)
+        if split is not None:  # the plan's buffers, in their split layout (after the above)
+            split[0].apply(st, split[1])
         logits_row = None
         ids_host = np.zeros(0, np.int64)
         if logit_dev is not None:
@@ -116,11 +120,12 @@ class StepEnd:
                        for x, o, v in zip(src, orig, p.column(1))]
             st.exact_pass(bad, src, p.keep, self.options["channel_limit"])
 
+        keeper = up if up is not None else split[0] if split is not None else None
         part = assemble_records(self.step, self._track_versions, meta_arr,
                                 p.record_tensors(which), versions, which, st, chan_io,
-                                template=up.template if up is not None else None)
-        if up is not None and up.template is None:
-            up.template = part["records"].copy()  # before build_batch rebases its offsets
+                                template=keeper.template if keeper is not None else None)
+        if keeper is not None and keeper.template is None:
+            keeper.template = part["records"].copy()  # before build_batch rebases offsets
         assert self._snaps is not None
         if not self._snaps.done:  # each record's tensor as its hook saw it
             self._snaps.maybe_snapshot(part, lambda: (
