@@ -1,6 +1,8 @@
 """Timers around capture's main functions, for the benchmarks' `--profile` (where a captured
 step's time goes). Each wrapped call costs about a microsecond more: a small function's figure
-is inflated by that much per call, and the timed run is slower than an untimed one."""
+is inflated by that much per call, and the timed run is slower than an untimed one. Hooked
+calls that run in C (hooks/fast_take.c, a step on its plan) do not pass through any of these:
+`Capture._on_call` counts only the calls handed back to Python."""
 
 from __future__ import annotations
 
