@@ -1,9 +1,10 @@
 """`qforensics.capture(model, "trace.h5")`: forward hooks that stream per-call statistics into an
 HDF5 trace.
 
-How it stays fast and right: a hook hands each tensor to `PendingStep.take` (hooks/pending.py),
-which copies a small one on its device (one op) or reduces a large one there, so the stats are
-of the tensor as the hook saw it; no host sync in a hook. At the end of the step (one top-level
+How it stays fast and right: a hook (hooks/callhooks.py) hands each tensor to
+`PendingStep.take` (hooks/pending.py), which copies a small one on its device (one op) or
+reduces a large one there, so the stats are of the tensor as the hook saw it; no host sync in a
+hook. At the end of the step (one top-level
 forward of the captured model) the copies are reduced in a few batched ops per (shape, dtype,
 device) and everything goes to the host in ONE transfer per device; the flight recorder
 (hooks/recorder.py) then decides which steps keep their per-channel ranges. A long prefill that
@@ -31,6 +32,7 @@ from torch import nn
 from qforensics.errors import CaptureError
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import fast_take, fused, registry
+from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
@@ -43,29 +45,8 @@ from qforensics.trace.writer import StepBatch, TraceWriter
 
 log = logging.getLogger("qforensics.hooks.capture")
 
-_HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
-_MAX_INPUTS = 4
-_MAX_OUTPUTS = 2
 
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):  # ModelOutput is a dict subclass
-        v = obj.get("logits")
-        if isinstance(v, torch.Tensor):
-            return v
-        for v in obj.values():
-            if isinstance(v, torch.Tensor):
-                return v
-    if isinstance(obj, (tuple, list)):
-        for v in obj:
-            if isinstance(v, torch.Tensor):
-                return v
-    return None
-
-
-class Capture(StepEnd):
+class Capture(CallHooks, StepEnd):
     """A capture session on one model. Create with `qforensics.capture(...)`."""
 
     def __init__(
@@ -229,7 +210,7 @@ class Capture(StepEnd):
                 hook: Any = partial(self._on_call, mid, kind == "block")
                 if c_hook is not None:
                     hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
-                                  _MAX_INPUTS, _MAX_OUTPUTS)
+                                  MAX_INPUTS, MAX_OUTPUTS)
                 self._handles.append(mod.register_forward_hook(
                     hook, with_kwargs=True, always_call=True))
             self._handles.append(self.model.register_forward_pre_hook(
@@ -245,104 +226,6 @@ class Capture(StepEnd):
             if self._writer is not None:
                 self._writer.close({"state": "error", "error": "attach failed"})
             raise
-
-    # -- the hooks (hot path) ----------------------------------------------------------------
-    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        # One step at a time across threads: released by _on_root_post (always called).
-        self._step_lock.acquire()
-        if self._degraded:
-            return
-        try:
-            self._root_depth += 1
-            if self._root_depth > 1:
-                return  # re-entrant call of the root: same step
-            if self._in_step:  # calls arrived before this forward: close that implicit step
-                self._end_step(complete=True)
-            ids = kwargs.get("input_ids")
-            if not isinstance(ids, torch.Tensor):
-                ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            self._begin_step(ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point()
-                             else None)
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None:
-        try:
-            self._close_root(root_id, output)
-        finally:
-            try:
-                self._step_lock.release()
-            except RuntimeError:  # attached mid-forward: this thread never took the lock
-                pass
-
-    def _close_root(self, root_id: int, output: Any) -> None:
-        if self._degraded:
-            return
-        try:
-            self._root_depth = max(0, self._root_depth - 1)
-            if self._root_depth > 0:
-                return
-            if not self._in_step:
-                self._begin_step(None)
-            logits = _first_tensor(output)
-            if logits is not None:
-                self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
-                self._next_call += 1
-                if logits.is_floating_point() and logits.numel() and not logits.is_meta:
-                    self._logits = logits
-            self._end_step(complete=output is not None)
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _on_call(self, mid: int, is_block: bool, module: nn.Module, args: tuple, kwargs: dict,
-                 output: Any) -> None:
-        if self._degraded:
-            return
-        try:
-            ci = self._next_call
-            self._next_call = ci + 1
-            if not self._in_step:
-                self._begin_step(None)
-            take = self._pending.take
-            n_in = 0
-            limit = 1 if is_block else _MAX_INPUTS
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    take(ci, mid, 0, n_in, a)
-                    n_in += 1
-                    if n_in >= limit:
-                        break
-            if not n_in and kwargs:
-                for k in _HIDDEN_KWARGS:
-                    a = kwargs.get(k)
-                    if isinstance(a, torch.Tensor):
-                        take(ci, mid, 0, 0, a)
-                        break
-            if isinstance(output, torch.Tensor):
-                take(ci, mid, 1, 0, output)
-            elif output is not None:
-                if isinstance(output, (tuple, list)):
-                    slot = 0
-                    for o in output:
-                        if isinstance(o, torch.Tensor):
-                            take(ci, mid, 1, slot, o)
-                            slot += 1
-                            if is_block or slot >= _MAX_OUTPUTS:
-                                break
-                else:
-                    o = _first_tensor(output)
-                    if o is not None:
-                        take(ci, mid, 1, 0, o)
-            self._check_budget()
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _check_budget(self) -> None:
-        """Past pending_budget: reduce what the hooks took so far (the C hooks call this too,
-        after a take they handed to Python)."""
-        if self._pending.nbytes > self._budget:
-            self._reduce_pending()
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:
