@@ -14,6 +14,12 @@ if ! command -v cc >/dev/null; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc
 fi
+# and Python's headers: the hooks' C extension (qforensics/hooks/fast_take.c) includes Python.h
+if ! ${PYTHON:-python3} -c 'import os, sysconfig, sys
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev
+fi
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 $PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" "$@"
