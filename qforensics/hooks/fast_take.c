@@ -379,7 +379,7 @@ static PyObject *Hook_vectorcall(Hook *h, PyObject *const *args, size_t nargsf,
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(targs) && n_in < limit && n_in < MAX_TAKES; i++) {
         PyObject *a = PyTuple_GET_ITEM(targs, i);
         if ((r = is_tensor(h, a)) < 0)
-            return NULL;
+            goto error;
         if (r)
             ins[n_in++] = a;
     }
@@ -387,7 +387,7 @@ static PyObject *Hook_vectorcall(Hook *h, PyObject *const *args, size_t nargsf,
         goto slow;
     if (out != Py_None) {
         if ((r = is_tensor(h, out)) < 0)
-            return NULL;
+            goto error;
         if (r) {
             outs[n_out++] = out;
         } else if (PyTuple_Check(out) || PyList_Check(out)) {
@@ -396,7 +396,7 @@ static PyObject *Hook_vectorcall(Hook *h, PyObject *const *args, size_t nargsf,
             PyObject **items = PySequence_Fast_ITEMS(out);
             for (Py_ssize_t i = 0; i < n && n_out < lim && n_out < MAX_TAKES; i++) {
                 if ((r = is_tensor(h, items[i])) < 0)
-                    return NULL;
+                    goto error;
                 if (r)
                     outs[n_out++] = items[i];
             }
@@ -406,30 +406,30 @@ static PyObject *Hook_vectorcall(Hook *h, PyObject *const *args, size_t nargsf,
     }
     PyObject *v = PyObject_GetAttr(h->session, s_degraded);
     if (!v)
-        return NULL;
+        goto error;
     int degraded = v != Py_None;
     Py_DECREF(v);
     if (degraded)
         Py_RETURN_NONE;
     if (!(v = PyObject_GetAttr(h->session, s_in_step)))
-        return NULL;
+        goto error;
     int in_step = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (in_step != 1)
         goto slow;
     if (!(v = PyObject_GetAttr(h->session, s_next_call)))
-        return NULL;
+        goto error;
     long long ci = PyLong_AsLongLong(v);
     Py_DECREF(v);
     if (ci == -1 && PyErr_Occurred())
-        return NULL;
+        goto error;
     if (!(v = PyLong_FromLongLong(ci + 1)))
-        return NULL;
+        goto error;
     r = PyObject_SetAttr(h->session, s_next_call, v);
     Py_DECREF(v);
     if (r < 0)
-        return NULL;
-    /* from here on, as in _on_call: an error degrades the capture, never the run */
+        goto error;
+    /* as in _on_call: an error (here or in a take) degrades the capture, never the run */
     c->hooked++;
     unsigned long long slow0 = c->slow;
     for (int i = 0; i < n_in; i++)

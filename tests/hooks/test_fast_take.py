@@ -242,3 +242,46 @@ def test_an_error_in_a_c_hook_degrades_capture_not_the_run(cursor_type, tmp_path
     assert len(outs) == 6 and all(torch.isfinite(o).all() for o in outs)
     assert "no shape today" in status.get("capture_error", ""), status
     assert status["c_hook_calls"] > 0  # step 4's `a` ran on the plan, in C
+
+
+class NoClass:
+    """An argument whose isinstance check raises (a broken proxy object)."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError("no class today")
+
+
+class Tagged(torch.nn.Module):
+    def forward(self, tag, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+class WithTag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = torch.nn.Linear(8, 8)
+        self.w = Tagged()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x)
+        return self.w(NoClass() if self.calls == 5 else h.new_zeros(1), h)
+
+
+def test_an_error_before_the_takes_degrades_capture_not_the_run(cursor_type, tmp_path):
+    import qforensics
+
+    m = WithTag()
+    outs = []
+    with torch.no_grad(), qforensics.capture(m, tmp_path / "t.h5", modules=["a", "w"]) as cap:
+        assert cap._c_hooks
+        for _ in range(6):
+            outs.append(m(torch.randn(2, 8)))
+        assert cap._pending._cursor.counts[2] > 0  # earlier steps' calls ran in C
+    assert len(outs) == 6
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        status = t.meta.get("status", {})
+    assert "no class today" in status.get("capture_error", ""), status
