@@ -63,11 +63,10 @@ class StepPlan:
         lay = planunpack.split_layout(self)
         if lay is not None:
             buf = lay.reduce(self.red)
-            if buf is not None:
-                for k, row in self.singles:
-                    per_dev.setdefault(row[4], []).append(outs[k])
-                    plan.append(row)
-                return plan, per_dev, (lay, buf)
+            for k, row in self.singles:
+                per_dev.setdefault(row[4], []).append(outs[k])
+                plan.append(row)
+            return plan, per_dev, (lay, buf)
         if self.one_cpu:  # one fresh vector, written in place: no concatenation after
             buf = torch.empty(self.out_len, dtype=torch.float32)
             off = 0

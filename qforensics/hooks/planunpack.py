@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+import torch
+
+from qforensics.hooks import fused, reduce
 from qforensics.hooks.assemble import UniqueStats
 
 
@@ -199,7 +202,8 @@ class SplitLayout:
         self.n_chan, self.n_tok = n_chan, n_tok
         self.calls = []  # (sums, cmin, cmax, tok) element offsets per buffer chunk
         self.template: np.ndarray | None = None  # the plan's records (hooks/assemble.py)
-        u, pos, n_el, rows_u, tok_off, tok_cnt, chan_u, chan_off = ([] for _ in range(8))
+        u, n_el, rows_u, tok_off, tok_cnt, chan_u, chan_off = ([] for _ in range(7))
+        pos: list[list[int]] = [[], [], [], []]  # where each tensor's S, Q, min, max are
         s = c = t = 0
         for idx, r, ch, k in rows_of:
             g = len(idx)
@@ -207,7 +211,8 @@ class SplitLayout:
                                (self.cmax0 + c if multi else None) if k else None,
                                self.tok0 + t))
             u += [int(j) for j in idx]
-            pos += range(s, s + g)
+            for i in range(4):  # the chunk's sums: [S(g) Q(g) min(g) max(g)]
+                pos[i] += range(s + i * g, s + (i + 1) * g)
             s += 4 * g
             n_el += [float(r * ch)] * g
             rows_u += [r] * g
@@ -220,28 +225,16 @@ class SplitLayout:
                 c += g * ch
         i64 = np.int64
         self.u, self.n_el = np.array(u, i64), np.array(n_el, np.float64)
-        self.pos = np.array(pos, i64)  # S at pos; Q, min, max at pos + g of its chunk ...
-        # ... so gather each from its chunk: sums of chunk at s..s+4g are [S(g) Q(g) mn(g) mx(g)]
-        q, mn, mx = [], [], []
-        s = 0
-        for idx, _, _, _ in rows_of:
-            g = len(idx)
-            q += range(s + g, s + 2 * g)
-            mn += range(s + 2 * g, s + 3 * g)
-            mx += range(s + 3 * g, s + 4 * g)
-            s += 4 * g
-        self.pos_q, self.pos_mn, self.pos_mx = (np.array(a, i64) for a in (q, mn, mx))
+        self.pos, self.pos_q, self.pos_mn, self.pos_mx = (np.array(a, i64) for a in pos)
         self.rows_u = np.array(rows_u, i64)
         self.tok_off, self.tok_cnt = np.array(tok_off, i64), np.array(tok_cnt, i64)
         self.chan_u, self.chan_off = np.array(chan_u, i64), np.array(chan_off, i64)
         self.chan_len = np.array([ch for idx, _, ch, k in rows_of if k
                                   for _ in idx], i64)
 
-    def reduce(self, red: list) -> np.ndarray | None:
-        """Run the kernel over every buffer chunk into a fresh vector; None when the kernel
-        declines one (nothing usable then: the caller takes the packed path)."""
-        from qforensics.hooks import fused
-
+    def reduce(self, red: list) -> np.ndarray:
+        """Every buffer chunk reduced into a fresh vector: by the kernel, or (a dtype it does
+        not take: fp16, integers) by reduce.fast_parts' eager ops, moved into the layout."""
         buf = np.empty(self.total, np.float32)
         base = buf.ctypes.data
         for (x, row), (s, lo, hi, t) in zip(red, self.calls):
@@ -249,7 +242,7 @@ class SplitLayout:
             if not fused.REDUCER.split(x, rows, chans, base + 4 * s,
                                        None if lo is None else base + 4 * lo,
                                        None if hi is None else base + 4 * hi, base + 4 * t):
-                _eager_into(x, rows, chans, buf, s, lo, hi, t)
+                _packed_into(x, rows, chans, buf, s, lo, hi, t)
         return buf
 
     def apply(self, st: UniqueStats, buf: np.ndarray) -> None:
@@ -289,32 +282,36 @@ class SplitLayout:
         st._chan_len += len(lo)
 
 
-def _eager_into(x: Any, rows: int, chans: int, buf: np.ndarray, s: int, lo: int | None,
-                hi: int | None, t: int) -> None:
-    """The kernel's split figures with torch ops (a dtype it does not take: fp16, integers),
-    NaN-propagating like it."""
-    import torch
-
-    with torch.no_grad():
-        g = int(x.shape[0])
-        xf = x.reshape(g, rows, chans).to(torch.float32)
-        tmax, tmin = xf.amax(2), xf.amin(2)  # per row
-        sums = torch.cat([xf.sum((1, 2)), (xf * xf).sum((1, 2)), tmin.amin(1), tmax.amax(1)])
-        buf[s:s + 4 * g] = sums.numpy()
-        buf[t:t + g * rows] = torch.maximum(tmax, -tmin).reshape(-1).numpy()
-        if lo is not None:
-            lo_v = xf.amin(1) if rows > 1 else xf[:, 0]
-            buf[lo:lo + g * chans] = lo_v.reshape(-1).numpy()
-            if hi is not None:
-                hi_v = xf.amax(1) if rows > 1 else xf[:, 0]
-                buf[hi:hi + g * chans] = hi_v.reshape(-1).numpy()
+def _packed_into(x: torch.Tensor, rows: int, chans: int, buf: np.ndarray, s: int,
+                 lo: int | None, hi: int | None, t: int) -> None:
+    """reduce.fast_parts' packed vector of g stacked tensors (its layout: fused.packed_len),
+    moved into the split layout at sums `s`, channel regions `lo`/`hi`, row maxima `t`."""
+    g, n = int(x.shape[0]), int(x.shape[0]) * chans
+    keep = lo is not None
+    p = torch.cat(reduce.fast_parts(x, rows, chans, keep)).numpy()
+    buf[s:s + 2 * g] = p[:2 * g]  # sums, sums of squares
+    if rows > 1 and keep:  # [S Q cmin(gC) cmax(gC) tok]: min and max from the ranges
+        lo_v, hi_v = p[2 * g:2 * g + n], p[2 * g + n:2 * g + 2 * n]
+        buf[s + 2 * g:s + 3 * g] = lo_v.reshape(g, chans).min(axis=1)
+        buf[s + 3 * g:s + 4 * g] = hi_v.reshape(g, chans).max(axis=1)
+        buf[t:t + g * rows] = p[2 * g + 2 * n:]
+    else:  # [S Q min max], then the values (one row) or the row maxima
+        buf[s + 2 * g:s + 4 * g] = p[2 * g:4 * g]
+        lo_v = hi_v = p[4 * g:4 * g + n]
+        if rows == 1:  # a single row's maximum is its absmax
+            with np.errstate(invalid="ignore"):
+                buf[t:t + g] = np.maximum(np.abs(p[2 * g:3 * g]), np.abs(p[3 * g:4 * g]))
+        else:
+            buf[t:t + g * rows] = p[4 * g:]
+    if keep:
+        buf[lo:lo + n] = lo_v
+        if hi is not None:
+            buf[hi:hi + n] = hi_v
 
 
 def split_layout(pl: Any) -> SplitLayout | None:
     """The plan's SplitLayout when its buffers can take it (one CPU device, the kernel
     loaded), else None; built once."""
-    from qforensics.hooks import fused
-
     if not pl.one_cpu or not pl.red:
         return None
     lay = pl.split

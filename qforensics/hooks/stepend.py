@@ -90,7 +90,7 @@ class StepEnd:
             st.set_described(described)
         else:
             st.describe_all(p.column(3))
-        split = p.split_out if p.plan is not None else None
+        split = p.split_out  # set by reduce_on_device on a plan
         up = (planunpack.unpacker(p.plan, plan, need, split is not None)
               if p.plan is not None else None)
         if up is not None:  # on a plan: the same layout as its first step, vectorized
