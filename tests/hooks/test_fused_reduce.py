@@ -47,13 +47,27 @@ def _built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> fused.FusedReduce
     return red
 
 
-SHAPES = [(12, 8, 576), (1, 8, 576), (4, 3, 1536), (30, 1, 576), (1, 1, 49152), (5, 40, 192)]
+# widths that are and are not multiples of the vector loop's 32 values, one past a 2048-value block
+SHAPES = [(12, 8, 576), (1, 8, 576), (4, 3, 1536), (30, 1, 576), (1, 1, 49152), (5, 40, 192),
+          (3, 5, 100), (2, 1, 37), (2, 7, 2100)]
 
 
+def _portable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build the library without AVX-512: the plain C loops instead of the intrinsics."""
+    flags = fused.FLAGS + ("-mno-avx512f",)
+    build, where = fused.build, fused.library_path
+    monkeypatch.setattr(fused, "build", lambda *a, **k: build(*a, **{**k, "flags": flags}))
+    monkeypatch.setattr(fused, "library_path",
+                        lambda *a, **k: where(*a, **{**k, "flags": flags}))
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_reduction_matches_numpy(dtype: torch.dtype, tmp_path: Path,
+def test_fused_reduction_matches_numpy(dtype: torch.dtype, variant: str, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))  # a fresh build, from source
+    if variant == "portable":
+        _portable(monkeypatch)
     red = fused.FusedReducer()
     gen = torch.Generator().manual_seed(0)
     cases = []
