@@ -138,6 +138,10 @@ def main() -> int:
         if proc.returncode != 0 or not out.exists():
             sys.exit(f"the vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         res = json.loads(out.read_text())
+        import qforensics
+
+        with qforensics.open_trace(Path(tmp) / "t.h5") as t:
+            status = t.meta.get("status", {})
     p, c = res["plain"], res["captured"]
     pairs = [x / y for x, y in zip(c, p)]
     same = sum(x == y for x, y in zip(res["plain_tokens"], res["cap_tokens"]))
@@ -149,6 +153,9 @@ def main() -> int:
           f"(pairs {min(pairs):.3f}-{max(pairs):.3f}); fastest to fastest {min(c) / min(p):.3f} "
           f"(target <= 1.10)")
     print(f"  calls whose tokens equal the plain call's of the same pair: {same} of {len(p)}")
+    print("  how the hooks ran (trace status): " + ", ".join(
+        f"{k} {status.get(k)}" for k in ("hooks", "takes", "c_takes", "python_takes",
+                                         "hook_reductions", "hook_copies", "reduction")))
     prof = res.get("profile")
     if prof and prof["steps"]:
         n = prof["steps"]

@@ -14,12 +14,21 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define SLOTS (1LL << 16) /* hooks/plan.py SLOTS */
+#define RCOLS 10          /* hooks/plan.py REDUCE_COLUMNS */
 
-enum { MODE_PY = 0, MODE_COPY = 1, MODE_SHARE = 2 };
+/* hooks/plan.py: Python's path, a copy, an earlier take's tensor, a reduction in the hook */
+enum { MODE_PY = 0, MODE_COPY = 1, MODE_SHARE = 2, MODE_REDUCE = 3 };
+/* a take's state in a step (the `state` bytes): copied or not taken, reduced, reduced+copied */
+enum { ST_NONE = 0, ST_REDUCED = 1, ST_COPIED = 2 };
+
+/* fused_reduce.c qf_take_*: one tensor's figures into the split vector */
+typedef int (*take_fn)(const void *x, int64_t R, int64_t C, float *S, float *Q, float *MN,
+                       float *MX, float *CMIN, float *CMAX, float *TOK);
 
 typedef struct {
     PyObject_HEAD
@@ -29,11 +38,17 @@ typedef struct {
     PyObject *shapes, *dtypes, *devices; /* tuples, one item per take */
     const int64_t *sig, *share, *dst, *size;
     const uint8_t *mode;
+    const int64_t *rtab;             /* MODE_REDUCE: RCOLS int64 per take (plan.reduce_spec) */
+    float *base;                     /* the step's split vector */
+    uint8_t *state;                  /* ST_* per take */
+    double copy_above;               /* a reduced take this large is copied too (outliers) */
+    long long call_ci, call_k0, hot_ci; /* the current call, its first take; a call copied */
     Py_ssize_t n, pos;
     long long first, n_mod;
     int active;
     unsigned long long fast, slow;   /* takes done here / handed to Python (status, tests) */
     unsigned long long hooked;       /* hook calls a Hook did whole */
+    unsigned long long reduced, copied; /* MODE_REDUCE takes; of them (or for them) copied */
 } Cursor;
 
 static PyObject *s_shape, *s_dtype, *s_device, *s_version, *s_is_contiguous, *s_data_ptr;
@@ -44,9 +59,13 @@ static void drop_step(Cursor *c) {
     Py_CLEAR(c->refs);
     Py_CLEAR(c->vers);
     c->shapes = c->dtypes = c->devices = NULL; /* borrowed from spec */
-    c->sig = c->share = c->dst = c->size = NULL;
+    c->sig = c->share = c->dst = c->size = c->rtab = NULL;
     c->mode = NULL;
+    c->base = NULL;
+    c->state = NULL;
     c->n = c->pos = 0;
+    c->call_ci = c->hot_ci = -1;
+    c->call_k0 = 0;
 }
 
 static int Cursor_traverse(Cursor *c, visitproc visit, void *arg) {
@@ -91,17 +110,46 @@ static const void *column(PyObject *b, Py_ssize_t n, Py_ssize_t width, const cha
     return PyBytes_AS_STRING(b);
 }
 
-/* begin(spec, refs, vers, first, n_mod): run a step on a plan. spec = (sig, share, dst, size,
- * mode, shapes, dtypes, devices), the first five bytes (int64, mode uint8), the last three
- * tuples of n items; refs and vers lists of n items (vers None: no version counters). */
+/* The reduction table's entries, checked once per step against the split vector's length:
+ * a kernel, rows and channels, and every place inside the vector. */
+static int check_rtab(const int64_t *rtab, const uint8_t *mode, const int64_t *size,
+                      Py_ssize_t n, long long len, int have_state) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (mode[k] != MODE_REDUCE)
+            continue;
+        const int64_t *r = rtab + k * RCOLS;
+        int64_t R = r[1], C = r[2];
+        int ok = have_state && r[0] != 0 && R > 0 && C > 0 && size[k] > 0
+                 && (size[k] == R * C * 2 || size[k] == R * C * 4);
+        for (int i = 3; ok && i < 7; i++) /* S, Q, min, max */
+            ok = r[i] >= 0 && r[i] < len;
+        for (int i = 7; ok && i < 9; i++) /* channel minima (or values), maxima: C each */
+            ok = r[i] == -1 || (r[i] >= 0 && r[i] + C <= len);
+        ok = ok && r[9] >= 0 && r[9] + R <= len; /* row maxima */
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "plan spec: reduction entry %zd out of range", k);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* begin(spec, refs, vers, first, n_mod[, base, length, state, copy_above]): run a step on a
+ * plan. spec = (sig, share, dst, size, mode, shapes, dtypes, devices[, reductions]), the first
+ * five bytes (int64, mode uint8), the next three tuples of n items, the ninth (with MODE_REDUCE
+ * takes) RCOLS int64 per take; refs and vers lists of n items (vers None: no version
+ * counters). base/length: the step's split vector (float32), state: n bytes, as addresses. */
 static PyObject *Cursor_begin(Cursor *c, PyObject *args) {
     PyObject *spec, *refs, *vers;
-    long long first, n_mod;
-    if (!PyArg_ParseTuple(args, "O!O!OLL:begin", &PyTuple_Type, &spec, &PyList_Type, &refs,
-                          &vers, &first, &n_mod))
+    long long first, n_mod, len = 0;
+    unsigned long long base = 0, state = 0;
+    double copy_above = INFINITY;
+    if (!PyArg_ParseTuple(args, "O!O!OLL|KLKd:begin", &PyTuple_Type, &spec, &PyList_Type,
+                          &refs, &vers, &first, &n_mod, &base, &len, &state, &copy_above))
         return NULL;
-    if (PyTuple_GET_SIZE(spec) != 8) {
-        PyErr_SetString(PyExc_ValueError, "plan spec: 8 items");
+    Py_ssize_t items = PyTuple_GET_SIZE(spec);
+    if (items != 8 && items != 9) {
+        PyErr_SetString(PyExc_ValueError, "plan spec: 8 or 9 items");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(refs);
@@ -121,6 +169,23 @@ static PyObject *Cursor_begin(Cursor *c, PyObject *args) {
             return NULL;
         }
     }
+    const int64_t *rtab = NULL;
+    if (items == 9) {
+        if (!(rtab = column(PyTuple_GET_ITEM(spec, 8), n, 8 * RCOLS, "reductions")))
+            return NULL;
+        if (!base || len <= 0) {
+            PyErr_SetString(PyExc_ValueError, "a plan with reductions needs its split vector");
+            return NULL;
+        }
+        if (check_rtab(rtab, col[4], col[3], n, len, state != 0) < 0)
+            return NULL;
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (((const uint8_t *)col[4])[k] == MODE_REDUCE) {
+                PyErr_SetString(PyExc_ValueError, "plan spec: a reduction without its table");
+                return NULL;
+            }
+    }
     drop_step(c);
     c->spec = Py_NewRef(spec);
     c->refs = Py_NewRef(refs);
@@ -130,6 +195,10 @@ static PyObject *Cursor_begin(Cursor *c, PyObject *args) {
     c->dst = col[2];
     c->size = col[3];
     c->mode = col[4];
+    c->rtab = rtab;
+    c->base = rtab ? (float *)(uintptr_t)base : NULL;
+    c->state = rtab ? (uint8_t *)(uintptr_t)state : NULL;
+    c->copy_above = copy_above;
     c->shapes = PyTuple_GET_ITEM(spec, 5);
     c->dtypes = PyTuple_GET_ITEM(spec, 6);
     c->devices = PyTuple_GET_ITEM(spec, 7);
@@ -156,6 +225,56 @@ static int attr_eq(PyObject *t, PyObject *name, PyObject *want, int identity) {
     return eq;
 }
 
+/* Take j's bytes into its buffer row after all (its hook reduced it without a copy): the
+ * call it belongs to turned out to matter. A share copies the take it shares. 0 or -1. */
+static int copy_row(Cursor *c, Py_ssize_t j) {
+    if (c->mode[j] == MODE_SHARE)
+        j = (Py_ssize_t)c->share[j];
+    if (j < 0 || j >= c->pos || c->mode[j] != MODE_REDUCE || c->state[j] != ST_REDUCED)
+        return 0;
+    PyObject *p = PyObject_CallMethodNoArgs(PyList_GET_ITEM(c->refs, j), s_data_ptr);
+    if (!p)
+        return -1;
+    void *src = PyLong_AsVoidPtr(p);
+    Py_DECREF(p);
+    if (!src && PyErr_Occurred())
+        return -1;
+    memcpy((void *)(intptr_t)c->dst[j], src, (size_t)c->size[j]);
+    c->state[j] = ST_COPIED;
+    c->copied++;
+    return 0;
+}
+
+/* MODE_REDUCE: take k's figures straight into the split vector. A tensor the end of the step
+ * may need whole (a NaN/Inf for the exact pass and the snapshot, a value at or past
+ * copy_above for the outlier snapshot) is copied as well, and with it every take of its call,
+ * before and after. 0 or -1. */
+static int reduce_take(Cursor *c, Py_ssize_t k, long long ci, const void *src) {
+    const int64_t *r = c->rtab + k * RCOLS;
+    float *p[7];
+    for (int i = 0; i < 7; i++)
+        p[i] = r[3 + i] >= 0 ? c->base + r[3 + i] : NULL;
+    ((take_fn)(intptr_t)r[0])(src, r[1], r[2], p[0], p[1], p[2], p[3], p[4], p[5], p[6]);
+    float S = *p[0], Q = *p[1], mn = *p[2], mx = *p[3];
+    int hot = !(isfinite(S) && isfinite(Q) && isfinite(mn) && isfinite(mx))
+              || fmaxf(fabsf(mn), fabsf(mx)) >= c->copy_above;
+    c->reduced++;
+    if (hot || ci == c->hot_ci) {
+        memcpy((void *)(intptr_t)c->dst[k], src, (size_t)c->size[k]);
+        c->state[k] = ST_COPIED;
+        c->copied++;
+    } else {
+        c->state[k] = ST_REDUCED;
+    }
+    if (hot && ci != c->hot_ci) {
+        c->hot_ci = ci;
+        for (Py_ssize_t j = c->call_k0; j < k; j++)
+            if (copy_row(c, j) < 0)
+                return -1;
+    }
+    return 0;
+}
+
 /* 1 taken here, 0 not (Python takes it), -1 error */
 static int fast(Cursor *c, long long ci, long long mid, long long io, long long slot,
                 PyObject *t) {
@@ -168,6 +287,10 @@ static int fast(Cursor *c, long long ci, long long mid, long long io, long long 
     int mode = c->mode[k];
     if (mode == MODE_PY)
         return 0;
+    if (ci != c->call_ci) { /* takes of one call are consecutive in a plan */
+        c->call_ci = ci;
+        c->call_k0 = k;
+    }
     int eq;
     if ((eq = attr_eq(t, s_shape, PyTuple_GET_ITEM(c->shapes, k), 0)) != 1
         || (eq = attr_eq(t, s_dtype, PyTuple_GET_ITEM(c->dtypes, k), 1)) != 1
@@ -176,7 +299,7 @@ static int fast(Cursor *c, long long ci, long long mid, long long io, long long 
     PyObject *ver = NULL;
     if (c->vers && !(ver = PyObject_GetAttr(t, s_version)))
         return -1;
-    if (mode == MODE_COPY) {
+    if (mode == MODE_COPY || mode == MODE_REDUCE) {
         PyObject *r = PyObject_CallMethodNoArgs(t, s_is_contiguous);
         if (!r)
             goto fail;
@@ -193,7 +316,11 @@ static int fast(Cursor *c, long long ci, long long mid, long long io, long long 
         Py_DECREF(p);
         if (!src && PyErr_Occurred())
             goto fail;
-        memcpy((void *)(intptr_t)c->dst[k], src, (size_t)c->size[k]);
+        if (mode == MODE_COPY) {
+            memcpy((void *)(intptr_t)c->dst[k], src, (size_t)c->size[k]);
+        } else if (reduce_take(c, k, ci, src) < 0) {
+            goto fail;
+        }
     } else { /* MODE_SHARE: the tensor of an earlier take, unchanged since */
         int64_t s = c->share[k];
         if (s < 0 || s >= k || PyList_GET_ITEM(c->refs, s) != t)
@@ -205,6 +332,8 @@ static int fast(Cursor *c, long long ci, long long mid, long long io, long long 
                 return same;
             }
         }
+        if (ci == c->hot_ci && copy_row(c, s) < 0)
+            goto fail;
     }
     if (ver)
         PyList_SetItem(c->vers, k, ver); /* steals ver */
@@ -280,7 +409,7 @@ static int set_pos(Cursor *c, PyObject *v, void *unused) {
 static PyObject *get_active(Cursor *c, void *unused) { return PyBool_FromLong(c->active); }
 
 static PyObject *get_counts(Cursor *c, void *unused) {
-    return Py_BuildValue("(KKK)", c->fast, c->slow, c->hooked);
+    return Py_BuildValue("(KKKKK)", c->fast, c->slow, c->hooked, c->reduced, c->copied);
 }
 
 static PyMethodDef Cursor_methods[] = {
@@ -296,7 +425,8 @@ static PyGetSetDef Cursor_getset[] = {
     {"pos", (getter)get_pos, (setter)set_pos, "index of the next take", NULL},
     {"active", (getter)get_active, NULL, "a step runs on a plan", NULL},
     {"counts", (getter)get_counts, NULL,
-     "(takes done in C, takes handed to Python, hook calls done in C)", NULL},
+     "(takes done in C, takes handed to Python, hook calls done in C, takes reduced in C, "
+     "takes copied as well)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

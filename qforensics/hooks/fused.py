@@ -50,6 +50,7 @@ _SYMBOLS = {torch.bfloat16: "qf_reduce_bf16", torch.float32: "qf_reduce_f32"}
 _LOGITS = {torch.bfloat16: "qf_logits_bf16", torch.float32: "qf_logits_f32"}
 _NONFINITE = {torch.bfloat16: "qf_nonfinite_bf16", torch.float32: "qf_nonfinite_f32"}
 _SPLIT = {torch.bfloat16: "qf_split_bf16", torch.float32: "qf_split_f32"}
+_TAKE = {torch.bfloat16: "qf_take_bf16", torch.float32: "qf_take_f32"}
 
 
 def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
@@ -123,6 +124,7 @@ class FusedReducer:
         self._logit_fns: dict[torch.dtype, Any] = {}
         self._nonfinite_fns: dict[torch.dtype, Any] = {}
         self._split_fns: dict[torch.dtype, Any] = {}
+        self._take_fns: dict[torch.dtype, Any] = {}
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -207,6 +209,23 @@ class FusedReducer:
         fn(x.data_ptr(), g, rows, chans, sums, cmin, cmax, tok)
         return True
 
+    def take_address(self, dtype: torch.dtype) -> int:
+        """The address of the one-tensor kernel (fused_reduce.c `qf_take_*`) for this dtype,
+        for hooks/fast_take.c to call where a hook takes the tensor; 0: none."""
+        fn = self._take_fns.get(dtype) if self._fns is not None else None
+        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
+    def take(self, x: torch.Tensor, rows: int, chans: int, ptrs: tuple) -> bool:
+        """One tensor reduced into a split layout at `ptrs` (S, Q, min, max, channel minima or
+        values, channel maxima, row maxima; None: not written), as a hook-time take does it.
+        False (nothing written): not for this tensor."""
+        fn = self._take_fns.get(x.dtype) if self._fns is not None else None
+        if (fn is None or x.device.type != "cpu" or not x.is_contiguous()
+                or x.numel() != rows * chans):
+            return False
+        fn(x.data_ptr(), rows, chans, *ptrs)
+        return True
+
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
         built yet, GPU, another dtype, strided, no rows)."""
@@ -237,6 +256,7 @@ class FusedReducer:
             self._logit_fns = bind(_LOGITS, ptr, i64, ptr)
             self._nonfinite_fns = bind(_NONFINITE, ptr, i64, i64, ptr)
             self._split_fns = bind(_SPLIT, ptr, i64, i64, i64, ptr, ptr, ptr, ptr)
+            self._take_fns = bind(_TAKE, ptr, i64, i64, *[ptr] * 7)
             self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

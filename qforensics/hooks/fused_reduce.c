@@ -208,6 +208,19 @@ DEFINE_REDUCE(qf_reduce_f32, core_f32, float)
 DEFINE_SPLIT(qf_split_bf16, core_bf16, uint16_t)
 DEFINE_SPLIT(qf_split_f32, core_f32, float)
 
+/* One tensor of R rows x C channels reduced where its hook takes it (hooks/fast_take.c calls
+ * this through its address): its figures written straight into a plan's split layout, at the
+ * places qf_split_* gives the tensor within its buffer chunk (the same numbers). */
+#define DEFINE_TAKE(NAME, CORE, T)                                                          \
+int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float *MX,        \
+         float *CMIN, float *CMAX, float *TOK) {                                            \
+    CORE(x, 1, R, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                        \
+    return 0;                                                                               \
+}
+
+DEFINE_TAKE(qf_take_bf16, core_bf16, uint16_t)
+DEFINE_TAKE(qf_take_f32, core_f32, float)
+
 /* exp(x) for x <= 0 in float, in a form the compiler vectorizes (no float->int conversion):
  * t = x log2(e) = k + f with k = round(t) (read from the low bits of t + 1.5 * 2^23) and f in
  * [-0.5, 0.5]; 2^f by its Taylor series to degree 7 (relative error below 1e-7 there), 2^k

@@ -21,9 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import fast_take, reduce
+from qforensics.hooks import fast_take, planunpack, reduce
 from qforensics.hooks.plan import SLOTS, StepPlan
 from qforensics.hooks.plan import build as build_plan
+from qforensics.hooks.plan import reduce_spec as plan_reduce_spec
+
+# a take's state in a step on a plan with reductions (hooks/fast_take.c ST_*): copied (or not
+# taken), reduced in its hook, reduced and copied
+ST_NONE, ST_REDUCED, ST_COPIED = 0, 1, 2
 
 # A tensor with at most this many elements is copied at hook time and reduced with others of
 # its shape at the end of the step; a larger one is reduced in the hook.
@@ -42,7 +47,8 @@ class PendingStep:
     __slots__ = ("recs", "units", "uniq", "groups", "singles", "nbytes", "keep", "chan_limit",
                  "track", "nograd", "clone_limit", "plans", "plan", "key", "first", "pos",
                  "refs", "vers", "outs", "missed", "n_mod", "plan_budget", "_misses", "take",
-                 "_cursor", "split_out")
+                 "_cursor", "split_out", "split_buf", "state", "copy_above", "carried",
+                 "dropped")
 
     def __init__(self, clone_limit: int = CLONE_LIMIT, plan_budget: int = 256 << 20) -> None:
         self.clone_limit = clone_limit
@@ -58,6 +64,9 @@ class PendingStep:
         self.first = 0
         self.plan: StepPlan | None = None
         self.missed = False
+        # a take reduced in its hook is also copied from this absmax on (the session sets it:
+        # the outlier snapshot needs the tensor); non-finite ones always are
+        self.copy_above = float("inf")
         # `take` is the hooks' entry: hooks/fast_take.c's Cursor.take once that is built (a
         # plan's takes in C, the rest handed to _take_slow), else _take_py
         self._cursor: Any = None
@@ -81,7 +90,18 @@ class PendingStep:
             if cur is None and pl.spec is not None:
                 cur = self.ensure_cursor()
             if cur is not None and pl.spec is not None:
-                cur.begin(pl.spec, self.refs, self.vers, first_call, pl.n_mod)
+                # on CPU with the kernel loaded, the takes reduce in their hooks, straight into
+                # the step's split vector (no copy, no second pass over cold memory)
+                lay = planunpack.split_layout(pl)
+                if lay is not None and pl.rspec is None:
+                    pl.rspec = plan_reduce_spec(pl, lay)
+                if lay is not None and pl.rspec:
+                    buf = self.split_buf = np.empty(lay.total, np.float32)
+                    state = self.state = np.zeros(pl.n, np.uint8)
+                    cur.begin(pl.rspec, self.refs, self.vers, first_call, pl.n_mod,
+                              buf.ctypes.data, lay.total, state.ctypes.data, self.copy_above)
+                else:
+                    cur.begin(pl.spec, self.refs, self.vers, first_call, pl.n_mod)
 
     def ensure_cursor(self) -> Any:
         """The C cursor (hooks/fast_take.c), made once the extension is built; else None (a
@@ -97,7 +117,8 @@ class PendingStep:
         """For the trace's status: whether plan takes ran in C, and how many did."""
         st = fast_take.TAKER.status()
         if self._cursor is not None:
-            st["c_takes"], st["python_takes"], st["c_hook_calls"] = self._cursor.counts
+            (st["c_takes"], st["python_takes"], st["c_hook_calls"], st["hook_reductions"],
+             st["hook_copies"]) = self._cursor.counts
         return st
 
     def _sync(self) -> None:
@@ -127,12 +148,19 @@ class PendingStep:
         self.uniq: dict[int, int] = {}  # id(original) -> unique index
         self.groups: dict[Any, list[int]] = {}  # (shape, dtype, device) -> uniques copied
         self.singles: list[tuple[int, int, int, bool, torch.Tensor]] = []  # reduced in the hook
+        # taken on a plan that the step then left, reduced in their hooks (hooks/fast_take.c):
+        # their figures as singles' are, and those of them never copied (their buffer rows
+        # stale: `seen` is None for them)
+        self.carried: list[tuple[int, int, int, bool, torch.Tensor]] = []
+        self.dropped: set[int] = set()
         self.nbytes = 0
         self.pos = 0
         self.refs: list[Any] | None = None  # plan mode: the tensor of each take
         self.vers: list[int] | None = None  # plan mode, with version counters: their versions
         self.outs: list[Any] | None = None  # plan mode: vectors of tensors reduced in hooks
         self.split_out: Any = None  # plan mode: (SplitLayout, its vector) of reduce_on_device
+        self.split_buf: np.ndarray | None = None  # plan mode: the split vector hooks reduce into
+        self.state: np.ndarray | None = None  # plan mode: per take ST_* (hooks/fast_take.c)
         if self._cursor is not None:
             self._cursor.end()
         if getattr(self, "plan", None) is not None:
@@ -244,8 +272,10 @@ class PendingStep:
         if self._cursor is not None:
             self._cursor.end()
         refs, vers, outs = self.refs or [], self.vers, self.outs
+        state, buf = self.state, self.split_buf
         self.plan = None
         self.refs = self.vers = self.outs = None
+        self.state = self.split_buf = None
         self.missed = True
         unit_of: dict[int, int] = {}
         for i in range(n):
@@ -260,10 +290,19 @@ class PendingStep:
                 key = pl.desc[int(pl.which[i])]
                 uver = ver if vers is not None else (-1 if io else 0)
                 red = pl.reduced[i]
+                st = int(state[i]) if state is not None else ST_NONE
                 self.units.append([t, uver, ci if vers is None else -2, key,
                                    t if red is not None else pl.views[i]])
                 if red is not None:
                     self.singles.append((j, *red, outs[i]))  # type: ignore[index]
+                elif st != ST_NONE:  # reduced in its hook: its figures, from the split vector
+                    lay = pl.split
+                    u = int(pl.which[i])
+                    _, _, _, _, lo, _, _, rows, chans = lay.places[u]
+                    self.carried.append((j, rows, chans, lo >= 0,
+                                         lay.packed_of(buf, u, lo >= 0)))
+                    if st == ST_REDUCED:  # never copied: its buffer row is not its tensor
+                        self.dropped.add(j)
                 else:
                     self.groups.setdefault(key, []).append(j)
                 self.nbytes += t.numel() * t.element_size()
@@ -341,11 +380,18 @@ class PendingStep:
             if k == 3:
                 return pl.desc
             if k == 4:
-                if not pl.singles:
-                    return pl.seen
-                refs = self.refs or []
-                return [refs[pl.first_pos[j]] if v is None else v for j, v in enumerate(pl.seen)]
+                seen = pl.seen
+                if pl.singles:
+                    refs = self.refs or []
+                    seen = [refs[pl.first_pos[j]] if v is None else v
+                            for j, v in enumerate(seen)]
+                if self.state is not None:  # reduced in the hook without a copy: not kept
+                    gone = self.state[pl.first_pos_arr] == ST_REDUCED
+                    seen = [None if g else v for v, g in zip(seen, gone.tolist())]
+                return seen
             raise IndexError(k)
+        if k == 4 and self.dropped:
+            return [None if j in self.dropped else u[4] for j, u in enumerate(self.units)]
         return [u[k] for u in self.units]
 
     def described(self) -> tuple[np.ndarray, ...] | None:
@@ -357,11 +403,14 @@ class PendingStep:
         (plan, per-device packed vectors), plan rows (unique ids, rows, chans, keep, device,
         size) in the order of the packed vectors."""
         if self.plan is not None:
-            plan, per_dev, self.split_out = self.plan.reduce(self.outs or [])
+            pl = self.plan
+            done = (self.state[pl.first_pos_arr] != ST_NONE if self.state is not None
+                    else None)
+            plan, per_dev, self.split_out = pl.reduce(self.outs or [], self.split_buf, done)
             return plan, per_dev
         plan: list = []
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for j, rows, chans, keep, packed in self.singles:
+        for j, rows, chans, keep, packed in self.singles + self.carried:
             per_dev.setdefault(packed.device, []).append(packed)
             plan.append((np.array([j], np.int64), rows, chans, keep, packed.device,
                          packed.numel()))

@@ -50,19 +50,22 @@ class StepPlan:
     __slots__ = ("n", "n_mod", "sig", "shapes", "dtypes", "devices", "share", "views", "meta",
                  "meta_rel", "which", "first_pos", "desc", "seen", "red", "described",
                  "nbytes", "reduced", "singles", "dst", "size", "spec", "unpackers", "one_cpu",
-                 "out_len", "split")
+                 "out_len", "split", "rspec", "first_pos_arr")
 
-    def reduce(self, outs: list) -> tuple[list, dict[torch.device, list[torch.Tensor]], Any]:
+    def reduce(self, outs: list, buf: np.ndarray | None = None, done: np.ndarray | None = None
+               ) -> tuple[list, dict[torch.device, list[torch.Tensor]], Any]:
         """The vectors of the tensors reduced in their hooks (`outs`, by take), then
         reduce.fast_parts over each buffer chunk: (plan rows, per-device vectors, to be
         concatenated in this order), in the layout of PendingStep.reduce_on_device; third,
         (SplitLayout, its vector) when the buffers went through hooks/planunpack.py's split
-        layout instead (the rows and vectors are then the hook-reduced tensors' only)."""
+        layout instead (the rows and vectors are then the hook-reduced tensors' only). `buf`,
+        `done`: the split vector the takes reduced into, and which unique tensors they did
+        (PendingStep.start, hooks/fast_take.c)."""
         per_dev: dict[torch.device, list[torch.Tensor]] = {}
         plan = []
         lay = planunpack.split_layout(self)
         if lay is not None:
-            buf = lay.reduce(self.red)
+            buf = lay.reduce(self.red, buf, done)
             for k, row in self.singles:
                 per_dev.setdefault(row[4], []).append(outs[k])
                 plan.append(row)
@@ -184,11 +187,16 @@ def build(recs: list, units: list, singles: list, *, first_call: int, n_mod: int
     pl.one_cpu = bool(rows_all) and all(row[4].type == "cpu" for row in rows_all)
     pl.out_len = sum(int(row[-1]) for row in rows_all)
     pl.split = None  # hooks/planunpack.SplitLayout, once the kernel can take the buffers
+    pl.rspec = None  # the spec whose takes reduce in their hooks (reduce_spec), once built
+    pl.first_pos_arr = np.array(first_pos, np.int64)
     return pl
 
 
-# a take's mode in hooks/fast_take.c: Python's path, a copy of the bytes, an earlier take's tensor
-MODE_PY, MODE_COPY, MODE_SHARE = 0, 1, 2
+# a take's mode in hooks/fast_take.c: Python's path, a copy of the bytes, an earlier take's
+# tensor, a reduction into the step's split vector (copied as well when it matters)
+MODE_PY, MODE_COPY, MODE_SHARE, MODE_REDUCE = 0, 1, 2, 3
+# columns per take of reduce_spec's table
+REDUCE_COLUMNS = 10
 
 
 def c_spec(pl: StepPlan) -> tuple | None:
@@ -202,3 +210,26 @@ def c_spec(pl: StepPlan) -> tuple | None:
     except OverflowError:
         return None
     return (*cols, mode, tuple(pl.shapes), tuple(pl.dtypes), tuple(pl.devices))
+
+
+def reduce_spec(pl: StepPlan, lay: Any) -> tuple | bool:
+    """c_spec with the copies of the kernel's dtypes turned into reductions where the hook
+    takes the tensor (fast_take.c MODE_REDUCE): a ninth item, per take the kernel's address,
+    then element offsets of its figures in the split vector (planunpack.SplitLayout.places),
+    rows and channels; False when no take qualifies (the plan then copies, as c_spec says)."""
+    if pl.spec is None:
+        return False
+    mode = bytearray(pl.spec[4])
+    table = np.zeros((pl.n, REDUCE_COLUMNS), np.int64)
+    for k, j in enumerate(pl.which.tolist()):
+        if mode[k] != MODE_COPY or j not in lay.places:
+            continue
+        fn = fused.REDUCER.take_address(pl.dtypes[k])
+        if not fn:
+            continue
+        s, q, mn, mx, lo, hi, t, rows, chans = lay.places[j]
+        table[k] = (fn, rows, chans, s, q, mn, mx, lo, hi, t)
+        mode[k] = MODE_REDUCE
+    if MODE_REDUCE not in mode:
+        return False
+    return (*pl.spec[:4], bytes(mode), *pl.spec[5:], table.tobytes())

@@ -231,19 +231,64 @@ class SplitLayout:
         self.chan_u, self.chan_off = np.array(chan_u, i64), np.array(chan_off, i64)
         self.chan_len = np.array([ch for idx, _, ch, k in rows_of if k
                                   for _ in idx], i64)
+        # where each unique tensor's figures go, for a take that reduces it in its hook
+        # (hooks/fast_take.c, `reduce` below): element offsets of S, Q, min, max, channel
+        # minima (or values), channel maxima, row maxima (-1: not written); rows; channels
+        self.dtypes = [x.dtype for x, _ in red]
+        self.places: dict[int, tuple[int, ...]] = {}
+        for (idx, r, ch, _), (s0, lo, hi, t0) in zip(rows_of, self.calls):
+            g = len(idx)
+            for i, j in enumerate(idx.tolist()):
+                self.places[int(j)] = (s0 + i, s0 + g + i, s0 + 2 * g + i, s0 + 3 * g + i,
+                                       -1 if lo is None else lo + i * ch,
+                                       -1 if hi is None else hi + i * ch, t0 + i * r, r, ch)
 
-    def reduce(self, red: list) -> np.ndarray:
-        """Every buffer chunk reduced into a fresh vector: by the kernel, or (a dtype it does
-        not take: fp16, integers) by reduce.fast_parts' eager ops, moved into the layout."""
-        buf = np.empty(self.total, np.float32)
+    def reduce(self, red: list, buf: np.ndarray | None = None,
+               done: np.ndarray | None = None) -> np.ndarray:
+        """Every buffer chunk reduced into a fresh vector (or `buf`, which the hooks wrote
+        into): by the kernel, or (a dtype it does not take: fp16, integers) by
+        reduce.fast_parts' eager ops, moved into the layout. `done`: per unique tensor, True
+        where its hook already reduced it into `buf` (its buffer row was not written)."""
+        if buf is None:
+            buf = np.empty(self.total, np.float32)
+        elif done is not None and done[self.u].all():  # a decode step: the hooks did it all
+            return buf
         base = buf.ctypes.data
         for (x, row), (s, lo, hi, t) in zip(red, self.calls):
             rows, chans = int(row[1]), int(row[2])
+            if done is not None:
+                d = done[row[0]]
+                if d.all():
+                    continue
+                if d.any():  # some rows were copied instead (a strided tensor): those alone
+                    for i in np.nonzero(~d)[0].tolist():
+                        self._reduce_one(x[i], int(row[0][i]), buf)
+                    continue
             if not fused.REDUCER.split(x, rows, chans, base + 4 * s,
                                        None if lo is None else base + 4 * lo,
                                        None if hi is None else base + 4 * hi, base + 4 * t):
                 _packed_into(x, rows, chans, buf, s, lo, hi, t)
         return buf
+
+    def _reduce_one(self, x: torch.Tensor, j: int, buf: np.ndarray) -> None:
+        """One buffer row into its place, as its hook would have reduced it."""
+        *offs, rows, chans = self.places[j]
+        base = buf.ctypes.data
+        ptrs = tuple(None if o < 0 else base + 4 * o for o in offs)
+        if not fused.REDUCER.take(x, rows, chans, ptrs):
+            raise RuntimeError("split layout: a buffer row the kernel cannot take")
+
+    def packed_of(self, buf: np.ndarray, j: int, keep: bool) -> torch.Tensor:
+        """Unique tensor j's figures in `buf` as reduce.fast_one's vector (the layout of
+        fused.packed_len for one tensor), for a step that leaves its plan."""
+        s, q, mn, mx, lo, hi, t, rows, chans = self.places[j]
+        head = buf[[s, q]]
+        if rows > 1:
+            mid = [buf[lo:lo + chans], buf[hi:hi + chans]] if keep else [buf[[mn, mx]]]
+            parts = [head, *mid, buf[t:t + rows]]
+        else:
+            parts = [head, buf[[mn, mx]]] + ([buf[lo:lo + chans]] if keep else [])
+        return torch.from_numpy(np.concatenate(parts).astype(np.float32, copy=False))
 
     def apply(self, st: UniqueStats, buf: np.ndarray) -> None:
         """Add the buffers' tensors to `st` (after whatever it holds: offsets follow it)."""

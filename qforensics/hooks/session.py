@@ -241,6 +241,9 @@ class Capture(CallHooks, StepEnd):
         p.nograd = not torch.is_grad_enabled()
         p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
         p.chan_limit = self.options["channel_limit"]
+        snaps = self._snaps
+        p.copy_above = (self.options["outlier_threshold"] if snaps is not None
+                        and "first_outlier" not in snaps.snapped else float("inf"))
         # a step like an earlier one of the same key runs on that step's plan (hooks/plan.py)
         p.start((None if self._step_ids is None else tuple(self._step_ids.shape), p.keep,
                  p.track), self._next_call)

@@ -129,7 +129,7 @@ class Snapshots:
             items: list[tuple[str, torch.Tensor]] = []
             out = None
             for (c, m, io, slot), t in zip(meta, tensors):
-                if c == ci:
+                if c == ci and t is not None:  # None: reduced in its hook, not kept
                     items.append((f"{'input' if io == 0 else 'output'}.{slot}", t))
                     if io == 1 and slot == 0:
                         out = t
