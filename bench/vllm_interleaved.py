@@ -9,7 +9,8 @@ ratio moves by as much as the overhead it measures. Here one program runs under
 `qforensics record` with vLLM's engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, a
 fixed schedule) and times `generate` calls alternately with capture's hooks detached and attached
 (order ABBA, so that a drift weighs on both sides alike). Detaching empties the hook tables of
-the model's modules for the plain call and puts them back after it: that is a measuring device
+the model's modules and takes the hooked forwards off them (hooks/fast_take.py wrap_forward) for
+the plain call, and puts them back after it: that is a measuring device
 of this script, not something qforensics offers. Steps run while detached are not recorded.
 
 Prints the median of the per-pair ratios (captured / plain, the figure to quote), the ratio of
@@ -59,16 +60,20 @@ def _child(a: argparse.Namespace) -> int:
     saved: dict[int, list] = {}
 
     def detach() -> None:
-        for m in mods:
-            saved[id(m)] = [getattr(m, n) for n in _HOOK_TABLES]
+        for m in mods:  # the hook tables, and the hooks folded into forwards (wrap_forward)
+            saved[id(m)] = [getattr(m, n) for n in _HOOK_TABLES] + [m.__dict__.pop("forward",
+                                                                                  None)]
             for n in _HOOK_TABLES:
                 setattr(m, n, collections.OrderedDict())
         adapter._captures.pop(key)
 
     def attach() -> None:
         for m in mods:
-            for n, v in zip(_HOOK_TABLES, saved[id(m)]):
+            *tables, fwd = saved[id(m)]
+            for n, v in zip(_HOOK_TABLES, tables):
                 setattr(m, n, v)
+            if fwd is not None:
+                m.__dict__["forward"] = fwd
         adapter._captures[key] = cap
 
     prompts = (PROMPTS * (a.prompts // len(PROMPTS) + 1))[: a.prompts]
@@ -154,7 +159,7 @@ def main() -> int:
           f"(target <= 1.10)")
     print(f"  calls whose tokens equal the plain call's of the same pair: {same} of {len(p)}")
     print("  how the hooks ran (trace status): " + ", ".join(
-        f"{k} {status.get(k)}" for k in ("hooks", "takes", "c_takes", "python_takes",
+        f"{k} {status.get(k)}" for k in ("hooks", "hook_path", "takes", "c_takes", "python_takes",
                                          "hook_reductions", "hook_copies", "reduction")))
     prof = res.get("profile")
     if prof and prof["steps"]:

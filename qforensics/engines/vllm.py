@@ -209,6 +209,16 @@ def parallel_rank(runner: Any) -> dict[str, int]:
     return out
 
 
+def compile_off(runner: Any) -> bool:
+    """True when the runner does not compile the model (torch.compile mode NONE); False when it
+    does or when that cannot be read."""
+    try:
+        mode = _enum_name(getattr(runner.vllm_config.compilation_config, "mode", None))
+    except Exception:
+        return False
+    return mode.upper() in ("NONE", "0")
+
+
 def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
     """What the trace metadata says about the engine: versions, ranks, compile/graph state and
     what capture cannot see, quantization, fused names -> HF names."""

@@ -41,6 +41,8 @@ class VllmCapture(Capture):
     def __init__(self, model: nn.Module, path: Any, *, runner: Any, **options: Any) -> None:
         super().__init__(model, path, **options)
         self._runner = weakref.ref(runner)
+        # the hooks folded into the layers' forwards only where nothing compiles them
+        self._wrap_forward = self._wrap_forward and adapter.compile_off(runner)
         self._req_index: dict[str, int] = {}
         self._step_reqs: list[int] = []  # request index per logits row of the open step
         self._logits_step = -1

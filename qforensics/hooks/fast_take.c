@@ -647,12 +647,142 @@ static PyTypeObject HookType = {
     .tp_members = Hook_members,
 };
 
+
+/* ---- Forward: a module's forward with the session's hook folded in ----
+ * Forward(forward, module, hook), set as the module's `forward` instance attribute instead of a
+ * registered forward hook: torch's module call then takes its path without hooks (~2.5 us a
+ * call less here), and this calls forward(*args, **kwargs), then hook(module, args, kwargs,
+ * output) (a Hook: a C call), and returns the output (or what the hook returned, if not None,
+ * as torch does). When forward raises, the hook runs with output None (torch's always_call),
+ * its own error is dropped, and forward's exception propagates. `off` = True: forward only
+ * (set when the capture detaches while someone else still holds this wrapper). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *forward, *module, *hook;
+    int off;
+    vectorcallfunc vectorcall;
+} Forward;
+
+static int Forward_traverse(Forward *f, visitproc visit, void *arg) {
+    Py_VISIT(f->forward);
+    Py_VISIT(f->module);
+    Py_VISIT(f->hook);
+    return 0;
+}
+
+static int Forward_clear(Forward *f) {
+    Py_CLEAR(f->forward);
+    Py_CLEAR(f->module);
+    Py_CLEAR(f->hook);
+    return 0;
+}
+
+static void Forward_dealloc(Forward *f) {
+    PyObject_GC_UnTrack(f);
+    Forward_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *Forward_vectorcall(Forward *f, PyObject *const *args, size_t nargsf,
+                                    PyObject *kwnames) {
+    if (!f->forward) {
+        PyErr_SetString(PyExc_RuntimeError, "Forward: not initialised");
+        return NULL;
+    }
+    PyObject *out = PyObject_Vectorcall(f->forward, args, nargsf, kwnames);
+    if (f->off || !f->hook)
+        return out;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *targs = PyTuple_New(nargs), *kw = PyDict_New(), *res = NULL;
+    if (!targs || !kw)
+        goto fail;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        PyTuple_SET_ITEM(targs, i, Py_NewRef(args[i]));
+    if (kwnames)
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kw, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+                goto fail;
+    PyObject *hargs[4] = {f->module, targs, kw, out ? out : Py_None};
+    if (!out) { /* forward raised: the hook still runs (call bookkeeping), then the error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        res = PyObject_Vectorcall(f->hook, hargs, 4, NULL);
+        Py_XDECREF(res);
+        if (!res)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        Py_DECREF(targs);
+        Py_DECREF(kw);
+        return NULL;
+    }
+    res = PyObject_Vectorcall(f->hook, hargs, 4, NULL);
+    Py_DECREF(targs);
+    Py_DECREF(kw);
+    if (!res) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (res != Py_None) { /* a hook's result replaces the output, as in torch */
+        Py_DECREF(out);
+        return res;
+    }
+    Py_DECREF(res);
+    return out;
+fail:
+    Py_XDECREF(targs);
+    Py_XDECREF(kw);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static int Forward_init(Forward *f, PyObject *args, PyObject *kw) {
+    PyObject *forward, *module, *hook;
+    (void)kw;
+    if (!PyArg_ParseTuple(args, "OOO:Forward", &forward, &module, &hook))
+        return -1;
+    if (!PyCallable_Check(forward) || !PyCallable_Check(hook)) {
+        PyErr_SetString(PyExc_TypeError, "Forward: forward and hook must be callable");
+        return -1;
+    }
+    Forward_clear(f);
+    f->forward = Py_NewRef(forward);
+    f->module = Py_NewRef(module);
+    f->hook = Py_NewRef(hook);
+    f->off = 0;
+    f->vectorcall = (vectorcallfunc)Forward_vectorcall;
+    return 0;
+}
+
+static PyMemberDef Forward_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Forward, vectorcall), READONLY, NULL},
+    {"off", T_BOOL, offsetof(Forward, off), 0, "forward only: the hook is not called"},
+    {"__wrapped__", T_OBJECT, offsetof(Forward, forward), READONLY, "the wrapped forward"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ForwardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "qf_fast_take.Forward",
+    .tp_basicsize = sizeof(Forward),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A module's forward with a capture session's hook folded in.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Forward_init,
+    .tp_dealloc = (destructor)Forward_dealloc,
+    .tp_traverse = (traverseproc)Forward_traverse,
+    .tp_clear = (inquiry)Forward_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Forward, vectorcall),
+    .tp_members = Forward_members,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "qf_fast_take", "A step plan's takes in C.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit_qf_fast_take(void) {
-    if (PyType_Ready(&CursorType) < 0 || PyType_Ready(&HookType) < 0)
+    if (PyType_Ready(&CursorType) < 0 || PyType_Ready(&HookType) < 0
+        || PyType_Ready(&ForwardType) < 0)
         return NULL;
 #define INTERN(var, s) if (!(var = PyUnicode_InternFromString(s))) return NULL;
     INTERN(s_shape, "shape")
@@ -671,7 +801,8 @@ PyMODINIT_FUNC PyInit_qf_fast_take(void) {
     if (!m)
         return NULL;
     if (PyModule_AddObjectRef(m, "Cursor", (PyObject *)&CursorType) < 0
-        || PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0) {
+        || PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0
+        || PyModule_AddObjectRef(m, "Forward", (PyObject *)&ForwardType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -54,6 +54,7 @@ class FastTake:
         self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
         self._cursor: type | None = None
         self.hook_type: type | None = None  # the extension's Hook, once loaded
+        self.forward_type: type | None = None  # its Forward (a module's forward + the hook)
         self._thread: threading.Thread | None = None
         self._tried_cache = False
 
@@ -64,6 +65,7 @@ class FastTake:
             path = fused.build(source=SOURCE, flags=_flags(), libs=())
             mod = _load_module(path)
             self.hook_type = mod.Hook
+            self.forward_type = mod.Forward
             self._cursor = mod.Cursor  # set last: ready
         except Exception as exc:  # no compiler or headers, a failed build: Python takes
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -100,3 +102,30 @@ class FastTake:
 
 
 TAKER = FastTake(enabled=os.environ.get("QFORENSICS_REDUCE", "auto").lower() != "eager")
+
+
+class ForwardHandle:
+    """What `wrap_forward` did to a module, undone by `remove()` (like a hook's handle): the
+    module's own forward back, and the wrapper off in case anything still holds it."""
+
+    def __init__(self, module: Any, wrapper: Any) -> None:
+        self.module, self.wrapper = module, wrapper
+
+    def remove(self) -> None:
+        self.wrapper.off = True
+        d = self.module.__dict__
+        if d.get("forward") is self.wrapper:
+            del d["forward"]
+
+
+def wrap_forward(module: Any, hook: Any) -> ForwardHandle | None:
+    """Fold `hook` (called as a forward hook with kwargs and always_call) into the module's
+    forward with the extension's Forward; None (register a torch hook instead) when it is not
+    built or the module's forward is already an instance attribute (another tool's wrapper,
+    such as accelerate's)."""
+    typ = TAKER.forward_type
+    if typ is None or "forward" in module.__dict__:
+        return None
+    wrapper = typ(module.forward, module, hook)
+    module.__dict__["forward"] = wrapper  # not nn.Module.__setattr__: a plain attribute
+    return ForwardHandle(module, wrapper)

@@ -111,6 +111,11 @@ class Capture(CallHooks, StepEnd):
         self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
         self._handles: list[Any] = []
+        # the C hooks folded into the modules' forwards (hooks/fast_take.py wrap_forward) rather
+        # than registered as torch hooks; an engine adapter turns it off where torch.compile or
+        # graphs would trace the modules
+        self._wrap_forward = os.environ.get("QFORENSICS_HOOK_PATH", "auto") != "torch"
+        self._hook_path = "torch"
         self._writer: TraceWriter | None = None
         self._attached = False
         self._degraded: str | None = None
@@ -204,6 +209,7 @@ class Capture(CallHooks, StepEnd):
             cursor = self._pending.ensure_cursor()
             c_hook = fast_take.TAKER.hook_type if cursor is not None else None
             self._c_hooks = c_hook is not None
+            wrapped = 0
             for mid, (name, mod, kind) in enumerate(chosen):
                 if kind == "root":
                     continue
@@ -211,8 +217,15 @@ class Capture(CallHooks, StepEnd):
                 if c_hook is not None:
                     hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
                                   MAX_INPUTS, MAX_OUTPUTS)
+                    # folded into the module's forward: torch's call path without hooks
+                    handle = fast_take.wrap_forward(mod, hook) if self._wrap_forward else None
+                    if handle is not None:
+                        self._handles.append(handle)
+                        wrapped += 1
+                        continue
                 self._handles.append(mod.register_forward_hook(
                     hook, with_kwargs=True, always_call=True))
+            self._hook_path = "forward" if wrapped else "torch"
             self._handles.append(self.model.register_forward_pre_hook(
                 self._on_root_pre, with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(
@@ -317,6 +330,7 @@ class Capture(CallHooks, StepEnd):
                     st["capture_error"] = self._degraded
                 st.update(fused.REDUCER.status())  # how the step reductions ran
                 st.update(self._pending.take_status())  # how the hooks' takes ran
+                st["hook_path"] = self._hook_path
                 st["hooks"] = "c" if self._c_hooks else "python"
                 if self._writer is not None:
                     self._writer.close(st)
