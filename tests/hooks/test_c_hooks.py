@@ -13,14 +13,6 @@ import torch
 from qforensics.hooks import fast_take
 
 
-@pytest.fixture(scope="module")
-def cursor_type():
-    fast_take.TAKER.wait()
-    typ = fast_take.TAKER.cursor_type()
-    assert typ is not None, fast_take.TAKER.off  # gcc and Python.h are part of the set-up
-    return typ
-
-
 class TupleOut(torch.nn.Module):
     """Like vLLM's linears: returns (output, bias)."""
 

@@ -16,14 +16,6 @@ from qforensics.hooks.assemble import UniqueStats
 from qforensics.hooks.pending import PendingStep
 
 
-@pytest.fixture(scope="module")
-def cursor_type():
-    fast_take.TAKER.wait()
-    typ = fast_take.TAKER.cursor_type()
-    assert typ is not None, fast_take.TAKER.off  # gcc and Python.h are part of the set-up
-    return typ
-
-
 def _steps():
     """Per step: takes (ci, mid, io, slot, tensor or callable run at that point). Two linears
     a and b read one input x; b's output feeds c."""
