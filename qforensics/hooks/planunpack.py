@@ -264,9 +264,10 @@ class SplitLayout:
                     for i in np.nonzero(~d)[0].tolist():
                         self._reduce_one(x[i], int(row[0][i]), buf)
                     continue
-            if not fused.REDUCER.split(x, rows, chans, base + 4 * s,
-                                       None if lo is None else base + 4 * lo,
-                                       None if hi is None else base + 4 * hi, base + 4 * t):
+            xk = _for_kernel(x)
+            if xk is None or not fused.REDUCER.split(
+                    xk, rows, chans, base + 4 * s, None if lo is None else base + 4 * lo,
+                    None if hi is None else base + 4 * hi, base + 4 * t):
                 _packed_into(x, rows, chans, buf, s, lo, hi, t)
         return buf
 
@@ -325,6 +326,17 @@ class SplitLayout:
         st._cmin.append(lo)
         st._cmax.append(hi)
         st._chan_len += len(lo)
+
+
+def _for_kernel(x: torch.Tensor) -> torch.Tensor | None:
+    """A buffer chunk as the kernel takes it: as it is (bf16, fp32), or in float32 (fp16 and
+    integers: vLLM's decoder layers read their int64 positions first; the eager ops convert
+    them the same way), or None (float64, complex: reduce.fast_parts keeps their precision)."""
+    if fused.REDUCER.split_ready(x.dtype):
+        return x
+    if x.dtype in (torch.float64,) or x.dtype.is_complex or x.device.type != "cpu":
+        return None
+    return x.to(torch.float32) if fused.REDUCER.split_ready(torch.float32) else None
 
 
 def _packed_into(x: torch.Tensor, rows: int, chans: int, buf: np.ndarray, s: int,

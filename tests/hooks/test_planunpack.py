@@ -133,11 +133,13 @@ def test_records_are_the_same_on_every_path(tmp_path, monkeypatch):
     assert kept
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
 def test_split_layout_equals_the_packed_one(dtype):
     """The kernel's split layout and SplitLayout.apply against fast_parts' packed vectors and
-    UniqueStats.unpack, on tensors with NaN and Inf, every kind of buffer; fp16 (no kernel)
-    through the torch ops, and an int64 buffer beside the others."""
+    UniqueStats.unpack, on tensors with NaN and Inf, every kind of buffer; fp16 and an int64
+    buffer beside the others (no kernel of their own: the split layout converts them to
+    float32 for the kernel, so the packed side is taken on their float32 conversion); float64
+    through the torch ops, in float64."""
     fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
     fused.REDUCER.wait()
     cpu = torch.device("cpu")
@@ -164,7 +166,10 @@ def test_split_layout_equals_the_packed_one(dtype):
         assert buf is not None
         a = UniqueStats(15, need)
         lay.apply(a, buf)
-        host = torch.cat([torch.cat(reduce.fast_parts(x, r[1], r[2], r[3])) for x, r in red])
+        host = torch.cat([torch.cat(reduce.fast_parts(
+            x if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else x.float(), r[1],
+            r[2], r[3]))
+            for x, r in red])
         b = UniqueStats(15, need)
         b.unpack([r for _, r in red], {cpu: host.numpy()}, {cpu: 0})
         for name in ("sc", "rows", "computed", "tok_off", "tok_cnt", "chan_off"):
