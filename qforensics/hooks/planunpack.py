@@ -225,6 +225,9 @@ class SplitLayout:
                 c += g * ch
         i64 = np.int64
         self.u, self.n_el = np.array(u, i64), np.array(n_el, np.float64)
+        # where each chunk's tensors start in `u` (chunks are never empty)
+        self.chunk_starts = np.cumsum([0] + [len(idx) for idx, _, _, _ in rows_of[:-1]],
+                                      dtype=i64)
         self.pos, self.pos_q, self.pos_mn, self.pos_mx = (np.array(a, i64) for a in pos)
         self.rows_u = np.array(rows_u, i64)
         self.tok_off, self.tok_cnt = np.array(tok_off, i64), np.array(tok_cnt, i64)
@@ -251,15 +254,18 @@ class SplitLayout:
         where its hook already reduced it into `buf` (its buffer row was not written)."""
         if buf is None:
             buf = np.empty(self.total, np.float32)
-        elif done is not None and done[self.u].all():  # a decode step: the hooks did it all
-            return buf
         base = buf.ctypes.data
-        for (x, row), (s, lo, hi, t) in zip(red, self.calls):
+        todo = range(len(red))
+        if done is not None:  # per chunk: did the hooks reduce all of its tensors?
+            du = done[self.u]
+            if du.all():  # a decode step: the hooks did it all
+                return buf
+            todo = np.nonzero(~np.logical_and.reduceat(du, self.chunk_starts))[0].tolist()
+        for c in todo:
+            (x, row), (s, lo, hi, t) = red[c], self.calls[c]
             rows, chans = int(row[1]), int(row[2])
             if done is not None:
                 d = done[row[0]]
-                if d.all():
-                    continue
                 if d.any():  # some rows were copied instead (a strided tensor): those alone
                     for i in np.nonzero(~d)[0].tolist():
                         self._reduce_one(x[i], int(row[0][i]), buf)
