@@ -54,7 +54,7 @@ def main() -> int:
             captured = timed()
         finally:
             cap.close()
-    steps = calls.get("Capture._on_root_pre", 0)
+    steps = calls.get("CallHooks._on_root_pre", 0)
     print(f"SmolLM2-135M, {a.tokens} greedy tokens, {a.threads} thread(s): plain {plain:.3f} s "
           f"({plain / a.tokens * 1e3:.1f} ms a step), captured with timers {captured:.3f} s, "
           f"ratio {captured / plain:.3f}")

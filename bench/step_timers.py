@@ -12,9 +12,9 @@ import time
 
 # (module, class or None for a module function, name)
 PROFILED = [
-    ("qforensics.hooks.session", "Capture", "_on_call"),
-    ("qforensics.hooks.session", "Capture", "_on_root_pre"),
-    ("qforensics.hooks.session", "Capture", "_close_root"),
+    ("qforensics.hooks.callhooks", "CallHooks", "_on_call"),
+    ("qforensics.hooks.callhooks", "CallHooks", "_on_root_pre"),
+    ("qforensics.hooks.callhooks", "CallHooks", "_close_root"),
     ("qforensics.engines.vllm_capture", "VllmCapture", "_on_logits"),
     ("qforensics.engines.vllm_capture", "VllmCapture", "_on_root_pre"),
     ("qforensics.engines.vllm_capture", "VllmCapture", "on_runner_output"),
