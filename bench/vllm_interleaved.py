@@ -10,8 +10,8 @@ ratio moves by as much as the overhead it measures. Here one program runs under
 fixed schedule) and times `generate` calls alternately with capture's hooks detached and attached
 (order ABBA, so that a drift weighs on both sides alike). Detaching empties the hook tables of
 the model's modules and takes the hooked forwards off them (hooks/fast_take.py wrap_forward) for
-the plain call, and puts them back after it: that is a measuring device
-of this script, not something qforensics offers. Steps run while detached are not recorded.
+the plain call, and puts them back after it: that is a measuring device of this script, not
+something qforensics offers. Steps run while detached are not recorded.
 
 Prints the median of the per-pair ratios (captured / plain, the figure to quote), the ratio of
 the fastest calls, and whether the captured calls generated the same tokens as the plain ones.
