@@ -38,15 +38,20 @@ static inline float from_f32(float v) { return v; }
     s += v; q += v * v;                                                                     \
     mn = v < mn ? v : mn; mx = v > mx ? v : mx;
 
-/* Row figures: sum, sum of squares, min, max, whether a NaN was seen; with cmin/cmax (keep and
- * R > 1) the per-channel running min/max; with dst (R == 1 and keep) the values as float32. */
-#define DEFINE_ROW(NAME, T, CONV)                                                           \
+/* A row function's signature and its running figures (DEFINE_ROW, DEFINE_ROW_AVX512). */
+#define ROW_BEGIN(NAME, T)                                                                  \
 static __attribute__((unused)) void NAME(const T *row, int64_t C, float *cmin,             \
                  float *cmax, float *dst, double *S, double *Q, float *mnp, float *mxp,       \
                  int *nanp) {                                                               \
     float mn = INFINITY, mx = -INFINITY;                                                    \
     int nan = 0;                                                                            \
-    double s_all = 0.0, q_all = 0.0;                                                        \
+    double s_all = 0.0, q_all = 0.0;
+#define ROW_END *S += s_all; *Q += q_all; *mnp = mn; *mxp = mx; *nanp = nan; }
+
+/* Row figures: sum, sum of squares, min, max, whether a NaN was seen; with cmin/cmax (keep and
+ * R > 1) the per-channel running min/max; with dst (R == 1 and keep) the values as float32. */
+#define DEFINE_ROW(NAME, T, CONV)                                                           \
+ROW_BEGIN(NAME, T)                                                                          \
     for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {                                             \
         int64_t c1 = c0 + BLOCK < C ? c0 + BLOCK : C;                                       \
         float s = 0.f, q = 0.f;                                                             \
@@ -70,8 +75,7 @@ static __attribute__((unused)) void NAME(const T *row, int64_t C, float *cmin,  
         }                                                                                   \
         s_all += s; q_all += q; nan |= q != q;                                              \
     }                                                                                       \
-    *S += s_all; *Q += q_all; *mnp = mn; *mxp = mx; *nanp = nan;                            \
-}
+    ROW_END
 
 /* The reduction of g stacked tensors of R rows x C channels, written through pointers (any
  * may be NULL): S, Q, MN, MX (g each: sum, sum of squares, min, max; NaN where the tensor holds
@@ -151,12 +155,7 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 #define DEFINE_ROW_AVX512(NAME, T, CONV, LOAD)                                              \
-static __attribute__((unused)) void NAME(const T *row, int64_t C, float *cmin,             \
-                 float *cmax, float *dst, double *S, double *Q, float *mnp, float *mxp,       \
-                 int *nanp) {                                                               \
-    float mn = INFINITY, mx = -INFINITY;                                                    \
-    int nan = 0;                                                                            \
-    double s_all = 0.0, q_all = 0.0;                                                        \
+ROW_BEGIN(NAME, T)                                                                          \
     for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {                                             \
         int64_t c1 = c0 + BLOCK < C ? c0 + BLOCK : C, c = c0;                               \
         __m512 s0 = _mm512_setzero_ps(), s1 = s0, q0 = s0, q1 = s0;                         \
@@ -191,8 +190,7 @@ static __attribute__((unused)) void NAME(const T *row, int64_t C, float *cmin,  
         }                                                                                   \
         s_all += s; q_all += q; nan |= q != q;                                              \
     }                                                                                       \
-    *S += s_all; *Q += q_all; *mnp = mn; *mxp = mx; *nanp = nan;                            \
-}
+    ROW_END
 DEFINE_ROW_AVX512(row_bf16_v, uint16_t, from_bf16, load16_bf16)
 DEFINE_ROW_AVX512(row_f32_v, float, from_f32, load16_f32)
 #define ROW_BF16 row_bf16_v

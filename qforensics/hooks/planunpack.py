@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from qforensics.hooks import fused, reduce
@@ -237,7 +236,6 @@ class SplitLayout:
         # where each unique tensor's figures go, for a take that reduces it in its hook
         # (hooks/fast_take.c, `reduce` below): element offsets of S, Q, min, max, channel
         # minima (or values), channel maxima, row maxima (-1: not written); rows; channels
-        self.dtypes = [x.dtype for x, _ in red]
         self.places: dict[int, tuple[int, ...]] = {}
         for (idx, r, ch, _), (s0, lo, hi, t0) in zip(rows_of, self.calls):
             g = len(idx)
@@ -340,7 +338,7 @@ def _for_kernel(x: torch.Tensor) -> torch.Tensor | None:
     them the same way), or None (float64, complex: reduce.fast_parts keeps their precision)."""
     if fused.REDUCER.split_ready(x.dtype):
         return x
-    if x.dtype in (torch.float64,) or x.dtype.is_complex or x.device.type != "cpu":
+    if x.dtype is torch.float64 or x.dtype.is_complex or x.device.type != "cpu":
         return None
     return x.to(torch.float32) if fused.REDUCER.split_ready(torch.float32) else None
 
