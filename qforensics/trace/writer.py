@@ -1,9 +1,10 @@
 """Append-only, crash-safe HDF5 trace writer.
 
 The capture side hands over one `StepBatch` per step (plain numpy arrays, offsets relative to the
-batch); every `flush_interval / 2` seconds the submitting thread appends what waits to the column
-datasets and flushes (a background thread does it when no step comes for longer), so a batch is
-on disk within `flush_interval`. The file runs in HDF5 single-writer/multiple-reader (SWMR) mode, so a
+batch); at the last step end before the oldest waiting batch is 0.8 x `flush_interval` old, the
+submitting thread appends what waits to the column datasets and flushes (a background thread
+does it at 0.9 x `flush_interval` when no step comes in time), so a batch is on disk within
+`flush_interval`. The file runs in HDF5 single-writer/multiple-reader (SWMR) mode, so a
 process killed with SIGKILL leaves a file that opens (with `swmr=True`, which the reader does for
 you) and holds every batch flushed before the kill. Nothing here imports torch.
 
@@ -43,7 +44,11 @@ __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_me
 
 log = logging.getLogger(__name__)
 
-_COMPRESSION = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+_clock = time.monotonic  # the schedule's clock (a test drives it)
+
+# gzip level 1: a flush recompresses every open chunk of ~45 integer columns; level 4 took
+# twice the CPU for files within 0.1% of the size (bench/writer_cost.py)
+_COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 
 # rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
@@ -90,16 +95,23 @@ class TraceWriter(ColumnWriter):
         self.channel_dtype = np.dtype(channel_dtype)
         if self.channel_dtype not in (np.dtype("f4"), np.dtype("f2")):
             raise ValueError("channel_dtype must be float32 or float16")
-        # Batches wait here. Every `gap` seconds the thread that submits writes them itself, at
-        # the end of its step: the cost is then its CPU time, whereas a writer thread holding
-        # the GIL in h5py calls while the model thread waits for it (after every torch op)
-        # costs the run several times that. The writer thread only writes what the model
-        # thread left for longer (a long step, an idle server), and at once for flush / close.
+        # Batches wait here. The thread that submits writes them itself, at the end of its
+        # step: the cost is then its CPU time, whereas a writer thread holding the GIL in h5py
+        # calls while the model thread waits for it (after every torch op) costs the run
+        # several times that. Each write has a fixed cost (one append per column, the flush),
+        # so it writes as seldom as the promise allows: at the last step end before the oldest
+        # waiting batch would pass `_budget` (the step's length estimated from the gaps between
+        # submits). The writer thread only writes what waited `_deadline` (a long step, an
+        # idle server), and at once for flush / close.
         self._items: collections.deque[StepBatch | _Barrier | None] = collections.deque()
         self._wake = threading.Event()
+        self._urgent = False  # a barrier or close is queued: the writer thread drains now
         self._drain = threading.Lock()  # one drainer at a time: batches stay in order
-        self._gap = max(0.005, self.flush_interval / 2)
-        self._last_write = time.monotonic()
+        self._budget = 0.8 * self.flush_interval
+        self._deadline = 0.9 * self.flush_interval
+        self._oldest: float | None = None  # when the oldest waiting batch was submitted
+        self._last_submit: float | None = None
+        self._step_s = 0.0  # running estimate of the time between two submits
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -202,8 +214,19 @@ class TraceWriter(ColumnWriter):
     def submit(self, batch: StepBatch) -> None:
         if self._closed or self._failed:
             return
+        now = _clock()
+        if self._last_submit is not None:
+            gap = now - self._last_submit
+            self._step_s = 0.75 * self._step_s + 0.25 * gap if self._step_s else gap
+        self._last_submit = now
         self._items.append(batch)
-        if time.monotonic() - self._last_write >= self._gap and self._drain.acquire(False):
+        # appended first, then noted: a drainer clears `_oldest` before it takes the items, so
+        # `_oldest` is never later than the oldest batch that waits (at worst earlier)
+        oldest = self._oldest
+        if oldest is None:
+            self._oldest = oldest = now
+            self._wake.set()  # the writer thread's deadline starts now
+        if now - oldest + self._step_s >= self._budget and self._drain.acquire(False):
             try:
                 self._drain_items()
             finally:
@@ -216,6 +239,7 @@ class TraceWriter(ColumnWriter):
             return self._failed is None
         barrier = _Barrier()
         self._items.append(barrier)
+        self._urgent = True
         self._wake.set()
         return barrier.done.wait(timeout) and self._failed is None
 
@@ -227,14 +251,18 @@ class TraceWriter(ColumnWriter):
     def _run(self) -> None:
         stop = False
         while not stop:
-            # the submitting thread writes every `gap`; this thread takes over after 1.5 gaps
-            # (a step longer than that, or no steps at all), so a batch is on disk within
-            # 0.75 x flush_interval plus the write itself
-            late = self._last_write + 1.5 * self._gap - time.monotonic()
-            woken = self._wake.wait(max(0.0, late))
+            # a batch is on disk within `_deadline` of its submit plus the write itself: the
+            # submitting thread writes before `_budget`, this thread after `_deadline` (a step
+            # longer than expected, or no steps at all)
+            oldest = self._oldest
+            self._wake.wait(None if oldest is None else
+                            max(0.0, oldest + self._deadline - _clock()))
             self._wake.clear()
-            if woken or time.monotonic() - self._last_write >= 1.5 * self._gap:
+            oldest = self._oldest
+            if self._urgent or (oldest is not None
+                                and _clock() - oldest >= self._deadline):
                 with self._drain:
+                    self._urgent = False
                     stop = self._drain_items()
 
     def _drain_items(self) -> bool:
@@ -242,6 +270,7 @@ class TraceWriter(ColumnWriter):
         pending: list[StepBatch] = []
         barriers: list[_Barrier] = []
         stop = False
+        self._oldest = None  # before taking the items: see submit
         try:
             while self._items:
                 item = self._items.popleft()
@@ -254,7 +283,6 @@ class TraceWriter(ColumnWriter):
             if pending:
                 self._write(pending)
         finally:
-            self._last_write = time.monotonic()
             for b in barriers:
                 b.done.set()
         return stop
@@ -336,6 +364,7 @@ class TraceWriter(ColumnWriter):
             return
         self._closed = True
         self._items.append(None)
+        self._urgent = True
         self._wake.set()
         self._thread.join(timeout=60)
         try:
