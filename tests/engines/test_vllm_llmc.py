@@ -22,7 +22,7 @@ import sys
 import pytest
 from torch import nn
 
-pytestmark = [pytest.mark.vllm, pytest.mark.llmc]
+pytestmark = [pytest.mark.vllm, pytest.mark.llmc, pytest.mark.w4a16]  # GPTQ W4A16
 
 BLOCKS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.engines.conftest import run_whatif_vllm
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # awq: through vLLM's AWQ kernel
 
 
 @pytest.fixture(scope="module")
