@@ -191,6 +191,14 @@ def input_scale_use(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+def _int8_kernel(module: nn.Module) -> bool:
+    """An INT8 GEMM by its kernel's or scheme's class (vLLM's CPUInt8ScaledMMLinearKernel,
+    compressed-tensors' W8A8Int8): symmetric INT8 has no zero point, and vLLM's oneDNN path
+    hands the int8 weight to its handler, so neither tells the format."""
+    holders = (_kernel_of(module), getattr(module, "scheme", None))
+    return any("int8" in type(h).__name__.lower() for h in holders if h is not None)
+
+
 def _zero_point(module: nn.Module) -> int | None:
     z = getattr(module, "input_zero_point", None)
     if isinstance(z, torch.Tensor) and z.numel() == 1 and not z.is_meta:
@@ -223,7 +231,7 @@ def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, A
     zp = _zero_point(module)
     if not fmt:
         fmt_hint = str(q.get("format") or "").lower()
-        if "int8" in fmt_hint or zp is not None or (
+        if "int8" in fmt_hint or zp is not None or _int8_kernel(module) or (
                 isinstance(w, torch.Tensor) and w.dtype == torch.int8):
             fmt = "int8"
         elif "e5m2" in fmt_hint:

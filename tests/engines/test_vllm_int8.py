@@ -107,19 +107,31 @@ def test_min_max_scales_never_saturate_but_the_outlier_stretched_one_zeroes_chan
 
 
 @pytest.mark.vllm
-def test_a_static_scale_the_kernel_ignores_raises_no_false_alarm(symmetric):
-    """Symmetric static INT8 runs through vLLM's SGL kernel on x86, which quantizes each token
-    with its own scale: the clipped input_scale is loaded but never used."""
+def test_a_clipped_symmetric_scale_is_judged_by_the_kernel_that_runs_it(symmetric):
+    """Symmetric static INT8: on a CPU with AMX tiles vLLM runs its SGL kernel, which quantizes
+    each token with its own scale (the clipped input_scale is loaded but never used: no false
+    alarm); elsewhere its oneDNN kernel applies the scale, and the outlier channel saturates
+    (a true one). Which kernel runs is vLLM's `check_cpu_sgl_kernel`: AMX tiles."""
+    import torch
+
     sd = symmetric["state"]
     s = float(sd[f"{LAYER}.input_scale"].reshape(()))
     assert s * 127 < 100.0  # clipped: far below the outlier channel's ~3,000
     f = analyze_trace(symmetric["files"][0])
-    assert not _evidence(f, "static_range_overrun")
-    unused = _evidence(f, "static_scale_unused")
-    n_layers = sum(1 for k in sd if k.endswith("mlp.down_proj.input_scale"))
-    # every linear vLLM holds: qkv_proj, o_proj, gate_up_proj, down_proj per decoder layer
-    assert unused and not unused[0].suspect and unused[0].value == 4 * n_layers
-    assert all(d["kernel"].endswith("apply_weights_sgl") for d in unused[0].details)
+    if not torch.cpu._is_amx_tile_supported():
+        assert not _evidence(f, "static_scale_unused")
+        over = _evidence(f, "static_range_overrun")
+        assert over and over[0].suspect and LAYER in over[0].modules and f.status == "SUSPECT"
+        d = next(d for d in over[0].details if d["module"] == LAYER)
+        assert "onednn" in d["kernel"] and d["range"] == pytest.approx(s * 127, rel=1e-3)
+        assert OUTLIER in [c["channel"] for c in d["channels_over"]]
+    else:
+        assert not _evidence(f, "static_range_overrun")
+        unused = _evidence(f, "static_scale_unused")
+        n_layers = sum(1 for k in sd if k.endswith("mlp.down_proj.input_scale"))
+        # every linear vLLM holds: qkv_proj, o_proj, gate_up_proj, down_proj per decoder layer
+        assert unused and not unused[0].suspect and unused[0].value == 4 * n_layers
+        assert all(d["kernel"].endswith("apply_weights_sgl") for d in unused[0].details)
     from qforensics.trace import schema
 
     with open_trace(symmetric["files"][0]) as t:

@@ -112,6 +112,25 @@ def test_a_kernel_that_does_not_apply_the_static_scale_is_said_so():
     assert static_input(int8, {"format": "int8"})["applied"] is True
 
 
+def test_symmetric_int8_is_told_by_its_kernel_when_nothing_else_says_int8():
+    """vLLM's symmetric static INT8 layer: no zero point, no format hint, and after oneDNN's
+    repack no int8 `weight` either; its kernel's class says INT8, so the range is scale x 127
+    (INT8's largest level), not FP8's 448."""
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(torch.zeros(0, dtype=torch.bfloat16), requires_grad=False)
+    layer.input_scale = torch.tensor(0.01)
+    layer.scheme = type("CompressedTensorsW8A8Int8", (), {})()
+    layer.scheme.kernel = _Kernel("CPUInt8ScaledMMLinearKernel", "_apply_weights_onednn")
+    st = static_input(layer, None)
+    assert st["format"] == "int8" and abs(st["range"] - 0.01 * 127) < 1e-6
+    assert st["applied"] is True and "zero_point" not in st
+    fp8 = nn.Linear(4, 4)  # an FP8 kernel is not mistaken for INT8
+    fp8.input_scale = torch.tensor(0.01)
+    fp8.scheme = type("CompressedTensorsW8A8Fp8", (), {})()
+    fp8.scheme.fp8_linear = _Kernel("TorchFP8ScaledMMLinearKernel")
+    assert static_input(fp8, None)["format"] == "fp8-e4m3"
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
