@@ -216,7 +216,7 @@ class TraceWriter(ColumnWriter):
             return
         now = _clock()
         if self._last_submit is not None:
-            gap = now - self._last_submit
+            gap = min(now - self._last_submit, self._budget)  # an idle server's pause is no step
             self._step_s = 0.75 * self._step_s + 0.25 * gap if self._step_s else gap
         self._last_submit = now
         self._items.append(batch)
