@@ -24,6 +24,8 @@ class Thresholds:
     logits_extreme: float = 1000.0  # max |logit| that looks broken on its own
     repeat_tokens: int = 8  # the same argmax (or a cycle of <= 4) repeated this many times
     entropy_low: float = 0.01  # nats: entropy collapse (with a drop from the run's median)
+    collapse_scale: float = 2.0  # a collapse / loop counts when the logits' scale is >= this x
+    # the request's own median before it (logits std / max |logit|; docs/thresholds.md)
     entropy_uniform: float = 0.95  # share of log(vocab): near-uniform logits
     agreement_min: float = 0.5  # outcome meta: teacher-forced top-1 agreement below this
     param_zero_share: float = 0.5  # a weight with more than this share of exact zeros
@@ -69,10 +71,16 @@ RATIONALE: dict[str, str] = {
                       "(measured on SmolLM2 FP8, text identical to the reference)",
     "degenerate_steps": "vocab id 0 is a special token; greedy decoding lands on it repeatedly "
                         "when the logits are flat or NaN (the '!!!!!!' / <|endoftext|> output)",
-    "repeat_tokens": "a greedy loop of at most 4 tokens covering 8 tokens is a repetition loop, "
-                     "not a sentence",
-    "entropy_low": "entropy below 0.01 nats after a median ten times higher: the model stopped "
-                   "weighing alternatives",
+    "repeat_tokens": "a greedy loop of at most 4 tokens covering 8 tokens of one request is a "
+                     "repetition loop; healthy SmolLM2 loops too (up to 128 tokens of '8' in "
+                     "8 x 400 greedy tokens), so it counts only with collapse_scale "
+                     "(docs/thresholds.md)",
+    "entropy_low": "entropy below 0.01 nats after a median ten times higher; healthy greedy "
+                   "decoding is that certain for dozens of steps, so it counts only with "
+                   "collapse_scale (docs/thresholds.md)",
+    "collapse_scale": "during a healthy collapse or loop the logits' std and max |logit| stay "
+                      "within x1.2 of the request's own median before it (greedy and sampled "
+                      "HF runs, vLLM 8 x 400); a broken scale moves them by its factor",
     "entropy_uniform": "entropy at 95% of log(vocabulary) is noise: no token preferred",
     "unsafe_fraction": "a scheme that rounds at least half a module's input channels to zero "
                        "destroys that module's input",

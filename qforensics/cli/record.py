@@ -39,9 +39,7 @@ def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None,
 def _summarize(pattern: str) -> list[str]:
     from qforensics.trace.reader import open_trace
 
-    root, ext = os.path.splitext(pattern.replace("{rank}", "*"))
-    paths = sorted(set(glob.glob(pattern.replace("{rank}", "*"))
-                       + glob.glob(f"{root}-*{ext}")))
+    paths = _trace_paths(pattern)
     lines = []
     for p in paths:
         try:
@@ -50,6 +48,55 @@ def _summarize(pattern: str) -> list[str]:
         except QForensicsError as exc:
             lines.append(f"  {p}: unreadable ({exc})")
     return lines
+
+
+def _become_subreaper() -> bool:
+    """Linux: orphaned descendants (a server's engine processes, still sealing their traces
+    after the server itself exited on SIGTERM) are re-parented to us, so that we can wait for
+    them before reading the traces."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        return False
+
+
+def _trace_paths(pattern: str) -> list[str]:
+    root, ext = os.path.splitext(pattern.replace("{rank}", "*"))
+    return sorted(set(glob.glob(pattern.replace("{rank}", "*")) + glob.glob(f"{root}-*{ext}")))
+
+
+def _sealed(path: str) -> bool:
+    from qforensics.trace.reader import open_trace
+
+    try:
+        with open_trace(path) as t:
+            return t.end.complete and not t.cut_short and bool(t.meta.get("status"))
+    except QForensicsError:
+        return False
+
+
+def _wait_for_writers(pattern: str, timeout: float = 30.0) -> None:
+    """After the program exited: wait (at most `timeout` s) while a descendant of ours still
+    runs and a trace is not sealed yet: a killed writer never seals, so the wait also ends
+    when no descendant is left."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no descendant left: every writer has ended, sealed or not
+        if pid:
+            continue
+        if all(_sealed(p) for p in _trace_paths(pattern)):
+            return
+        time.sleep(0.2)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -103,6 +150,7 @@ def command(out: str, attach: str, guard_on: bool, guard_check: str, eager: bool
                                "qforensics record -o trace.h5 -- python run.py")
     full_env = {**os.environ, **env}
     click.echo(f"qforensics: recording {shlex.join(cmd)} -> {out}", err=True)
+    reaper = _become_subreaper()
     try:
         proc = subprocess.Popen(list(cmd), env=full_env)
     except FileNotFoundError:
@@ -117,6 +165,8 @@ def command(out: str, attach: str, guard_on: bool, guard_check: str, eager: bool
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if reaper:
+        _wait_for_writers(os.path.abspath(out))
     lines = _summarize(os.path.abspath(out))
     if lines:
         click.echo("qforensics: trace written:", err=True)

@@ -70,6 +70,7 @@ def install() -> None:
         mod = sys.modules.get(name)
         if mod is not None:
             patch_runner_module(mod)
+    _install_shutdown_grace()
 
 
 def register_plugin() -> None:
@@ -355,7 +356,15 @@ def model_source(runner: Any) -> str | None:
 
 def _seal_at_process_exit(cap: Any) -> None:
     """vLLM's workers are multiprocessing children: they end with os._exit, after
-    multiprocessing's own exit function but without running atexit. Seal the trace there."""
+    multiprocessing's own exit function but without running atexit. Seal the trace there.
+
+    SIGTERM is how a server (or a pod) is stopped. vLLM's processes answer it with a shutdown
+    of their own (the engine core leaves its busy loop, a worker raises SystemExit), which
+    ends in that exit function. Sealing inside the signal handler instead would close the file
+    wherever the main thread was interrupted: in the middle of a step, or inside the writer
+    with its lock held. So where vLLM's own handler is in place, ours only notes the signal
+    (the status says `signal`, the reader "complete ... (stopped by SIGTERM)") and hands over;
+    the exit seals."""
     from multiprocessing import util
 
     ref = weakref.ref(cap)
@@ -363,12 +372,81 @@ def _seal_at_process_exit(cap: Any) -> None:
     def seal() -> None:
         c = ref()
         if c is not None:
+            st = {"state": "complete", "closed_by": "vLLM worker exit"}
+            if _state.get("signal"):
+                st["signal"] = _state["signal"]
             try:
-                c.close({"state": "complete", "closed_by": "vLLM worker exit"})
+                c.close(st)
             except Exception:
                 pass
 
     util.Finalize(None, seal, exitpriority=100)
+    _defer_sigterm_seal()
+
+
+# Seconds vLLM's server gives its engine processes between SIGTERM and SIGKILL (under record)
+SHUTDOWN_GRACE_S = 10.0
+_ENGINE_UTILS = "vllm.v1.engine.utils"
+
+
+def _install_shutdown_grace() -> None:
+    """On SIGTERM vLLM's server SIGTERMs its engine process and, with the default
+    `shutdown_timeout` 0, SIGKILLs it at once (its process manager waits 0 s; vLLM itself
+    keeps a cleanup window only on ROCm), so no worker could ever seal its trace. Under
+    `record`, the manager waits up to SHUTDOWN_GRACE_S instead: requests are still aborted at
+    once (the request timeout is unchanged), the engine and its workers end as on any clean
+    exit, and the workers seal their traces. Only when vLLM would wait 0 s; a timeout the user
+    set is kept."""
+    def patch(mod: Any) -> None:
+        orig = getattr(mod, "get_engine_process_shutdown_timeout", None)
+        if orig is None or getattr(orig, "_qforensics", False):
+            return
+
+        @wraps(orig)
+        def with_grace(request_timeout: Any, process_timeout: Any) -> Any:
+            t = orig(request_timeout, process_timeout)
+            return SHUTDOWN_GRACE_S if t == 0 else t
+
+        with_grace._qforensics = True  # type: ignore[attr-defined]
+        mod.get_engine_process_shutdown_timeout = with_grace
+
+    mod = sys.modules.get(_ENGINE_UTILS)
+    if mod is not None:
+        patch(mod)
+    else:
+        sys.meta_path.insert(0, AfterImport(
+            (_ENGINE_UTILS,), patch,
+            on_error=lambda name, exc: _note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
+
+
+def _defer_sigterm_seal() -> None:
+    """Replace capture's SIGTERM handler (qforensics.hooks.registry: seal, then the previous
+    handler) by one that notes the signal and calls vLLM's handler, when vLLM installed one;
+    with no handler of the program's own (SIG_DFL), capture's stays: it seals and re-raises."""
+    import signal
+    from functools import partial
+
+    from qforensics.hooks import registry
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        h = signal.getsignal(signal.SIGTERM)
+    except Exception:
+        return
+    if not (isinstance(h, partial) and h.func is registry._on_signal and h.args
+            and callable(h.args[0])):
+        return
+    prev = h.args[0]
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _state["signal"] = signal.Signals(signum).name
+        prev(signum, frame)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except Exception:
+        pass
 
 
 def runner_rows(runner: Any, sched: Any) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,

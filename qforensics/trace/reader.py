@@ -27,7 +27,6 @@ from qforensics.errors import TraceFormatError, TraceUnreadableError
 from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
 from qforensics.trace.blocks import ChannelAccess
-from qforensics.trace.budgetview import BudgetView
 from qforensics.trace.sidetables import SideTables
 from qforensics.trace.snapshots import SnapshotAccess
 from qforensics.trace.table import Table
@@ -71,7 +70,7 @@ def _parse_json(raw: Any, where: str) -> Any:
     return parse_json(raw, where)
 
 
-class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
+class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables):
     """An open trace. Use as a context manager or call `close()`.
 
     `meta` is a dict. numpy views: `step_table`, `record_table()`, `record_columns()`,
@@ -257,8 +256,12 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
                             f"{last} ({n} steps)")
         if isinstance(status, dict) and status.get("state"):
             state = str(status.get("state"))
-            if state == "complete":
-                return TraceEnd(True, last, f"complete: {n} steps")
+            # SIGTERM is how a server or a pod is stopped: a normal end, noted
+            sig = status.get("signal") if state == "complete" else (
+                state[len("signal "):] if state == "signal SIGTERM" else None)
+            if state == "complete" or sig:
+                return TraceEnd(True, last, f"complete: {n} steps"
+                                + (f" (stopped by {sig})" if sig else ""))
             return TraceEnd(True, last, f"run ended with {state}: "
                             f"{status.get('error', '')}".rstrip(": "))
         orphan = self._lengths["records"] - self.records_end

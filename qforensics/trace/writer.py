@@ -17,14 +17,8 @@ slots, the byte cap) is trace/columns.py's.
 Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
 marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
 (never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
-`/triggers`.
-
-Format 1.2 holds one byte budget for any duration (trace/budget.py): every step's summary goes
-to the fixed-size `/summary`; once the next flush of full detail could pass `max_bytes` less the
-room held back for the pinned windows, appending of full detail stops (noted in `/limits` and
-the closing status), the ring keeps the last K steps' full detail in place, and the first
-failure (and the first step of each trigger kind) is appended with its window into the room
-held back for it.
+`/triggers`; `max_bytes` stops every append once the next flush could pass it (noted in
+`/limits` and the closing status) while the ring keeps turning.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ import numpy as np
 from qforensics.version import __version__
 from qforensics.trace import schema
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
-from qforensics.trace.budget import BudgetWriter
-from qforensics.trace.columns import ColumnWriter, batch_rows
+from qforensics.trace.columns import ColumnWriter
 
 __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
 
@@ -61,6 +54,11 @@ _COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 # rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
 # gets small chunks
 _TABLE_CHUNKS = {"steps": 256, "records": 2048}
+
+
+# /meta@status is reserved at this size (JSON padded with spaces) and sealed in place
+_STATUS_BYTES = 16384
+_UNSEALED = b"{}"  # what the slot holds until close: no "state", so the reader says truncated
 
 
 def _table_compression(dt: Any) -> dict[str, Any]:
@@ -81,7 +79,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter(BudgetWriter, ColumnWriter):
+class TraceWriter(ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -128,7 +126,6 @@ class TraceWriter(BudgetWriter, ColumnWriter):
         self.ring_chunk = min(1 << 20, max(256, int(ring_chunk)))
         self.max_bytes = int(max_bytes) if max_bytes else 0
         self.capped_at: int | None = None  # step at which max_bytes was reached
-        self.plan_budget(modules, capture_options)  # CaptureError when the options cannot hold
         self._create(modules, environment, capture_options)
         self._thread = threading.Thread(target=self._run, name="qforensics-writer", daemon=True)
         self._thread.start()
@@ -145,6 +142,11 @@ class TraceWriter(BudgetWriter, ColumnWriter):
         meta = f.create_group("meta")
         meta.attrs["environment"] = _json_attr(environment)
         meta.attrs["capture_options"] = _json_attr(options)
+        # /meta@status, reserved at its final size: close writes it in place while the file is
+        # still in SWMR mode (attribute creation is not allowed there), so no moment of the
+        # seal leaves the file open for non-SWMR writing, which a kill would make unopenable
+        meta.attrs.create("status", np.bytes_(_UNSEALED.ljust(_STATUS_BYTES)),
+                          dtype=f"S{_STATUS_BYTES}")
         # Reserve the attributes written at close: attribute creation is not allowed in SWMR mode.
         g = f.create_group("modules")
         str_t = h5py.string_dtype("utf-8")
@@ -211,7 +213,6 @@ class TraceWriter(BudgetWriter, ColumnWriter):
                 "step") else 0, np.int64))
         self._cols[schema.LIMITS_DATASET] = f.create_dataset(
             schema.LIMITS_DATASET, data=np.array([self.max_bytes, -1], np.int64))
-        self._create_budget(f)
         f.flush()
         f.swmr_mode = True
         self._file = f
@@ -301,61 +302,32 @@ class TraceWriter(BudgetWriter, ColumnWriter):
             return
         try:
             with self._lock:
-                self._note(batches)  # summaries, the per-step estimate
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
-                empty = np.zeros(0, self.channel_dtype)
-                stripped = [replace(b, chan_min=empty, chan_max=empty, ring=False) if b.ring
-                            else b for b in batches]  # ring blocks: in place, not appended
-                appended = self._append_fitting(stripped)
-                # a ring slot written twice in one go keeps only its last block; a step whose
-                # full detail was not appended goes to the ring whole
+                todo = []
+                # a ring slot written twice in one go keeps only its last block
                 last_in_slot = {}
                 if self.ring_slots:
                     for i, b in enumerate(batches):
-                        if (b.ring or not appended[i]) and len(b.steps):
+                        if b.ring and len(b.steps):
                             last_in_slot[int(b.steps["step"][0]) % self.ring_slots] = i
-                for i in last_in_slot.values():
-                    b = batches[i]
-                    if not appended[i]:
-                        self._write_ring_detail(b)
-                    elif len(b.chan_min):
-                        self._write_ring(b)
-                self._pin(batches, stripped, appended)
-                self._write_summary()
+                for i, b in enumerate(batches):  # ring blocks: written in place, not appended
+                    if b.ring:
+                        if len(b.chan_min) and i in last_in_slot.values():
+                            self._write_ring(b)
+                        empty = np.zeros(0, self.channel_dtype)
+                        b = replace(b, chan_min=empty, chan_max=empty, ring=False)
+                    if self.capped_at is None:
+                        todo.append(b)
+                if todo:
+                    merged = merge_batches(todo) if len(todo) > 1 else todo[0]
+                    if self._fits(merged):
+                        self._append_batch(merged)
                 self._file.flush()
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
-
-    def _append_fitting(self, batches: list[StepBatch]) -> list[bool]:
-        """Append the batches while they fit the budget (one merged append when all do);
-        which ones were appended."""
-        if self.capped_at is not None:
-            return [False] * len(batches)
-        merged = merge_batches(batches) if len(batches) > 1 else batches[0]
-        if not self.max_bytes or self._within_cap(self._batch_growth(merged) + self._reserve()):
-            self._append_batch(merged)
-            return [True] * len(batches)
-        # the drain that reaches the budget: the longest run of its steps that fits, found by
-        # bisection over the cumulative row counts (one merge, one append)
-        counts = [batch_rows(b) for b in batches]
-        paths = list(counts[0])
-        cum = np.cumsum([[c.get(p, 0) for p in paths] for c in counts], axis=0)
-        reserve = self._reserve()
-        lo, hi = 0, len(batches) - 1  # batches[:lo] fit; batches[:hi + 1] do not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._within_cap(self._growth(dict(zip(paths, cum[mid - 1].tolist())))
-                                + reserve):
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo:
-            self._append_batch(merge_batches(batches[:lo]) if lo > 1 else batches[0])
-        self._reach_cap(int(batches[lo].steps["step"][0]) if len(batches[lo].steps) else -1)
-        return [i < lo for i in range(len(batches))]
 
     def _append_batch(self, b: StepBatch) -> None:
         for step, pmin, pmax in b.promote:  # ring blocks kept for good after a trigger
@@ -405,27 +377,42 @@ class TraceWriter(BudgetWriter, ColumnWriter):
         self._urgent = True
         self._wake.set()
         self._thread.join(timeout=60)
-        try:
-            with self._lock:
-                self._file.close()
-        except Exception as exc:
-            log.error("qforensics: closing the trace failed: %s", exc)
-            return
         st = dict(status or {})
         st.setdefault("state", "complete")
         st["steps_written"] = self.steps_written
         if self.capped_at is not None:
             st["max_bytes_reached"] = {"max_bytes": self.max_bytes, "step": self.capped_at}
-        st["pinned"] = {"kept": self.pins_kept, "dropped": self.pins_dropped,
-                        "kinds": sorted(self._pinned)}
-        if self.detail_off:
-            st["ring_detail_off"] = self.detail_off
         if self._failed:
             st["writer_error"] = self._failed
+        sealed = False
         try:
+            with self._lock:
+                sealed = self._seal_in_place(st)
+                self._file.close()
+        except Exception as exc:
+            log.error("qforensics: closing the trace failed: %s", exc)
+            return
+        if sealed:
+            return
+        try:  # a status longer than its reserved slot, or a file without the slot
             set_meta(self.path, "status", st)
         except Exception as exc:
             log.error("qforensics: could not write the trace status: %s", exc)
+
+
+    def _seal_in_place(self, st: dict[str, Any]) -> bool:
+        """Write the status into its reserved slot and flush, in SWMR mode; False when it does
+        not fit (caller holds `_lock`)."""
+        raw = _json_attr(st).encode()
+        if len(raw) > _STATUS_BYTES:
+            return False
+        try:
+            self._file["meta"].attrs.modify("status", np.bytes_(raw.ljust(_STATUS_BYTES)))
+            self._file.flush()
+        except Exception as exc:  # noqa: BLE001 - the slot is missing or unwritable: reopen
+            log.warning("qforensics: status slot not written (%s); sealing after close", exc)
+            return False
+        return True
 
 
 def set_meta(path: str | os.PathLike[str], key: str, value: Any) -> None:

@@ -179,10 +179,24 @@ def test_persistent_outlier_dim(tmp_path):
 
 
 def test_repeat_loop_is_suspect(tmp_path):
-    f = analyze_trace(make_trace(str(tmp_path / "t.h5"), 10, token_override=lambda s: 7,
-                                 logits_override=lambda s: {"logits_argmax": 7}))
+    # steps 0-3 normal, then token 7 from step 4 with max |logit| at 5x: a broken scale
+    p = make_trace(str(tmp_path / "t.h5"), 14, token_override=lambda s: 7 if s >= 4 else None,
+                   logits_override=lambda s: {"logits_argmax": 7 if s >= 4 else s + 10,
+                                              "logits_max": 50.0 if s >= 4 else 10.0,
+                                              "logits_min": -1.0})
+    f = analyze_trace(p)
     assert f.verdict.status == SUSPECT and f.exit_code == 1
-    assert f.verdict.line == "SUSPECT | no NaN, but token 7 repeated 10 times (argmax, steps 0-9)"
+    assert f.verdict.line == ("SUSPECT | no NaN, but token 7 repeated 10 times (argmax, steps "
+                              "4-13) while max |logit| rose to x5 of its median before")
+
+
+def test_confident_loop_without_a_scale_change_passes(tmp_path):
+    # what healthy greedy decoding does ("8888...", docs/thresholds.md): no warning sign
+    p = make_trace(str(tmp_path / "t.h5"), 14, token_override=lambda s: 7 if s >= 4 else None,
+                   logits_override=lambda s: {"logits_argmax": 7 if s >= 4 else s + 10,
+                                              "logits_max": 11.0, "logits_min": -1.0})
+    f = analyze_trace(p)
+    assert f.verdict.status == PASSED and f.precursors == [], f.verdict.line
 
 
 def test_extreme_logits_and_outcome_are_suspect(tmp_path):

@@ -1,0 +1,203 @@
+"""Stops and crashes of a real vLLM OpenAI server under `qforensics record`, repeated (a race
+shows up in one stop of three): a real HTTP client sends completions, then
+- SIGTERM to the whole process group (how a pod is stopped) or to the server alone: the trace
+  is sealed every time and the healthy run reads PASSED, the signal noted;
+- SIGKILL to the whole process group mid-decode: the trace left behind opens and is analyzed,
+  holds every step older than the flush interval (1 s) and says that the run was cut short.
+
+Expectations come from the server's own answers (usage token counts) and from the tokens the
+client had streamed before the kill, not from the trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qforensics.analyze import PASSED, SUSPECT, analyze_trace
+from qforensics.trace.reader import open_trace
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The capital of France is", "Quantization means", "Once upon a time"]
+LONG = "The history of the Roman Empire began"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, prompt: str, n: int) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _stream(port: int, prompt: str, n: int, got: list) -> None:
+    """A streamed completion: appends (time, text) per chunk until the stream ends or breaks."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:  # a dead server: the read times out
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: {"):
+                    got.append((time.monotonic(), json.loads(line[6:])))
+    except Exception:  # the server went away: what arrived is what counts
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def _serve(tmp: Path, model_dir: Path):
+    port = _free_port()
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo)] + ([os.environ["PYTHONPATH"]]
+                                                      if os.environ.get("PYTHONPATH") else []))}
+    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
+           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
+           "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
+           "--port", str(port), "--host", "127.0.0.1"]
+    log = open(tmp / "record.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+                            start_new_session=True)  # its own process group, like a pod
+    deadline = time.time() + 600
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+            break
+        except OSError:
+            assert proc.poll() is None, (tmp / "record.log").read_text()[-4000:]
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(1)
+    return proc, port
+
+
+def _traffic(port: int, long_tokens: int) -> tuple[list, list, threading.Thread]:
+    """The short completions (answered), then a long streamed one, running (>= 5 chunks)."""
+    answers = [_post(port, p, 12) for p in PROMPTS]
+    got: list = []
+    t = threading.Thread(target=_stream, args=(port, LONG, long_tokens, got), daemon=True)
+    t.start()
+    while len(got) < 5 and t.is_alive():
+        time.sleep(0.05)
+    assert len(got) >= 5, "the long request never streamed"
+    return answers, got, t
+
+
+def _requests(trace):
+    req = trace.engine_columns("requests")
+    sampled = trace.engine_columns("sampled")
+    order = np.argsort(req["first_step"], kind="stable")
+    out = []
+    for i in order:
+        r = int(req["request"][i])
+        out.append({"prompt_tokens": int(req["prompt_tokens"][i]),
+                    "sampled": int((sampled["request"] == r).sum())})
+    return out
+
+
+@pytest.mark.parametrize("trial,target", [(1, "group"), (2, "server"), (3, "group")])
+def test_sigterm_seals_and_a_healthy_run_passes(trial, target, tmp_path, bf16_model_dir):
+    proc, port = _serve(tmp_path, bf16_model_dir)
+    try:
+        answers, got, t = _traffic(port, 300)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            (server,) = _children(proc.pid)
+            os.kill(server, signal.SIGTERM)
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "record.log").read_text()
+    assert _group_gone(proc.pid, 60), "processes of the server outlived it"
+    path = tmp_path / "s-0.h5"
+    with open_trace(path) as tr:
+        assert tr.end.complete, (tr.end.reason, log[-3000:])
+        assert tr.end.reason.startswith("complete")
+        if target == "group":  # the worker itself got the signal: noted
+            assert "stopped by SIGTERM" in tr.end.reason
+            assert tr.meta["status"].get("signal") == "SIGTERM"
+        else:  # the server alone: vLLM ended its worker, which sealed at its exit
+            assert tr.meta["status"].get("closed_by") == "vLLM worker exit"
+        summary = f"s-0.h5: {tr.n_steps} steps; {tr.end.reason}"
+        reqs = _requests(tr)
+    assert summary in log, log[-3000:]  # record listed it sealed: it waited for the seal
+    for a, r in zip(answers, reqs):
+        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"]
+        assert r["sampled"] == a["usage"]["completion_tokens"] == 12
+    assert len(reqs) == len(PROMPTS) + 1 and reqs[-1]["sampled"] >= 5
+    f = analyze_trace(path)
+    assert f.status == PASSED, f.verdict.line
+    assert rc in (0, 128 + signal.SIGTERM, -signal.SIGTERM, 143), rc
+
+
+@pytest.mark.parametrize("trial", [1, 2, 3])
+def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf16_model_dir):
+    proc, port = _serve(tmp_path, bf16_model_dir)
+    try:
+        answers, got, t = _traffic(port, 400)
+        before = len(got)  # every one of these tokens came from a step submitted before now
+        time.sleep(2.5)  # > flush interval (1 s) plus a step
+        assert t.is_alive(), "the request ended before the kill: not mid-decode"
+        streamed = len(got)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert _group_gone(proc.pid, 60)
+    path = tmp_path / "s-0.h5"
+    with open_trace(path) as tr:
+        assert not tr.end.complete and "never closed" in tr.end.reason
+        reqs = _requests(tr)
+    for a, r in zip(answers, reqs):
+        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"]
+        assert r["sampled"] == a["usage"]["completion_tokens"] == 12
+    assert len(reqs) == len(PROMPTS) + 1
+    # every token streamed 2.5 s before the kill came from a step older than the flush interval;
+    # the engine may be ahead of the stream, so only the lower bound is sure
+    assert before <= reqs[-1]["sampled"] <= 400 and streamed >= before
+    f = analyze_trace(path)
+    assert f.status == SUSPECT and "did not finish normally" in f.verdict.line
+    assert "truncated" in f.verdict.line
+    out = subprocess.run([sys.executable, "-m", "qforensics.cli", "analyze", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "the writer never closed the file" in out.stdout
