@@ -64,8 +64,19 @@ def _options() -> dict[str, Any]:
         opts = json.loads(raw)
     except json.JSONDecodeError:
         sys.stderr.write("qforensics: QFORENSICS_OPTIONS is not JSON; using defaults\n")
-        return {}
-    return opts if isinstance(opts, dict) else {}
+        opts = {}
+    opts = opts if isinstance(opts, dict) else {}
+    if "max_bytes" not in opts:  # the option wins over the environment variable
+        from qforensics.trace.budgetopts import max_bytes_from_env
+
+        try:
+            env = max_bytes_from_env()
+        except ValueError as exc:
+            sys.stderr.write(f"qforensics: {exc}; using the default budget\n")
+        else:
+            if env is not None:
+                opts["max_bytes"] = env or None
+    return opts
 
 
 def _on_torch() -> None:

@@ -18,6 +18,13 @@ from typing import Any
 import numpy as np
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
+from qforensics.analyze.coverage import (
+    Coverage,
+    find_coverage,
+    ring_failure,
+    snapshot_corruption,
+    summary_failure,
+)
 from qforensics.analyze.engine import find_engine_findings, warmup_steps, without_warmup
 from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.evidence import (
@@ -205,23 +212,33 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     steps = without_warmup(steps, warm)
     fail_row = find_first_bad_step(steps)
     fail_row = _cross_check(trace, steps, fail_row, notes)
+    cov = _guarded(trace, lambda: find_coverage(trace, steps), None)
     first = None
     focus: list[int] = []
     recs = None
     summary_only = None  # (step, call) when the failing step's records cannot be read
-    if fail_row is not None:
-        fstep = int(steps["step"][fail_row])
-        focus_step: int | None = fstep
+    fail_steps, fail_at = steps, fail_row
+    focus_step: int | None = None
+    early = summary_failure(cov, steps, fail_row)  # first failure only the summaries show
+    if early is not None:
+        hit = ring_failure(trace, early)
+        if hit is not None:
+            (fail_steps, recs), fail_at = hit, 0
+        else:
+            summary_only, fail_at = (early, cov.first_nonfinite_call), None  # type: ignore
+    if fail_at is not None:
+        fstep = int(fail_steps["step"][fail_at])
+        focus_step = fstep
         try:
-            recs = trace.record_table(fstep)
+            recs = trace.record_table(fstep) if recs is None else recs
         except TraceUnreadableError as exc:
             trace.unreadable.append(str(exc))
-            summary_only = (fstep, int(steps["first_nonfinite_call"][fail_row]))
+            summary_only = (fstep, int(fail_steps["first_nonfinite_call"][fail_at]))
             recs = focus_step = None
         else:
-            first = find_first_nonfinite(trace, steps, fail_row, recs)
+            first = find_first_nonfinite(trace, fail_steps, fail_at, recs)
             focus = _focus_rows(recs, first)
-    else:
+    elif summary_only is None:
         focus_step = _guarded(trace, lambda: _peak_step(trace, steps), None)
         if focus_step is not None:
             recs = _guarded(trace, lambda: trace.record_table(focus_step), None)
@@ -271,6 +288,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     cause = nonfinite_logits = None
     if first is not None and recs is not None:
         cause = classify_cause(trace, recs, first, infos, outliers)
+        cause = _snapshot_cause(trace, first, cause)
         nonfinite_logits = describe_nonfinite_logits(trace, steps)
     evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
                                 precursors, th)
@@ -290,11 +308,12 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)
            if reference is not None else None)
     verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable, cause=cause,
-                          evidence=evidence)
+                          evidence=evidence, coverage=cov)
     if summary_only is not None:
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
-                          "records could not be read: producer unknown")
+                          "records could not be read: producer unknown"
+                          + (f"; {cov.line()}" if cov is not None and cov.thinned else ""))
     for item in dict.fromkeys(trace.unreadable):
         if not any(item in n for n in notes):
             notes.append(f"could not read: {item}")
@@ -314,7 +333,25 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
         parameter_summary=summarize_parameters(infos, th),
         thresholds_rationale=dict(RATIONALE), reference=ref, engine=engine,
+        coverage=cov.to_dict() if cov is not None else None,
     )
+
+
+def _snapshot_cause(trace: Trace, first: FirstNonfinite, cause: Cause) -> Cause:
+    """Corrupt parameters seen in the producer's snapshot (after attach, so the parameter
+    health taken at attach did not see them) name the cause."""
+    if cause.kind == "corrupted_parameters" or first.producer_module is None:
+        return cause
+    bad = snapshot_corruption(trace, first.call_index)
+    if not bad:
+        return cause
+    words = "; ".join(f"{first.module}.{b['param']}: {b['nan']} NaN, {b['inf']} Inf of "
+                      f"{b['numel']} in the snapshot of call {first.call_index}, first at row "
+                      f"{b['row']}" + (f", col {b['col']}" if b["col"] is not None else "")
+                      for b in bad)
+    return Cause("corrupted_parameters", f"cause: corrupted parameters of {words} (corrupted "
+                 "after attach: the parameter health taken then was finite)", first.module,
+                 [{**b, "words": words} for b in bad])
 
 
 def _snapshot_refs(snaps: Table | None) -> list[SnapshotRef]:
@@ -357,11 +394,17 @@ def _cross_check(trace: Trace, steps: Table, fail_row: int | None,
 
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
                 end: Any, unreadable: list[str] | None = None, *, cause: Cause | None = None,
-                evidence: list[Evidence] | None = None) -> Verdict:
+                evidence: list[Evidence] | None = None,
+                coverage: Coverage | None = None) -> Verdict:
     """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
-    (parameters and activations first, then the output) or when anything was `unreadable`,
-    else PASSED."""
+    (parameters and activations first, then the output), when anything was `unreadable` or
+    when recording stopped with no summaries of the steps after it, else PASSED. Where
+    detail was thinned, the line says which steps it covers and at what resolution."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
+    if coverage is not None and coverage.thinned:
+        tail += f"; {coverage.line()}"
+        if coverage.summaries:
+            n_steps = coverage.steps_seen
     if first is not None:
         word = kind_word(first.kind)
         head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
@@ -388,6 +431,9 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
+    if coverage is not None and coverage.blind:
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps "
+                       "recorded in full, but the steps after them were not seen" + tail)
     if not end.complete or not end.reason.startswith("complete"):
         return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but the run "
                        f"did not finish normally: {end.reason}")

@@ -342,6 +342,7 @@ class Findings:
     reference: ReferenceComparison | None = None
     thresholds_rationale: dict[str, str] = field(default_factory=dict)
     engine: Any = None  # analyze.engine.EngineFindings of a serving-engine (vLLM) trace
+    coverage: dict[str, Any] | None = None  # analyze.coverage.Coverage.to_dict(): steps seen
 
     @property
     def status(self) -> str:

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import click
 
 from qforensics.formats import E4M3_MAX
+from qforensics.trace.budgetopts import DEFAULT_MAX_BYTES, max_bytes_from_env
 
 F = Callable[..., Any]
 
@@ -25,9 +26,9 @@ def capture_options(f: F) -> F:
         click.option("--ring-steps", type=click.IntRange(1, 4096), default=16,
                      show_default=True,
                      help="Steps in the rolling window of per-channel ranges (auto mode)."),
-        click.option("--max-bytes-mib", type=click.FloatRange(min=0), default=4096.0,
-                     show_default=True,
-                     help="Hard cap on the trace file (0: none); recorded when reached."),
+        click.option("--max-bytes-mib", type=click.FloatRange(min=0), default=None,
+                     help="The trace's byte budget for a run of any length (0: none); "
+                          "default: QFORENSICS_MAX_BYTES (e.g. 1G), else 1024."),
         click.option("--modules", "modules_spec", default="default", show_default=True,
                      help='"default" (linears, decoder blocks, logits) or "linear".'),
         click.option("--snapshot-budget-mib", type=float, default=64.0, show_default=True,
@@ -42,9 +43,17 @@ def capture_options(f: F) -> F:
 
 def capture_kwargs(flush_interval: float, channel_dtype: str, channel_steps: str,
                    modules_spec: str, snapshot_budget_mib: float, outlier_threshold: float,
-                   ring_steps: int = 16, max_bytes_mib: float = 4096.0) -> dict[str, Any]:
+                   ring_steps: int = 16, max_bytes_mib: float | None = None) -> dict[str, Any]:
     if flush_interval <= 0:
         raise click.BadParameter("must be positive", param_hint="--flush-interval")
+    if max_bytes_mib is not None:
+        max_bytes: int | None = int(max_bytes_mib * (1 << 20))
+    else:
+        try:
+            max_bytes = max_bytes_from_env()
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="QFORENSICS_MAX_BYTES") from None
+        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     return {
         "flush_interval": flush_interval,
         "channel_dtype": channel_dtype,
@@ -54,5 +63,5 @@ def capture_kwargs(flush_interval: float, channel_dtype: str, channel_steps: str
         "outlier_threshold": outlier_threshold,
         "ring_steps": ring_steps,
         "trigger_window": min(8, ring_steps),
-        "max_bytes": int(max_bytes_mib * (1 << 20)) or None,
+        "max_bytes": max_bytes or None,
     }

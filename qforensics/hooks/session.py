@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qforensics.errors import CaptureError
+from qforensics.trace.budgetopts import DEFAULT_MAX_BYTES
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import fast_take, fused, registry
 from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
@@ -68,7 +69,7 @@ class Capture(CallHooks, StepEnd):
         trigger_window: int = 8,
         trigger_limit: int = 32,
         outlier_growth: float = 4.0,
-        max_bytes: int | None = 4 << 30,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
         metadata: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -79,8 +80,10 @@ class Capture(CallHooks, StepEnd):
             raise CaptureError("flush_interval must be positive (seconds)")
         if ring_steps < 1 or not 0 <= trigger_window <= ring_steps:
             raise CaptureError("ring_steps must be >= 1 and 0 <= trigger_window <= ring_steps")
-        if max_bytes is not None and max_bytes < 0:
-            raise CaptureError("max_bytes must be a positive byte count (or None: no cap)")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(
+                max_bytes, (int, np.integer)) or max_bytes < 0):
+            raise CaptureError(f"max_bytes must be a byte count >= 0 (0 or None: no cap), "
+                               f"got {max_bytes!r}")
         if channel_io not in ("all", "inputs", "none"):
             raise CaptureError("channel_io must be 'all', 'inputs' or 'none'")
         env_rank, env_world = rank_and_world()

@@ -26,6 +26,25 @@ def _put(ds: h5py.Dataset, i: int, value: int) -> None:
     ds.id.write(h5py.h5s.create_simple((1,)), fspace, np.array([value], np.int64))
 
 
+def batch_rows(b: StepBatch) -> dict[str, int]:
+    """Rows appending `b` adds to each appendable dataset."""
+    n_chan = len(b.chan_min) + sum(len(p[1]) for p in b.promote)
+    rows = {"channels/min": n_chan, "channels/max": n_chan,
+            "tokens/absmax": len(b.tok_absmax), "tokens/input_ids": len(b.input_ids),
+            "snapshots/data": len(b.snapshot_bytes)}
+    for table, columns, n in (("steps", schema.STEP_COLUMNS, len(b.steps)),
+                              ("records", schema.RECORD_COLUMNS, len(b.records)),
+                              ("snapshots/index", schema.SNAPSHOT_COLUMNS, len(b.snapshots)),
+                              ("incidents", schema.INCIDENT_COLUMNS, len(b.incidents)),
+                              ("triggers", schema.TRIGGER_COLUMNS, len(b.triggers)),
+                              ("channels/promoted", schema.PROMOTED_COLUMNS, len(b.promote))):
+        rows.update((f"{table}/{name}", n) for name, _, _ in columns)
+    for table, tab in b.engine.items():
+        rows.update((f"engine/{table}/{name}", len(tab))
+                    for name, _, _ in schema.ENGINE_TABLES[table])
+    return rows
+
+
 class ColumnWriter:
     _cols: dict[str, h5py.Dataset]
     _len: dict[str, int]
@@ -37,25 +56,25 @@ class ColumnWriter:
     channel_dtype: np.dtype
 
     def _fits(self, b: StepBatch) -> bool:
-        """False (and the cap noted in /limits) when appending `b` could pass max_bytes."""
+        """False (and the cap noted in /limits) when appending `b` could pass max_bytes less
+        the room held back for the pinned windows (trace/budget.py)."""
         if not self.max_bytes:
             return True
-        n_chan = len(b.chan_min) + sum(len(p[1]) for p in b.promote)
-        grow = [("channels/min", n_chan), ("channels/max", n_chan),
-                ("tokens/absmax", len(b.tok_absmax)), ("tokens/input_ids", len(b.input_ids)),
-                ("snapshots/data", len(b.snapshot_bytes))]
-        for table, columns, n in (("steps", schema.STEP_COLUMNS, len(b.steps)),
-                                  ("records", schema.RECORD_COLUMNS, len(b.records)),
-                                  ("snapshots/index", schema.SNAPSHOT_COLUMNS, len(b.snapshots)),
-                                  ("incidents", schema.INCIDENT_COLUMNS, len(b.incidents)),
-                                  ("triggers", schema.TRIGGER_COLUMNS, len(b.triggers)),
-                                  ("channels/promoted", schema.PROMOTED_COLUMNS,
-                                   len(b.promote))):
-            grow += [(f"{table}/{name}", n) for name, _, _ in columns]
-        if self._within_cap(sum(self._chunk_growth(p, n) for p, n in grow)):
+        if self._within_cap(self._batch_growth(b) + self._reserve()):
             return True
         self._reach_cap(int(b.steps["step"][0]) if len(b.steps) else -1)
         return False
+
+    def _reserve(self, taking: tuple[str, ...] = ()) -> int:  # trace/budget.py
+        return 0
+
+    def _batch_growth(self, b: StepBatch) -> int:
+        """Upper bound of the bytes appending `b` allocates."""
+        return self._growth(batch_rows(b))
+
+    def _growth(self, rows: dict[str, int]) -> int:
+        """Upper bound of the bytes appending so many rows to each dataset allocates."""
+        return sum(self._chunk_growth(p, n) for p, n in rows.items())
 
     def _chunk_growth(self, path: str, n: int) -> int:
         """Upper bound of the bytes appending n rows to a dataset allocates: whole chunks,
@@ -64,7 +83,9 @@ class ColumnWriter:
             return 0
         c, row, _ = self._geometry(path)
         have = self._len[path]
-        return (-(-(have + n) // c) - -(-have // c)) * c * row
+        # a compressed open chunk is rewritten elsewhere when it grows: one more chunk
+        again = 1 if have % c and self._cols[path].compression else 0
+        return (-(-(have + n) // c) - -(-have // c) + again) * c * row
 
     def _geometry(self, path: str) -> tuple[int, int, tuple[int, ...]]:
         """(rows per chunk, bytes per row, row shape) of an appendable dataset, read once."""
@@ -85,11 +106,14 @@ class ColumnWriter:
     def _reach_cap(self, first: int) -> None:
         self.capped_at = first
         self._cols[schema.LIMITS_DATASET][1] = first
-        log.warning("qforensics: trace reached max_bytes=%d at step %d; appending stops, the "
-                    "ring of the last steps keeps turning", self.max_bytes, first)
+        log.warning("qforensics: trace reached max_bytes=%d at step %d; appending of full detail "
+                    "stops: every step's summary, the last steps in the ring and the pinned "
+                    "failure windows are kept", self.max_bytes, first)
 
-    def _write_ring(self, b: StepBatch) -> None:
-        """The step's channel block into slot step % K of the fixed-size circular region."""
+    def _write_ring(self, b: StepBatch, always: bool = False) -> None:
+        """The step's channel block into slot step % K of the fixed-size circular region
+        (`always`: the slot holds the step's detail, so it names the step even when the block
+        does not fit)."""
         if not self.ring_slots or not len(b.steps):
             return
         step = int(b.steps["step"][0])
@@ -99,9 +123,13 @@ class ColumnWriter:
         if n > dmin.shape[1]:
             width = -(-n // 4096) * 4096
             if self.capped_at is not None or not self._within_cap(
-                    2 * dmin.shape[0] * (width - dmin.shape[1]) * dmin.dtype.itemsize):
+                    2 * dmin.shape[0] * (width - dmin.shape[1]) * dmin.dtype.itemsize
+                    + self._reserve()):
                 if self.capped_at is None:
                     self._reach_cap(step)
+                if always:
+                    _put(self._cols["ring/count"], slot, 0)
+                    _put(self._cols["ring/step"], slot, step)
                 return
             dmin.resize((dmin.shape[0], width))
             dmax.resize((dmax.shape[0], width))

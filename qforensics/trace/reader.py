@@ -27,6 +27,7 @@ from qforensics.errors import TraceFormatError, TraceUnreadableError
 from qforensics.formats import MODULE_KINDS
 from qforensics.trace import schema
 from qforensics.trace.blocks import ChannelAccess
+from qforensics.trace.budgetview import BudgetView
 from qforensics.trace.sidetables import SideTables
 from qforensics.trace.snapshots import SnapshotAccess
 from qforensics.trace.table import Table
@@ -70,7 +71,7 @@ def _parse_json(raw: Any, where: str) -> Any:
     return parse_json(raw, where)
 
 
-class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables):
+class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
     """An open trace. Use as a context manager or call `close()`.
 
     `meta` is a dict. numpy views: `step_table`, `record_table()`, `record_columns()`,

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 
 FORMAT_NAME = "qforensics-trace"
-FORMAT_VERSION = (1, 1)  # (major, minor): a reader refuses a newer major
+FORMAT_VERSION = (1, 2)  # (major, minor): a reader refuses a newer major
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
 
 # Record roles
@@ -205,6 +205,51 @@ MODULE_COLUMNS: list[tuple[str, str]] = [
 # was reached (-1: never). Reaching it stops every append; the ring keeps turning in place.
 LIMITS_DATASET = "limits"
 
+# /summary (1.2): every step's summary, never dropped, in a fixed number of rows written in
+# place. Row i holds the steps [i * resolution, (i + 1) * resolution); when a step would need a
+# row past the capacity, adjacent pairs are consolidated (min of mins, max of maxes, sums and
+# counts) and the resolution doubles, round-robin-database style.
+SUMMARY_BLOCKS = "summary/blocks"  # compound (capacity,), SUMMARY_COLUMNS
+SUMMARY_STATE = "summary/state"  # i8 [4]: resolution, rows used, steps seen, capacity
+SUMMARY_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step_lo", "i8", ()),  # first step in the block (-1: empty row)
+    ("step_hi", "i8", ()),  # last step in the block
+    ("count", "i8", ()),  # steps summarized (engine warm-ups included)
+    ("t_first", "f8", ()),  # t_start of the first step
+    ("t_last", "f8", ()),  # t_start + duration of the last step
+    ("duration_max", "f8", ()),
+    ("logits_min", "f4", ()),  # min over the block's steps (finite values; NaN: none)
+    ("logits_max", "f4", ()),
+    ("logits_mean_sum", "f8", ()),  # sum of the steps' logits_mean (finite ones)
+    ("logits_steps", "i8", ()),  # steps contributing to logits_mean_sum
+    ("logits_nan", "i8", ()),  # sums of the steps' counts
+    ("logits_inf", "i8", ()),
+    ("nonfinite_steps", "i8", ()),  # steps (not warm-ups) with NaN/Inf in records or logits
+    ("first_nonfinite_step", "i8", ()),  # first such step in the block (-1)
+    ("first_nonfinite_call", "i8", ()),  # its first_nonfinite_call (-1: only in logits/inputs)
+    ("nonfinite_records", "i8", ()),  # sum of n_nonfinite_records
+    ("incomplete", "i8", ()),  # steps whose forward raised
+    ("warmup", "i8", ()),  # engine warm-up / profile forwards
+    ("bad_requests", "i8", ()),  # sum over steps of requests whose logits row held NaN/Inf
+]
+
+# Ring detail (1.2): once appending of full detail stops (max_bytes), every step's step row,
+# records and per-token maxima also go to its ring slot (next to its channel block), so the
+# last K steps keep their full detail. Record offsets in a slot are relative to the slot.
+RING_STEPS = "ring/steps"  # compound (K,), STEP_COLUMNS
+RING_RECORDS = "ring/records"  # compound (K, R), RECORD_COLUMNS
+RING_TOKENS = "ring/tokens"  # f4 (K, T)
+RING_DETAIL = "ring/detail"  # i8 (K, 2): records and token values the slot holds (0: none)
+
+# /pinned (1.2): the first non-finite step and the first step of each trigger kind, with the W
+# steps before it, kept in full detail in space reserved up front; later ones while room remains.
+PINNED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i8", ()),
+    ("kind", "S16", ()),  # TRIGGER_KINDS
+    ("window_lo", "i8", ()),  # first step of the window kept with it
+    ("kept", "i1", ()),  # 1: in /steps and /records; 0: no room left (counted only)
+]
+
 META_KEYS = ("environment", "capture_options", "status", "outcome")
 
 
@@ -221,6 +266,22 @@ def record_dtype() -> np.dtype:
 @functools.cache  # np.dtype is immutable: built once, shared
 def incident_dtype() -> np.dtype:
     return np.dtype([(n, t, s) for n, t, s in INCIDENT_COLUMNS])
+
+
+@functools.cache  # np.dtype is immutable: built once, shared
+def summary_dtype() -> np.dtype:
+    return columns_dtype("summary")
+
+
+def pinned_dtype() -> np.dtype:
+    return columns_dtype("pinned")
+
+
+@functools.cache
+def columns_dtype(table: str) -> np.dtype:
+    """The structured dtype of a 1.2 table's columns ("summary", "pinned")."""
+    return np.dtype([(n, t, s) for n, t, s in {"summary": SUMMARY_COLUMNS,
+                                               "pinned": PINNED_COLUMNS}[table]])
 
 
 @functools.cache  # np.dtype is immutable: built once, shared

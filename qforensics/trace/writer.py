@@ -17,8 +17,14 @@ slots, the byte cap) is trace/columns.py's.
 Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
 marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
 (never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
-`/triggers`; `max_bytes` stops every append once the next flush could pass it (noted in
-`/limits` and the closing status) while the ring keeps turning.
+`/triggers`.
+
+Format 1.2 holds one byte budget for any duration (trace/budget.py): every step's summary goes
+to the fixed-size `/summary`; once the next flush of full detail could pass `max_bytes` less the
+room held back for the pinned windows, appending of full detail stops (noted in `/limits` and
+the closing status), the ring keeps the last K steps' full detail in place, and the first
+failure (and the first step of each trigger kind) is appended with its window into the room
+held back for it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import numpy as np
 from qforensics.version import __version__
 from qforensics.trace import schema
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
-from qforensics.trace.columns import ColumnWriter
+from qforensics.trace.budget import BudgetWriter
+from qforensics.trace.columns import ColumnWriter, batch_rows
 
 __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
 
@@ -79,7 +86,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter(ColumnWriter):
+class TraceWriter(BudgetWriter, ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -126,6 +133,7 @@ class TraceWriter(ColumnWriter):
         self.ring_chunk = min(1 << 20, max(256, int(ring_chunk)))
         self.max_bytes = int(max_bytes) if max_bytes else 0
         self.capped_at: int | None = None  # step at which max_bytes was reached
+        self.plan_budget(modules, capture_options)  # CaptureError when the options cannot hold
         self._create(modules, environment, capture_options)
         self._thread = threading.Thread(target=self._run, name="qforensics-writer", daemon=True)
         self._thread.start()
@@ -213,6 +221,7 @@ class TraceWriter(ColumnWriter):
                 "step") else 0, np.int64))
         self._cols[schema.LIMITS_DATASET] = f.create_dataset(
             schema.LIMITS_DATASET, data=np.array([self.max_bytes, -1], np.int64))
+        self._create_budget(f)
         f.flush()
         f.swmr_mode = True
         self._file = f
@@ -302,32 +311,61 @@ class TraceWriter(ColumnWriter):
             return
         try:
             with self._lock:
+                self._note(batches)  # summaries, the per-step estimate
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
-                todo = []
-                # a ring slot written twice in one go keeps only its last block
+                empty = np.zeros(0, self.channel_dtype)
+                stripped = [replace(b, chan_min=empty, chan_max=empty, ring=False) if b.ring
+                            else b for b in batches]  # ring blocks: in place, not appended
+                appended = self._append_fitting(stripped)
+                # a ring slot written twice in one go keeps only its last block; a step whose
+                # full detail was not appended goes to the ring whole
                 last_in_slot = {}
                 if self.ring_slots:
                     for i, b in enumerate(batches):
-                        if b.ring and len(b.steps):
+                        if (b.ring or not appended[i]) and len(b.steps):
                             last_in_slot[int(b.steps["step"][0]) % self.ring_slots] = i
-                for i, b in enumerate(batches):  # ring blocks: written in place, not appended
-                    if b.ring:
-                        if len(b.chan_min) and i in last_in_slot.values():
-                            self._write_ring(b)
-                        empty = np.zeros(0, self.channel_dtype)
-                        b = replace(b, chan_min=empty, chan_max=empty, ring=False)
-                    if self.capped_at is None:
-                        todo.append(b)
-                if todo:
-                    merged = merge_batches(todo) if len(todo) > 1 else todo[0]
-                    if self._fits(merged):
-                        self._append_batch(merged)
+                for i in last_in_slot.values():
+                    b = batches[i]
+                    if not appended[i]:
+                        self._write_ring_detail(b)
+                    elif len(b.chan_min):
+                        self._write_ring(b)
+                self._pin(batches, stripped, appended)
+                self._write_summary()
                 self._file.flush()
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
+
+    def _append_fitting(self, batches: list[StepBatch]) -> list[bool]:
+        """Append the batches while they fit the budget (one merged append when all do);
+        which ones were appended."""
+        if self.capped_at is not None:
+            return [False] * len(batches)
+        merged = merge_batches(batches) if len(batches) > 1 else batches[0]
+        if not self.max_bytes or self._within_cap(self._batch_growth(merged) + self._reserve()):
+            self._append_batch(merged)
+            return [True] * len(batches)
+        # the drain that reaches the budget: the longest run of its steps that fits, found by
+        # bisection over the cumulative row counts (one merge, one append)
+        counts = [batch_rows(b) for b in batches]
+        paths = list(counts[0])
+        cum = np.cumsum([[c.get(p, 0) for p in paths] for c in counts], axis=0)
+        reserve = self._reserve()
+        lo, hi = 0, len(batches) - 1  # batches[:lo] fit; batches[:hi + 1] do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._within_cap(self._growth(dict(zip(paths, cum[mid - 1].tolist())))
+                                + reserve):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo:
+            self._append_batch(merge_batches(batches[:lo]) if lo > 1 else batches[0])
+        self._reach_cap(int(batches[lo].steps["step"][0]) if len(batches[lo].steps) else -1)
+        return [i < lo for i in range(len(batches))]
 
     def _append_batch(self, b: StepBatch) -> None:
         for step, pmin, pmax in b.promote:  # ring blocks kept for good after a trigger
@@ -382,6 +420,10 @@ class TraceWriter(ColumnWriter):
         st["steps_written"] = self.steps_written
         if self.capped_at is not None:
             st["max_bytes_reached"] = {"max_bytes": self.max_bytes, "step": self.capped_at}
+        st["pinned"] = {"kept": self.pins_kept, "dropped": self.pins_dropped,
+                        "kinds": sorted(self._pinned)}
+        if self.detail_off:
+            st["ring_detail_off"] = self.detail_off
         if self._failed:
             st["writer_error"] = self._failed
         sealed = False
