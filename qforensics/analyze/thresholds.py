@@ -78,9 +78,10 @@ RATIONALE: dict[str, str] = {
     "entropy_low": "entropy below 0.01 nats after a median ten times higher; healthy greedy "
                    "decoding is that certain for dozens of steps, so it counts only with "
                    "collapse_scale (docs/thresholds.md)",
-    "collapse_scale": "during a healthy collapse or loop the logits' std and max |logit| stay "
-                      "within x1.2 of the request's own median before it (greedy and sampled "
-                      "HF runs, vLLM 8 x 400); a broken scale moves them by its factor",
+    "collapse_scale": "during a healthy collapse the logits' std stays within x1.11 of the "
+                      "request's own median before it, during a healthy loop max |logit| within "
+                      "x1.51 (greedy and sampled HF runs, vLLM 8 x 400); a broken scale moves "
+                      "them by its factor",
     "entropy_uniform": "entropy at 95% of log(vocabulary) is noise: no token preferred",
     "unsafe_fraction": "a scheme that rounds at least half a module's input channels to zero "
                        "destroys that module's input",
