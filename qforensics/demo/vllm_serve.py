@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-ids", metavar="FILE",
                     help="score these token-id lists (JSON) with prompt logprobs instead")
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM's default mode: torch.compile (and CUDA graphs on a GPU) instead "
+                         "of enforce_eager")
     ap.add_argument("--bare-hook", action="store_true",
                     help="a per-channel absmax pre-hook on every linear (a baseline)")
     a = ap.parse_args(argv)
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len,
+    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=not a.compiled, max_model_len=a.max_model_len,
               seed=0, tensor_parallel_size=a.tensor_parallel_size,
               pipeline_parallel_size=a.pipeline_parallel_size,
               gpu_memory_utilization=a.memory_utilization)

@@ -163,8 +163,11 @@ def _wrap_sample(fn: Callable) -> Callable:
 
 
 def _before_load(runner: Any) -> None:
-    """`record --eager` (QFORENSICS_VLLM_EAGER=1): no torch.compile, no CUDA graphs, so that every
-    layer's hooks run. Set on the worker's config before the model is built."""
+    """Set on the worker before the model is built. Always: vLLM's compile cache off
+    (VLLM_DISABLE_COMPILE_CACHE), so that vLLM traces the model with capture's hooks, and never
+    stores that graph where a run without capture would load it. `record --eager`
+    (QFORENSICS_VLLM_EAGER=1): no torch.compile, no CUDA graphs."""
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if os.environ.get("QFORENSICS_VLLM_EAGER") != "1":
         return
     cfg = runner.vllm_config
@@ -210,6 +213,15 @@ def parallel_rank(runner: Any) -> dict[str, int]:
     return out
 
 
+def max_batch_tokens(runner: Any) -> int:
+    """The most token rows one forward of this runner carries (the scheduler's
+    max_num_batched_tokens); 8192 when that cannot be read."""
+    try:
+        return max(1, int(runner.vllm_config.scheduler_config.max_num_batched_tokens))
+    except Exception:
+        return 8192
+
+
 def compile_off(runner: Any) -> bool:
     """True when the runner does not compile the model (torch.compile mode NONE); False when it
     does or when that cannot be read."""
@@ -241,11 +253,8 @@ def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
         info["enforce_eager"] = bool(getattr(mc, "enforce_eager", False))
         info["quantization"] = getattr(mc, "quantization", None)
         info["dtype"] = str(getattr(mc, "dtype", ""))
-        if info["compilation_mode"].upper() not in ("NONE", "0"):
-            blind.append("torch.compile: hooks do not run inside compiled regions")
-        if info["cudagraph_mode"].upper() not in ("NONE", "0") and getattr(
-                runner, "use_cuda_graph", True):
-            blind.append("CUDA graphs: hooks do not run during graph replays")
+        # compiled mode and CUDA graphs: the layers' statistics are traced into the graph
+        # (hooks/graphstats.py); what that cannot see is said in the trace's status
     except Exception as exc:
         blind.append(f"compile state unknown ({type(exc).__name__})")
     info["not_visible"] = blind
@@ -336,8 +345,7 @@ def _attach(runner: Any) -> None:
 
         install_guard(runner, model)
     for line in engine["not_visible"]:
-        sys.stderr.write(f"qforensics: vLLM: cannot see: {line} (record --eager turns both "
-                         "off)\n")
+        sys.stderr.write(f"qforensics: vLLM: cannot see: {line}\n")
     sys.stderr.write(f"qforensics: vLLM worker rank {engine['rank']}: capturing "
                      f"{type(model).__name__} into {cap.path}\n")
 

@@ -41,8 +41,14 @@ class VllmCapture(Capture):
     def __init__(self, model: nn.Module, path: Any, *, runner: Any, **options: Any) -> None:
         super().__init__(model, path, **options)
         self._runner = weakref.ref(runner)
-        # the hooks folded into the layers' forwards only where nothing compiles them
-        self._wrap_forward = self._wrap_forward and adapter.compile_off(runner)
+        # vLLM compiles the model (its default): the layers get compiled mode's torch-op
+        # hooks (hooks/graphmode.py), traced into vLLM's graph; the C hooks folded into the
+        # layers' forwards only where nothing compiles them
+        compiled = not adapter.compile_off(runner)
+        if options.get("compiled") is None:
+            self._graph_mode = compiled
+        self._wrap_forward = self._wrap_forward and not compiled
+        self._tok_rows = adapter.max_batch_tokens(runner)
         self._req_index: dict[str, int] = {}
         self._step_reqs: list[int] = []  # request index per logits row of the open step
         self._logits_step = -1
@@ -73,9 +79,14 @@ class VllmCapture(Capture):
         except Exception as exc:
             self._degrade(exc)
 
+    def _graph_tok_rows(self) -> int:
+        return self._tok_rows
+
     def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
         # hidden states, not logits: the step goes on until the logits processor returns
+        if self._root_depth == 1 and self._in_step:
+            self._graph_reserve()  # compiled mode: the layers' calls, before the logits'
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0 and isinstance(output, torch.Tensor):
             self._hidden = output

@@ -20,7 +20,7 @@ from qforensics.trace import schema
 if TYPE_CHECKING:
     from qforensics.hooks.pending import PendingStep
 
-_HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
+HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
 MAX_INPUTS = 4
 MAX_OUTPUTS = 2
 
@@ -58,6 +58,7 @@ class CallHooks:
         def _end_step(self, complete: bool) -> None: ...
         def _degrade(self, exc: BaseException) -> None: ...
         def _reduce_pending(self, final: bool = False, complete: bool = True) -> None: ...
+        def _graph_reserve(self) -> None: ...
 
     # -- the hooks (hot path) ----------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -98,6 +99,7 @@ class CallHooks:
                 return
             if not self._in_step:
                 self._begin_step(None)
+            self._graph_reserve()  # compiled mode: the layers' calls came before the logits
             logits = _first_tensor(output)
             if logits is not None:
                 self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
@@ -127,7 +129,7 @@ class CallHooks:
                     if n_in >= limit:
                         break
             if not n_in and kwargs:
-                for k in _HIDDEN_KWARGS:
+                for k in HIDDEN_KWARGS:
                     a = kwargs.get(k)
                     if isinstance(a, torch.Tensor):
                         take(ci, mid, 0, 0, a)

@@ -34,6 +34,7 @@ from qforensics.trace.budgetopts import DEFAULT_MAX_BYTES
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import fast_take, fused, registry
 from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
+from qforensics.hooks.graphmode import GraphMode, is_compiled
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.pending import PendingStep
@@ -47,7 +48,7 @@ from qforensics.trace.writer import StepBatch, TraceWriter
 log = logging.getLogger("qforensics.hooks.capture")
 
 
-class Capture(CallHooks, StepEnd):
+class Capture(CallHooks, StepEnd, GraphMode):
     """A capture session on one model. Create with `qforensics.capture(...)`."""
 
     def __init__(
@@ -73,9 +74,16 @@ class Capture(CallHooks, StepEnd):
         metadata: dict[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        compiled: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
+        if compiled not in (None, True, False):
+            raise CaptureError("compiled must be True, False or None (None: compiled when "
+                               "torch.compile wraps the model)")
+        if type(model).__name__ == "OptimizedModule":  # torch.compile(model): hook the model
+            model = model._orig_mod  # type: ignore[assignment]
+            compiled = True if compiled is None else compiled
         if flush_interval <= 0:
             raise CaptureError("flush_interval must be positive (seconds)")
         if ring_steps < 1 or not 0 <= trigger_window <= ring_steps:
@@ -109,7 +117,15 @@ class Capture(CallHooks, StepEnd):
             "outlier_threshold": float(outlier_threshold),
             "pending_budget": int(pending_budget),
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
+            "compiled": "auto" if compiled is None else bool(compiled),
         }
+        # compiled mode (hooks/graphmode.py): torch-op hooks traced into the graph; an engine
+        # adapter may set it before attach
+        self._graph_mode = compiled if compiled is not None else is_compiled(model)
+        self._gs = None
+        self._graph_why: str | None = None
+        self._graph_step = -1
+        self._graph_first = 0
         self._channel_step = parse_steps(channel_steps)
         self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
@@ -207,6 +223,9 @@ class Capture(CallHooks, StepEnd):
                 ring_chunk=ring_chunk(self._modules),
             )
             root_id = len(chosen) - 1
+            if self._graph_mode:
+                self._attach_graph_session(chosen, root_id)
+                return
             # the hooks in C (hooks/fast_take.c) when the extension is already built: they do
             # _on_call's work while a step runs on its plan and call _on_call otherwise
             cursor = self._pending.ensure_cursor()
@@ -229,19 +248,35 @@ class Capture(CallHooks, StepEnd):
                 self._handles.append(mod.register_forward_hook(
                     hook, with_kwargs=True, always_call=True))
             self._hook_path = "forward" if wrapped else "torch"
-            self._handles.append(self.model.register_forward_pre_hook(
-                self._on_root_pre, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(
-                partial(self._on_root_post, root_id), with_kwargs=True, always_call=True))
-            self._attached = True
-            self._sink = register_sink(self.model, self.record_incident)  # guard incidents
-            registry.register_exit(self)
+            self._attach_root(root_id)
         except BaseException:
             self._remove_hooks()
+            self._graph_close()
             registry.release(self.model)
             if self._writer is not None:
                 self._writer.close({"state": "error", "error": "attach failed"})
             raise
+
+    def _attach_graph_session(self, chosen: list, root_id: int) -> None:
+        """Compiled mode: graph hooks on the layers; the root's hooks run outside the graph
+        (torch.compile of the whole model breaks the graph there, before and after the
+        model's own code)."""
+        self._c_hooks = False
+        self._attach_graph(chosen, MAX_INPUTS, MAX_OUTPUTS)
+        self._hook_path = "graph" if self._gs is not None else "none"
+        self._attach_root(root_id, outside_graph=True)
+
+    def _attach_root(self, root_id: int, outside_graph: bool = False) -> None:
+        pre: Any = self._on_root_pre
+        post: Any = partial(self._on_root_post, root_id)
+        if outside_graph:
+            pre, post = torch._dynamo.disable(pre), torch._dynamo.disable(post)
+        self._handles.append(self.model.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(post, with_kwargs=True,
+                                                              always_call=True))
+        self._attached = True
+        self._sink = register_sink(self.model, self.record_incident)  # guard incidents
+        registry.register_exit(self)
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:
@@ -265,6 +300,7 @@ class Capture(CallHooks, StepEnd):
                  p.track), self._next_call)
         self._logits = None
         self._partial = []
+        self._graph_begin()
 
     def _end_step(self, complete: bool) -> None:
         if not self._in_step:
@@ -335,6 +371,8 @@ class Capture(CallHooks, StepEnd):
                 st.update(self._pending.take_status())  # how the hooks' takes ran
                 st["hook_path"] = self._hook_path
                 st["hooks"] = "c" if self._c_hooks else "python"
+                st.update(self._graph_status())
+                self._graph_close()
                 if self._writer is not None:
                     self._writer.close(st)
                 registry.unregister_exit(self)

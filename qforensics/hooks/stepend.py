@@ -136,6 +136,9 @@ class StepEnd:
         self._partial.append(part)
         p.clear()
         if final:
+            graph = self._graph_part()  # compiled mode: the layers' figures (hooks/graphmode.py)
+            if graph is not None:
+                self._partial.append(graph)
             self._emit(logits_row, ids_host, complete)
 
     # -- incidents (runtime guard) ---------------------------------------------------------
@@ -157,6 +160,9 @@ class StepEnd:
             self._incidents.append(row)
         except Exception as exc:  # noqa: BLE001 - never break the guard or the run
             log.warning("qforensics: could not record an incident (%s)", exc)
+
+    if TYPE_CHECKING:  # hooks/graphmode.py (a mixin of the session, like this one)
+        def _graph_part(self) -> dict[str, Any] | None: ...
 
     def _step_kind(self) -> dict[str, Any]:
         """What an engine adapter knows about the step for the flight recorder (prefill,

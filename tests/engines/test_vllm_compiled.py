@@ -1,0 +1,117 @@
+"""`qforensics record` around vLLM in its default mode (torch.compile, no enforce_eager) on the
+real engine and the real SmolLM2: the engine lives, the texts are those of the same program run
+without capture, and every layer is recorded from inside the compiled graph, with the figures
+of the same prompts recorded in eager mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qforensics.analyze.analyzer import analyze_trace
+from qforensics.trace.reader import open_trace
+from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+
+pytestmark = pytest.mark.vllm
+TOKENS = 12
+
+
+def _texts(outputs: dict) -> list[str]:
+    return [o["text"] for o in outputs["runs"][-1]["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def plain_compiled(tmp_path_factory, bf16_model_dir) -> dict:
+    """The same program without qforensics, compiled (vLLM's default)."""
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    tmp = tmp_path_factory.mktemp("vllm-plain-compiled")
+    out = tmp / "o.json"
+    cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(bf16_model_dir),
+           "--compiled", "--max-tokens", str(TOKENS), "--out", str(out),
+           "--prompt", PROMPT_A, "--prompt", PROMPT_B]
+    proc = subprocess.run(cmd, env=serve_env(), capture_output=True, text=True, timeout=1500,
+                          cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def recorded_compiled(tmp_path_factory, bf16_model_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("vllm-rec-compiled")
+    return run_recorded(tmp, bf16_model_dir, [PROMPT_A, PROMPT_B], TOKENS,
+                        serve_args=["--compiled"])
+
+
+@pytest.fixture(scope="module")
+def recorded_eager(tmp_path_factory, bf16_model_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("vllm-rec-eager")
+    return run_recorded(tmp, bf16_model_dir, [PROMPT_A, PROMPT_B], TOKENS)
+
+
+def test_compiled_engine_lives_and_texts_match_the_plain_compiled_run(
+        recorded_compiled, plain_compiled):
+    assert _texts(recorded_compiled["outputs"]) == _texts(plain_compiled)
+    assert all(len(t) > 0 for t in _texts(plain_compiled))
+
+
+def test_every_layer_is_recorded_inside_the_graph(recorded_compiled):
+    with open_trace(recorded_compiled["files"][0]) as t:
+        st = t.meta["status"]
+        eng = t.meta["environment"]["engine"]
+        n_mod = len(t.module_columns["name"])
+        kinds = list(t.module_columns["kind"])
+        steps = t.steps
+        rec = t.records()
+    assert eng["enforce_eager"] is False and eng["compilation_mode"] != "NONE"
+    assert st["capture_mode"] == "compiled" and st["hook_path"] == "graph"
+    assert "graph_not_recorded" not in st
+    # every hooked module but the root ran in the graph; the root is the logits' record
+    assert st["graph_calls"] == n_mod - 1 == kinds.count("linear") + kinds.count("block") + \
+        sum(k not in ("linear", "block", "root") for k in kinds)
+    served = steps[steps["has_logits"] == 1]
+    assert len(served) >= TOKENS
+    for s in served["step"].tolist():
+        mods = set(rec[rec.step == s].module_id)
+        assert mods == set(range(n_mod)), s
+
+
+def test_compiled_figures_are_those_of_eager_mode(recorded_compiled, recorded_eager):
+    """The prefill step (one engine forward over both prompts) in both modes: the same records
+    (module, io, slot, rows, channels) and the same figures within bf16 rounding (Inductor may
+    fuse the model's own ops differently from eager)."""
+    with open_trace(recorded_compiled["files"][0]) as tc, \
+            open_trace(recorded_eager["files"][0]) as te:
+        def prefill(t):
+            es = t.engine_table("steps")
+            s = int(es[(es["warmup"] == 0)]["step"].min())
+            r = t.records()
+            r = r[(r.step == s) & (r.dtype != 6)]  # int positions: other shape conventions
+            return r.sort_values(["module_id", "io", "slot"]).reset_index(drop=True)
+        a, b = prefill(te), prefill(tc)
+    key = ["module_id", "io", "slot", "rows", "channels"]
+    assert a[key].values.tolist() == b[key].values.tolist()
+    for f in ("max", "min", "absmax"):
+        x, y = a[f].values.astype(float), b[f].values.astype(float)
+        assert np.all(np.abs(x - y) <= 0.05 * np.abs(x) + 0.05), f
+
+
+def test_nan_row_found_in_compiled_mode(tmp_path, nan_row_model):
+    model_dir, _ = nan_row_model
+    res = run_recorded(tmp_path, model_dir, [PROMPT_A, PROMPT_B], 4, serve_args=["--compiled"])
+    rep = analyze_trace(str(res["files"][0]))
+    assert rep.verdict == "FAILED"
+    with open_trace(res["files"][0]) as t:
+        assert t.meta["status"]["capture_mode"] == "compiled"
+        names = list(t.module_columns["name"])
+        steps = t.steps
+        rec = t.records()
+    bad = steps[steps["first_nonfinite_call"] >= 0]
+    first = rec[rec.call_index == int(bad["first_nonfinite_call"].iloc[0])]
+    # the embedding's output holds the NaN row; its input (token ids) is finite
+    assert names[int(first.module_id.iloc[0])] == "model.embed_tokens"
+    assert (first[first.io == 0].nan_count == 0).all()

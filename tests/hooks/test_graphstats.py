@@ -1,0 +1,180 @@
+"""Compiled mode (hooks/graphstats.py, hooks/graphmode.py): torch-op hooks that torch.compile
+traces full-graph, their figures against numpy on the tensors themselves, and the capture
+session built on them against the eager capture of the same model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import qforensics
+from qforensics.errors import CaptureError
+from qforensics.hooks import graphmode, graphstats
+from qforensics.trace import schema
+
+from capture_models import Tiny
+
+
+def _stats(tok_rows: int = 64):
+    return graphstats.GraphStats(entries=16, tok_rows=tok_rows, device=torch.device("cpu"),
+                                 channel_limit=8192, channel_io="all")
+
+
+def _hooked_mlp(bound: int = 32):
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    gs = _stats()
+    for mid, mod in enumerate((m[0], m[2])):
+        mod.register_forward_hook(graphstats.make_hook(gs, mid, False, bound, 4, 2),
+                                  with_kwargs=True)
+    return m, gs
+
+
+def _expect(t: torch.Tensor) -> dict:
+    """Figures of one tensor from numpy, finite values only (the trace's meaning)."""
+    a = t.detach().double().numpy().reshape(-1, t.shape[-1])
+    fin = np.isfinite(a)
+    v = a[fin]
+    lo = np.where(fin, a, np.inf).min(0)
+    hi = np.where(fin, a, -np.inf).max(0)
+    return {"min": v.min(), "max": v.max(), "mean": v.mean(), "std": v.std(),
+            "nan": int(np.isnan(a).sum()), "inf": int(np.isinf(a).sum()), "rows": a.shape[0],
+            "cmin": lo, "cmax": hi, "tok": np.where(fin, np.abs(a), 0).max(1)}
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_compiled_hooks_match_numpy_full_graph(dynamic):
+    m, gs = _hooked_mlp()
+    f = torch.compile(m, fullgraph=True, dynamic=dynamic)  # a graph break would raise here
+    for step, n in enumerate((5, 3, 7)):
+        x = torch.randn(n, 16)
+        if step == 2:
+            x[1, 3] = float("nan")
+            x[4, 0] = float("inf")
+        gs.begin(step)
+        with torch.no_grad():
+            y = f(x)
+            h = m[0](x)
+        part = gs.collect(step, 10, True)
+        rec = part["records"]
+        assert rec["call_index"].tolist() == [10, 10, 11, 11]
+        assert rec["module_id"].tolist() == [0, 0, 1, 1]
+        assert rec["io"].tolist() == [0, 1, 0, 1]
+        for r, t in zip(rec, (x, h, torch.relu(h), y)):
+            e = _expect(t)
+            assert r["rows"] == n and r["channels"] == t.shape[-1]
+            assert r["nan_count"] == e["nan"] and r["inf_count"] == e["inf"]
+            np.testing.assert_allclose([r["min"], r["max"], r["mean"], r["std"]],
+                                       [e["min"], e["max"], e["mean"], e["std"]],
+                                       rtol=1e-4, atol=1e-5)
+            o, w = r["chan_offset"], r["channels"]
+            np.testing.assert_allclose(part["cmin"][o:o + w], e["cmin"], rtol=1e-6)
+            np.testing.assert_allclose(part["cmax"][o:o + w], e["cmax"], rtol=1e-6)
+            to, tc = r["tok_offset"], r["tok_count"]
+            np.testing.assert_allclose(part["tok"][to:to + tc], e["tok"], rtol=1e-6)
+        assert (rec["nan_count"][0] > 0) == (step == 2)
+
+
+def test_a_module_that_did_not_run_is_not_reported():
+    m, gs = _hooked_mlp()
+    gs.begin(0)
+    with torch.no_grad():
+        m(torch.randn(2, 16))
+    gs.begin(1)
+    with torch.no_grad():
+        m[0](torch.randn(2, 16))  # only the first layer runs in step 1
+    rec = gs.collect(1, 0, True)["records"]
+    assert rec["module_id"].tolist() == [0, 0]
+    assert gs.collect(2, 0, True) is None  # step 2: nothing ran
+
+
+def test_wider_than_its_bound_keeps_scalars_not_channels():
+    m, gs = _hooked_mlp(bound=16)  # 32-wide tensors exceed it
+    gs.begin(0)
+    with torch.no_grad():
+        m(torch.randn(3, 16))
+    rec = gs.collect(0, 0, True)["records"]
+    wide = rec["channels"] > 16
+    assert wide.any() and (rec["chan_offset"][wide] == -1).all()
+    assert (rec["chan_offset"][~wide] >= 0).all()
+    assert np.isfinite(rec["max"][wide]).all()
+
+
+def test_width_bound_reads_declared_sizes():
+    lin = nn.Linear(1536, 576)
+    assert graphstats.width_bound(lin, 8192) == 1536
+    assert graphstats.width_bound(lin, 1000) == 1000
+    blk = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    assert graphstats.width_bound(blk, 8192) == 24
+
+
+def _run(model: nn.Module, path, steps: int, **kw) -> list[int]:
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = []
+    with qforensics.capture(model, path, **kw), torch.no_grad():
+        for _ in range(steps):
+            logits = model(ids)
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    return out
+
+
+def test_capture_of_a_compiled_model_matches_eager_capture(tmp_path):
+    eager_model = Tiny()
+    toks_e = _run(eager_model, tmp_path / "e.h5", 4)
+    model = Tiny()
+    compiled = torch.compile(model, dynamic=True)
+    toks_c = _run(compiled, tmp_path / "c.h5", 4)
+    assert toks_c == toks_e
+    te, tc = qforensics.open_trace(tmp_path / "e.h5"), qforensics.open_trace(tmp_path / "c.h5")
+    st = tc.meta["status"]
+    assert st["capture_mode"] == "compiled" and st["hook_path"] == "graph"
+    assert st["graph_calls"] == len(te.modules) - 1  # every hooked layer but the root
+    re, rc = te.records(), tc.records()
+    for step in range(4):
+        a = re[(re.step == step)].sort_values(["call_index", "io", "slot"])
+        b = rc[(rc.step == step)].sort_values(["call_index", "io", "slot"])
+        assert a[["module_id", "io", "slot", "rows", "channels"]].values.tolist() == \
+            b[["module_id", "io", "slot", "rows", "channels"]].values.tolist()
+        assert (a.call_index.values - a.call_index.values[0] ==
+                b.call_index.values - b.call_index.values[0]).all()
+        for f in ("min", "max", "mean", "absmax"):
+            np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-4, atol=1e-5)
+        sa, sb = te.steps.iloc[step], tc.steps.iloc[step]
+        assert sb["has_logits"] == 1 and sb["logits_argmax"] == sa["logits_argmax"]
+    assert tc.steps["first_nonfinite_call"].tolist() == [-1] * 4
+
+
+def test_compiled_capture_finds_the_producer(tmp_path):
+    model = Tiny()
+    with torch.no_grad():
+        model.layers[1].down.weight[2, 3] = float("nan")
+    _run(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
+    t = qforensics.open_trace(tmp_path / "c.h5")
+    names = list(t.module_columns["name"])
+    rec = t.records()
+    s0 = t.steps.iloc[0]
+    first = rec[rec.call_index == s0["first_nonfinite_call"]]
+    assert names[int(first.module_id.iloc[0])] == "layers.1.down"
+    inp = first[first.io == schema.IO_INPUT]
+    assert (inp.nan_count == 0).all()  # it produced the NaN from finite input
+
+
+def test_untraceable_torch_records_logits_only_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(graphmode, "_SELFTEST", {"cpu": "Unsupported: pretend"})
+    model = Tiny()
+    _run(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
+    t = qforensics.open_trace(tmp_path / "c.h5")
+    st = t.meta["status"]
+    assert st["hook_path"] == "none" and "pretend" in st["graph_not_recorded"]
+    assert t.steps["has_logits"].tolist() == [1, 1]
+    rec = t.records()
+    assert set(rec.module_id) == {len(t.modules) - 1}  # the root's logits only
+
+
+def test_compiled_flag_must_be_a_bool(tmp_path):
+    with pytest.raises(CaptureError):
+        qforensics.capture(Tiny(), tmp_path / "x.h5", compiled="yes")
