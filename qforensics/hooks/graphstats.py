@@ -272,10 +272,11 @@ def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
     srow.copy_(torch.stack([col_s.sum(), col_ss.sum(), lo.amin(), hi.amax(),
                             col_bad.sum().float(), col_nan.sum().float(), zero + x.shape[0],
                             zero + x.shape[1], gs.stamp]))
-    if cbuf.shape[1] > 1:
-        w = min(cbuf.shape[1], lo.shape[0])
-        cbuf[0, :w].copy_(lo[:w])
-        cbuf[1, :w].copy_(hi[:w])
+    cap = cbuf.shape[1]
+    if cap > 1 and lo.shape[0] <= cap:
+        # the whole buffer, padded: a write into a slice of it would be a scatter that
+        # Inductor's reinplacing pass spends minutes on, hundreds of times over
+        cbuf.copy_(torch.nn.functional.pad(torch.stack([lo, hi]), (0, cap - lo.shape[0])))
     if t.dim() >= 2:
         # by index, not by a slice of the symbolic length: a slice would put a guard on the
         # token count (vLLM's compile refuses any, its dims are marked dynamic); rows past the
