@@ -216,3 +216,29 @@ def test_record_options_read_the_environment_variable(monkeypatch):
     monkeypatch.setenv("QFORENSICS_MAX_BYTES", "lots")
     with pytest.raises(click.BadParameter, match="not a byte count"):
         capture_kwargs(**base)
+
+
+def test_summaries_count_bad_requests_and_leave_warmups_out(tmp_path):
+    from qforensics.trace import schema
+
+    p = tmp_path / "t.h5"
+    w = writer(p, 16 * MIB)
+    for s in range(6):
+        b = batch(s, nan_module=30 if s in (0, 4) else None)
+        es = np.zeros(1, schema.engine_dtype("steps"))
+        es["step"], es["warmup"] = s, int(s == 0)  # step 0: a warm-up forward
+        b.engine = {"steps": es}
+        if s == 4:  # the root's per-request flag record: requests 1 and 2 of 3 went bad
+            flag = np.zeros(1, schema.record_dtype())
+            flag["step"], flag["module_id"], flag["io"], flag["slot"] = 4, 39, 1, 1
+            flag["tok_offset"], flag["tok_count"], flag["chan_offset"] = len(b.tok_absmax), 3, -1
+            b.records = np.concatenate([b.records, flag])
+            b.tok_absmax = np.concatenate([b.tok_absmax, np.array([0, 1, 1], np.float32)])
+        w.submit(b)
+    w.close()
+    with qforensics.open_trace(p) as t:
+        summ = t.summary_table
+        assert int(summ["warmup"].sum()) == 1
+        assert int(summ["nonfinite_steps"].sum()) == 1  # the warm-up's NaN drives nothing
+        bad = summ["first_nonfinite_step"][summ["first_nonfinite_step"] >= 0]
+        assert bad.tolist() == [4] and int(summ["bad_requests"].sum()) == 2
