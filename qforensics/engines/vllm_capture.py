@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qforensics.formats import KIND_LINEAR
 from qforensics.hooks import reduce
 from qforensics.hooks.session import Capture
 from qforensics.engines import vllm as adapter
@@ -58,9 +59,23 @@ class VllmCapture(Capture):
         # request, so "more than one token" does not mean prefill here
         self._step_prefill: bool | None = None
         self._step_warmup = False
+        self._lm_id: int | None = None
+
+    def _adapter_modules(self, chosen: list) -> list:
+        """vLLM's lm_head: its logits processor applies it (quant_method.apply), never its
+        forward, so no hook sees it; the logits' call is recorded as lm_head's (input: the
+        hidden states, output: the logits), so that analyze can name it, and the embedding it
+        is tied to (SmolLM2), as the producer of non-finite logits."""
+        lm = getattr(self.model, "lm_head", None)
+        if not isinstance(lm, nn.Module) or any(m is lm for _, m, _ in chosen):
+            return []
+        return [("lm_head", lm, KIND_LINEAR)]
 
     def attach(self) -> None:
         super().attach()
+        lm = getattr(self.model, "lm_head", None)
+        self._lm_id = next((i for i, m in enumerate(self._modules) if m is lm and i < len(
+            self._modules) - 1), None) if isinstance(lm, nn.Module) else None
         lp = getattr(self.model, "logits_processor", None)
         if isinstance(lp, nn.Module):
             self._handles.append(lp.register_forward_hook(self._on_logits, always_call=True))
@@ -97,6 +112,12 @@ class VllmCapture(Capture):
         try:
             if isinstance(output, torch.Tensor):
                 root_id = len(self._names) - 1
+                hidden = args[1] if len(args) > 1 else None
+                if self._lm_id is not None and isinstance(hidden, torch.Tensor):
+                    ci = self._next_call  # lm_head's call: hidden states in, logits out
+                    self._pending.take(ci, self._lm_id, schema.IO_INPUT, 0, hidden)
+                    self._pending.take(ci, self._lm_id, schema.IO_OUTPUT, 0, output)
+                    self._next_call += 1
                 ci = self._next_call
                 self._pending.take(ci, root_id, schema.IO_OUTPUT, 0, output)
                 # Which rows are non-finite, as [rows, 1] 0/1 tensors whose per-token absmax

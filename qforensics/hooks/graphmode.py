@@ -61,7 +61,9 @@ class GraphMode:
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
                       max_outputs: int) -> int:
         """The torch-op hooks on every chosen module but the root; returns how many."""
-        mods = [(mid, m, k) for mid, (_, m, k) in enumerate(chosen) if k != "root"]
+        skip = getattr(self, "_unhooked", set())
+        mods = [(mid, m, k) for mid, (_, m, k) in enumerate(chosen)
+                if k != "root" and id(m) not in skip]
         if not mods:
             return 0
         p = next(iter(chosen[-1][1].parameters()), None)

@@ -126,6 +126,7 @@ class Capture(CallHooks, StepEnd, GraphMode):
         self._graph_why: str | None = None
         self._graph_step = -1
         self._graph_first = 0
+        self._unhooked: set[int] = set()  # ids of modules the adapter records (no hook)
         self._channel_step = parse_steps(channel_steps)
         self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
@@ -189,6 +190,10 @@ class Capture(CallHooks, StepEnd, GraphMode):
             )
         try:
             chosen = select_modules(self.model, self._module_spec)
+            extra = self._adapter_modules(chosen)
+            if extra and chosen and chosen[-1][2] == "root":  # before the root, which is last
+                chosen = chosen[:-1] + extra + chosen[-1:]
+            self._unhooked = {id(m) for _, m, _ in extra}
             if len(chosen) <= 1:
                 raise CaptureError(
                     f"nothing to hook in {type(self.model).__name__}: no Linear-like modules or "
@@ -233,7 +238,7 @@ class Capture(CallHooks, StepEnd, GraphMode):
             self._c_hooks = c_hook is not None
             wrapped = 0
             for mid, (name, mod, kind) in enumerate(chosen):
-                if kind == "root":
+                if kind == "root" or id(mod) in self._unhooked:
                     continue
                 hook: Any = partial(self._on_call, mid, kind == "block")
                 if c_hook is not None:
@@ -277,6 +282,13 @@ class Capture(CallHooks, StepEnd, GraphMode):
         self._attached = True
         self._sink = register_sink(self.model, self.record_incident)  # guard incidents
         registry.register_exit(self)
+
+    def _adapter_modules(self, chosen: list[tuple[str, nn.Module, str]]
+                         ) -> list[tuple[str, nn.Module, str]]:
+        """Modules an engine adapter records itself instead of through a hook (vLLM's lm_head,
+        which its logits processor applies without calling its forward): listed in the trace
+        like the hooked ones, with their parameter evidence; none for a plain model."""
+        return []
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:

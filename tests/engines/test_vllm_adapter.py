@@ -298,3 +298,84 @@ def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
     # only the decode trigger's window, 9-16, less the prefill (kept for good, not in the ring)
     assert promoted == [s for s in range(17 - 8, 17) if s != 11]
     assert {0, 11, 17} <= kept
+
+
+def _serve_two_steps(r) -> None:
+    ib = r.input_batch
+    ib.req_ids = ["A", "B"]
+    ib.num_prompt_tokens[:2] = [3, 2]
+    r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 8, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+    r.sample_tokens()
+    ib.num_computed_tokens_cpu[:2] = [3, 2]
+    r.execute_model(_sched(["A", "B"], [1, 1], [11, 12], [3, 2], [0, 1]))
+    r.sample_tokens()
+
+
+def test_tied_lm_head_row_is_named_as_the_logits_producer(tmp_path, monkeypatch,
+                                                          fresh_adapter):
+    """vLLM applies lm_head through its logits processor, never through lm_head's forward. With
+    lm_head tied to the embedding and the embedding's row 7 NaN (a token never read), the
+    hidden states stay finite and logit 7 of every row is NaN: the producer is lm_head, from
+    finite input, and the cause its weight's row 7, tied to the embedding."""
+    from qforensics.analyze.analyzer import analyze_trace
+
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t.h5"))
+    mod = _runner_module("tied_model_runner")
+    load = mod.FakeModelRunner.load_model
+
+    def load_tied(self) -> None:  # the checkpoint as loaded, before capture attaches
+        load(self)
+        with torch.no_grad():
+            self.model.lm_head.weight = self.model.embed.weight  # tied, as SmolLM2's
+            self.model.embed.weight[7] = float("nan")
+
+    mod.FakeModelRunner.load_model = load_tied
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    cap = fresh_adapter._captures[id(r)]
+    try:
+        _serve_two_steps(r)
+    finally:
+        cap.close()
+    rep = analyze_trace(str(tmp_path / "t.h5"))
+    assert rep.status == "FAILED"
+    first = rep.first_nonfinite
+    assert first.producer == "lm_head" and first.tensor == "output"
+    cause = rep.cause
+    assert cause is not None and cause.kind == "corrupted_parameters", cause
+    assert cause.module == "lm_head"
+    t0 = cause.tensors[0]
+    assert (t0["param"], t0["row"]) == ("weight", 7)
+    assert "embed.weight" in cause.line, cause.line  # the tie is named
+
+
+def test_compiled_runner_records_the_same_figures_as_eager(tmp_path, monkeypatch,
+                                                         fresh_adapter):
+    """A runner whose config says vLLM compiles the model gets compiled mode's torch-op hooks
+    (here run eagerly: the stand-in does not compile); its records equal those of the eager
+    capture of the same steps."""
+    traces = {}
+    for mode in ("NONE", "VLLM_COMPILE"):
+        monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / f"{mode}.h5"))
+        mod = _runner_module(f"{mode.lower()}_model_runner")
+        fresh_adapter.patch_runner_module(mod)
+        r = mod.FakeModelRunner()
+        r.vllm_config.compilation_config.mode = SimpleNamespace(name=mode)
+        r.load_model()
+        cap = fresh_adapter._captures[id(r)]
+        try:
+            _serve_two_steps(r)
+        finally:
+            cap.close()
+        traces[mode] = open_trace(tmp_path / f"{mode}.h5")
+    e, c = traces["NONE"], traces["VLLM_COMPILE"]
+    assert c.meta["status"]["capture_mode"] == "compiled"
+    assert e.meta["status"]["capture_mode"] == "eager"
+    for step in (0, 1):
+        a = e.records(step).sort_values(["call_index", "io", "slot"])
+        b = c.records(step).sort_values(["call_index", "io", "slot"])
+        cols = ["module_id", "io", "slot", "rows", "channels", "nan_count"]
+        assert a[cols].values.tolist() == b[cols].values.tolist()
+        for f in ("min", "max", "mean", "std"):
+            np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
