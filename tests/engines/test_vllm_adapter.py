@@ -300,7 +300,21 @@ def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
     assert {0, 11, 17} <= kept
 
 
-def _serve_two_steps(r) -> None:
+def _serve_two_steps(adapter_mod, mod, mode: str = "NONE") -> None:
+    """Patch the stand-in runner module, load its model (capture attaches) with the
+    compilation `mode`, serve a prefill of A and B and one decode step, close the capture."""
+    adapter_mod.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.vllm_config.compilation_config.mode = SimpleNamespace(name=mode)
+    r.load_model()
+    cap = adapter_mod._captures[id(r)]
+    try:
+        _two_steps(r)
+    finally:
+        cap.close()
+
+
+def _two_steps(r) -> None:
     ib = r.input_batch
     ib.req_ids = ["A", "B"]
     ib.num_prompt_tokens[:2] = [3, 2]
@@ -330,14 +344,7 @@ def test_tied_lm_head_row_is_named_as_the_logits_producer(tmp_path, monkeypatch,
             self.model.embed.weight[7] = float("nan")
 
     mod.FakeModelRunner.load_model = load_tied
-    fresh_adapter.patch_runner_module(mod)
-    r = mod.FakeModelRunner()
-    r.load_model()
-    cap = fresh_adapter._captures[id(r)]
-    try:
-        _serve_two_steps(r)
-    finally:
-        cap.close()
+    _serve_two_steps(fresh_adapter, mod)
     rep = analyze_trace(str(tmp_path / "t.h5"))
     assert rep.status == "FAILED"
     first = rep.first_nonfinite
@@ -358,16 +365,7 @@ def test_compiled_runner_records_the_same_figures_as_eager(tmp_path, monkeypatch
     traces = {}
     for mode in ("NONE", "VLLM_COMPILE"):
         monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / f"{mode}.h5"))
-        mod = _runner_module(f"{mode.lower()}_model_runner")
-        fresh_adapter.patch_runner_module(mod)
-        r = mod.FakeModelRunner()
-        r.vllm_config.compilation_config.mode = SimpleNamespace(name=mode)
-        r.load_model()
-        cap = fresh_adapter._captures[id(r)]
-        try:
-            _serve_two_steps(r)
-        finally:
-            cap.close()
+        _serve_two_steps(fresh_adapter, _runner_module(f"{mode.lower()}_model_runner"), mode)
         traces[mode] = open_trace(tmp_path / f"{mode}.h5")
     e, c = traces["NONE"], traces["VLLM_COMPILE"]
     assert c.meta["status"]["capture_mode"] == "compiled"
