@@ -34,8 +34,9 @@ def smollm():
         pytest.fail(f"the demo model is needed: {exc}")
 
 
-def _run(model, tok, path, prompt, n, fault=None, where="norm"):
-    """Greedy `n` new tokens under capture; `fault(step, out) -> out` from forward K on."""
+def _run(model, tok, path, prompt, n, fault=None, where="norm", sample=False):
+    """Greedy (or sampled: T 0.8, top-p 0.95, seed 0) `n` new tokens under capture;
+    `fault(step, out) -> out` from forward K on."""
     import torch
 
     import qforensics
@@ -51,9 +52,12 @@ def _run(model, tok, path, prompt, n, fault=None, where="norm"):
         hooks.append(mod.register_forward_hook(hook))
     try:
         ids = tok(prompt, return_tensors="pt").input_ids
+        kw = dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sample else dict(
+            do_sample=False)
+        torch.manual_seed(0)
         with torch.no_grad(), qforensics.capture(model, path):
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=tok.eos_token_id)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n,
+                           pad_token_id=tok.eos_token_id, **kw)
     finally:
         for h in hooks:
             h.remove()
@@ -77,6 +81,15 @@ def test_healthy_long_greedy_run_passes(smollm, tmp_path):
     assert longest >= 3 and np.median(ent) >= 0.1
     assert f.status == PASSED, f.verdict.line
     assert f.precursors == [] and [e for e in f.evidence if e.suspect] == []
+
+
+def test_healthy_sampled_run_passes(smollm, tmp_path):
+    model, tok = smollm
+    f = _run(model, tok, tmp_path / "sampled.h5", FAULT_PROMPT, 200, sample=True)
+    with open_trace(tmp_path / "sampled.h5") as t:
+        ent = t.step_table["logits_entropy"].astype(float)
+    assert len(ent) == 200 and np.median(ent) > 0.5  # sampling: a spread distribution
+    assert f.status == PASSED and f.precursors == [], f.verdict.line
 
 
 def test_scale_blown_mid_run_is_an_entropy_collapse(smollm, tmp_path):
