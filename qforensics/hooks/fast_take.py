@@ -78,7 +78,7 @@ class FastTake:
             self._tried_cache = True
             try:  # built by an earlier process: load it now (~1 ms)
                 path = fused.library_path(source=SOURCE, flags=_flags(), libs=())
-                if path.exists():
+                if path.exists() and fused.trusted(path):
                     self._build_and_load()
                     return self._cursor
             except OSError:

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("qforensics.hooks.capture")
 
 SOURCE = Path(__file__).with_name("fused_reduce.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
@@ -89,18 +93,62 @@ def library_path(cc: str | None = None, out_dir: Path | None = None, *,
     return (out_dir or cache_dir()) / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
+def trusted(path: Path) -> bool:
+    """Only this user (or root) can have written `path`: it and every folder above it are
+    owned by this user or root and writable by nobody else (a root-owned sticky folder such as
+    /tmp counts: nobody else can replace what this user made in it). A library is loaded into
+    the process only from such a path."""
+    me = os.geteuid()
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if st.st_uid not in (me, 0) or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+        return False
+    for parent in Path(os.path.abspath(path)).parents:
+        try:
+            ps = os.stat(parent)
+        except OSError:
+            return False
+        if ps.st_uid not in (me, 0):
+            return False
+        if ps.st_mode & 0o022 and not (ps.st_uid == 0 and ps.st_mode & stat.S_ISVTX):
+            return False
+    return True
+
+
+_PRIVATE: list[Path] = []  # this process's own kernel folder, when the cache is not trusted
+
+
+def _private_dir() -> Path:
+    if not _PRIVATE:
+        _PRIVATE.append(Path(tempfile.mkdtemp(prefix="qforensics-kernels-")))  # mode 0700
+    return _PRIVATE[0]
+
+
 def build(cc: str | None = None, out_dir: Path | None = None, *, source: Path = SOURCE,
           flags: tuple[str, ...] = FLAGS, libs: tuple[str, ...] = LIBS) -> Path:
     """Compile a C source of this package (fused_reduce.c unless told) into a shared library,
-    or find it already built; its path."""
+    or find it already built; its path. A cache folder or file that others could write is
+    never loaded from: the library is then built into a private folder of this process."""
     cc = cc or os.environ.get("CC") or "cc"
     dst = library_path(cc, out_dir, source=source, flags=flags, libs=libs)
-    if dst.exists():
+    if dst.exists() and trusted(dst):
         return dst
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     dst_dir = dst.parent
-    dst_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        dst_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass
+    if not trusted(dst_dir) or (dst.exists() and not trusted(dst)):
+        log.warning("qforensics: kernel cache %s can be written by others; building into a "
+                    "private folder instead", dst_dir)
+        dst = _private_dir() / dst.name
+        dst_dir = dst.parent
+        if dst.exists():
+            return dst
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
     os.close(fd)
     try:
@@ -144,7 +192,7 @@ class FusedReducer:
             # numbers do not depend on when a background thread finished
             self._tried_cache = True
             try:
-                if library_path().exists():
+                if library_path().exists() and trusted(library_path()):
                     self._load()
                     fns = self._fns
             except OSError:
