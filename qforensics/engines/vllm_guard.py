@@ -318,8 +318,17 @@ def install_guard(runner: Any, model: nn.Module) -> VllmGuard | None:
     raw = os.environ.get("QFORENSICS_GUARD")
     if not raw:
         return None
+    pol = _policy_from_env(raw)
+    if not adapter.compile_off(runner):
+        # vLLM compiles the model: hooks added to its layers after the compile never run, and
+        # a rerun replays the compiled graph, which no layer swap reaches. What works there is
+        # the per-request logits check and sanitizing (outside the graph).
+        pol["check"], pol["max_reruns"] = "logits", 0
+        sys.stderr.write("qforensics: vLLM guard in compiled mode: per-request logits check "
+                         "and sanitizing only (locating a layer and its fallback rerun need "
+                         "record --eager)\n")
     try:
-        g = VllmGuard(model, resolve_policy(_policy_from_env(raw)), runner)
+        g = VllmGuard(model, resolve_policy(pol), runner)
         g.attach()
     except Exception as exc:
         sys.stderr.write(f"qforensics: vLLM guard not installed: {type(exc).__name__}: {exc}\n")

@@ -169,7 +169,7 @@ def _runner_module(name: str) -> types.ModuleType:
     return mod
 
 
-def _serve(tmp_path, monkeypatch, adapter_mod, name, guard: bool):
+def _serve(tmp_path, monkeypatch, adapter_mod, name, guard: bool, mode: str = "NONE"):
     monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / f"{name}.h5"))
     monkeypatch.setenv("QFORENSICS_OPTIONS", "{}")
     if guard:
@@ -179,6 +179,7 @@ def _serve(tmp_path, monkeypatch, adapter_mod, name, guard: bool):
     mod = _runner_module(name)
     adapter_mod.patch_runner_module(mod)
     r = mod.StandInModelRunner()
+    r.vllm_config.compilation_config.mode = SimpleNamespace(name=mode)
     r.load_model()
     cap = adapter_mod._captures[id(r)]
     out = []
@@ -232,6 +233,21 @@ def test_the_guard_repairs_the_layer_and_names_each_request_once(tmp_path, monke
     assert "in the output of layers.1" in c.detail and c.nan_count + c.inf_count > 0
     assert not any(a in ("request_sanitized", "guard_off") for _s, _m, a in acts)
     assert int(torch.isinf(r.model.layers[1].scales).sum()) == 1  # vLLM's tensors untouched
+
+
+def test_in_compiled_mode_the_guard_checks_and_sanitizes_the_logits_only(
+        tmp_path, monkeypatch, fresh_adapter, capsys):
+    """vLLM compiles the model: no layer hook added after the compile would run and no rerun
+    would reach a swapped layer, so the guard says so, checks each request's logits and
+    sanitizes them; the engine's outputs are finite and no layer fallback is claimed."""
+    r, out, inc, _env = _serve(tmp_path, monkeypatch, fresh_adapter, "compiled_guarded", True,
+                               mode="VLLM_COMPILE")
+    err = capsys.readouterr().err
+    assert "vLLM guard in compiled mode: per-request logits check and sanitizing only" in err
+    assert all(bool(torch.isfinite(o).all()) for o in out)
+    acts = {i.action for i in inc}
+    assert "request_sanitized" in acts
+    assert not acts & {"fallback", "dequantized", "request_repaired"}
 
 
 def test_a_guard_failure_turns_it_off_and_the_engine_goes_on(tmp_path, monkeypatch,
