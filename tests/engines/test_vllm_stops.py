@@ -201,3 +201,35 @@ def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf
     out = subprocess.run([sys.executable, "-m", "qforensics.cli", "analyze", str(path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "the writer never closed the file" in out.stdout
+
+
+HEALTHY_PROMPTS = [
+    "The capital of France is", "Quantization of large language models means",
+    "Once upon a time, in a small village by the sea,",
+    "The three laws of thermodynamics state that", "def fibonacci(n):",
+    "A recipe for a simple tomato soup:", "The history of the Roman Empire began",
+    "Photosynthesis is the process by which",
+]
+
+
+def test_healthy_8x400_run_ends_complete_and_passes(tmp_path, bf16_model_dir):
+    """The issue's false alarm: the unquantized model, 8 prompts x 400 greedy tokens, eager,
+    ended normally (the offline API's exit). It holds what the old rules fired on (here: a
+    request that greedily repeats one token, read from the tokens vLLM sampled) and reads
+    PASSED (docs/thresholds.md)."""
+    from conftest import run_recorded
+
+    run = run_recorded(tmp_path, bf16_model_dir, HEALTHY_PROMPTS, 400, extra=["--eager"])
+    (path,) = run["files"]
+    with open_trace(path) as tr:
+        assert tr.end.complete and tr.end.reason.startswith("complete")
+        sampled = tr.engine_columns("sampled")
+    longest = 0
+    for r in np.unique(sampled["request"]):
+        mine = sampled["request"] == r
+        tok = sampled["token"][mine][np.argsort(sampled["step"][mine], kind="stable")]
+        same = np.r_[0, np.nonzero(np.diff(tok) != 0)[0] + 1, len(tok)]
+        longest = max(longest, int(np.diff(same).max()))
+    assert longest >= 8, "no request looped: the old repeat rule's symptom is not in this run"
+    f = analyze_trace(path)
+    assert f.status == PASSED and f.precursors == [], f.verdict.line
