@@ -137,25 +137,36 @@ class BudgetWriter:
                              *(batch_bytes(b, item) for b in batches))
         self._seen_steps = True
         have = [b for b in batches if len(b.steps)]
+        self._bad_steps: set[int] = set()
         if have:
-            one = len(have) == 1
-            steps = have[0].steps if one else np.concatenate([b.steps for b in have])
-            warm = self._warm(have[0]) if one else np.concatenate([self._warm(b) for b in have])
-            bad = (self._bad_requests(have[0]) if one
+            if len(have) == 1:
+                steps = have[0].steps
+            else:  # row by row: np.concatenate of structured arrays costs more than this
+                steps = np.empty(sum(len(b.steps) for b in have), schema.step_dtype())
+                i = 0
+                for b in have:
+                    steps[i:i + len(b.steps)] = b.steps
+                    i += len(b.steps)
+            warm = self._warm(have[0]) if len(have) == 1 else np.concatenate(
+                [self._warm(b) for b in have])
+            bad = (self._bad_requests(have[0]) if len(have) == 1
                    else np.concatenate([self._bad_requests(b) for b in have]))
-            self._summaries.add(step_summaries(steps, warm, bad))
+            rows = step_summaries(steps, warm, bad)
+            self._summaries.add(rows)
+            if rows["nonfinite_steps"].any():
+                self._bad_steps = set(rows["step_lo"][rows["nonfinite_steps"] > 0].tolist())
         if self.ring_slots and self._detail_shape == (0, 0) and self.detail_off is None:
             self._allocate_detail(batches)
 
     _seen_steps = False
+    _bad_steps: set[int] = set()
 
     @staticmethod
     def _warm(b: StepBatch) -> np.ndarray:
         es = b.engine.get("steps")
-        warm = np.zeros(len(b.steps), bool)
-        if es is not None and len(es):
-            warm |= np.isin(b.steps["step"], es["step"][es["warmup"] > 0])
-        return warm
+        if es is None or not len(es):
+            return np.zeros(len(b.steps), bool)
+        return np.isin(b.steps["step"], es["step"][es["warmup"] > 0])
 
     def _bad_requests(self, b: StepBatch) -> np.ndarray:
         """Requests whose logits row held NaN/Inf (an engine's root record, slot 1)."""
@@ -248,12 +259,13 @@ class BudgetWriter:
 
     # -- pinned windows ----------------------------------------------------------------------
     def _kinds(self, b: StepBatch) -> list[str]:
+        """Trigger kinds of a step: its triggers, and `nonfinite` when its summary (`_note`,
+        warm-ups left out) says it held NaN/Inf."""
         kinds = [_decode(k) for k in b.triggers["kind"]] if len(b.triggers) else []
-        s = b.steps
-        if len(s) and "nonfinite" not in kinds and not self._warm(b).any() and (
-                (s["n_nonfinite_records"] > 0) | (s["logits_nan"] > 0)
-                | (s["logits_inf"] > 0)).any():
+        if self._bad_steps and len(b.steps) and int(b.steps["step"][0]) in self._bad_steps:
             kinds.append("nonfinite")
+        if not kinds:
+            return kinds
         return [k for k in dict.fromkeys(kinds) if k in _KINDS]
 
     def _pin(self, batches: list[StepBatch], stripped: list[StepBatch],

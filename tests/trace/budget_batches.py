@@ -19,7 +19,7 @@ def writer(path, max_bytes: int, *, ring: int = 8, window: int = 4, **kw) -> Tra
 
 
 def batch(step: int, *, nan_module: int | None = None, width: int = 64, t0: float = 0.0,
-          dt: float = 0.05, logit: float = 10.0) -> StepBatch:
+          dt: float = 0.05, logit: float = 10.0, triggers: bool = True) -> StepBatch:
     """One decode step: each module one input and one output record of `width` channels (the
     ring's per-channel block), one token row; `nan_module`: that module's output holds a NaN
     (and so do the logits)."""
@@ -58,8 +58,9 @@ def batch(step: int, *, nan_module: int | None = None, width: int = 64, t0: floa
         st["first_nonfinite_record"] = int(bad[0])
         st["first_nonfinite_call"] = int(rec["call_index"][bad[0]])
         st["logits_nan"] = 1
-        trig = np.zeros(1, schema.trigger_dtype())
-        trig["step"], trig["kind"], trig["value"], trig["kept"] = step, b"nonfinite", 1.0, 1
+        if triggers:  # as the flight recorder marks it (channel_steps="auto")
+            trig = np.zeros(1, schema.trigger_dtype())
+            trig["step"], trig["kind"], trig["value"], trig["kept"] = step, b"nonfinite", 1.0, 1
     ch = np.tile(np.linspace(-1, 1, width, dtype=np.float32), n)
     return StepBatch(steps=st, records=rec, chan_min=ch - 1, chan_max=ch + 1,
                      tok_absmax=np.ones(n, np.float32), input_ids=np.array([step], np.int64),

@@ -242,3 +242,13 @@ def test_summaries_count_bad_requests_and_leave_warmups_out(tmp_path):
         assert int(summ["nonfinite_steps"].sum()) == 1  # the warm-up's NaN drives nothing
         bad = summ["first_nonfinite_step"][summ["first_nonfinite_step"] >= 0]
         assert bad.tolist() == [4] and int(summ["bad_requests"].sum()) == 2
+
+
+def test_failure_without_a_trigger_is_pinned_from_its_summary(tmp_path):
+    p = tmp_path / "t.h5"
+    write_run(writer(p, 13 * MIB), 3000, nan_at={2500}, triggers=False)
+    with qforensics.open_trace(p) as t:
+        assert t.limits["reached_at_step"] < 2500 and 2500 in t.steps.step.tolist()
+        assert t.pinned_table["kind"].tolist() == ["nonfinite"]
+    f = analyze_trace(p)
+    assert f.status == "FAILED" and f.first_nonfinite.step == 2500
