@@ -211,8 +211,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     warm = warmup_steps(trace)
     steps = without_warmup(steps, warm)
     fail_row = find_first_bad_step(steps)
-    fail_row = _cross_check(trace, steps, fail_row, notes)
-    cov = _guarded(trace, lambda: find_coverage(trace, steps), None)
+    fail_row = _cross_check(trace, steps, fail_row, notes, warm)
+    cov = _guarded(trace, lambda: find_coverage(trace, steps, warm), None)
     first = None
     focus: list[int] = []
     recs = None
@@ -375,11 +375,12 @@ def _guarded(trace: Trace, get: Any, default: Any) -> Any:
 
 
 def _cross_check(trace: Trace, steps: Table, fail_row: int | None,
-                 notes: list[str]) -> int | None:
+                 notes: list[str], warm: np.ndarray) -> int | None:
     """The per-step summaries against a scan of every record's NaN/Inf counts: a step whose
     records hold NaN/Inf is failing even when its summary (damaged, or written by a killed run)
-    says otherwise."""
+    says otherwise. A warm-up forward's records (vLLM's dummy batch) never count."""
     bad_steps = trace.nonfinite_record_steps()
+    bad_steps = bad_steps[~np.isin(bad_steps, warm)]
     if not len(bad_steps) or not len(steps):
         return fail_row
     rows = np.nonzero(np.isin(steps["step"], bad_steps))[0]

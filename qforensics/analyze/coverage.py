@@ -115,8 +115,10 @@ class Coverage:
                 "line": self.line()}
 
 
-def find_coverage(trace: Trace, steps: Table) -> Coverage:
-    """The coverage of one trace (`steps`: its /steps rows, warm-ups left out)."""
+def find_coverage(trace: Trace, steps: Table, warm: np.ndarray | None = None) -> Coverage:
+    """The coverage of one trace (`steps`: its /steps rows, warm-ups left out; `warm`: the
+    warm-up steps, whose non-finite summaries never count: vLLM's compiled warm-up forward runs
+    on a dummy batch)."""
     st = np.asarray(steps["step"], np.int64) if not steps.empty else np.zeros(0, np.int64)
     lim = trace.limits
     stopped = int(lim.get("reached_at_step", -1))
@@ -134,7 +136,9 @@ def find_coverage(trace: Trace, steps: Table) -> Coverage:
     cov = Coverage(int(summ["count"].sum()), int(summ["step_lo"][0]),
                    int(summ["step_hi"][-1]), _spans(st), ring,
                    max(1, int(state.get("resolution", 1))), stopped, True, pinned)
-    bad = np.nonzero(summ["first_nonfinite_step"] >= 0)[0]
+    first_bad = np.asarray(summ["first_nonfinite_step"], np.int64)
+    bad = np.nonzero((first_bad >= 0) & ~np.isin(first_bad, warm if warm is not None
+                                                    else np.zeros(0, np.int64)))[0]
     if len(bad):
         cov.first_nonfinite_step = int(summ["first_nonfinite_step"][bad[0]])
         cov.first_nonfinite_call = int(summ["first_nonfinite_call"][bad[0]])

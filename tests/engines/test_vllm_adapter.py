@@ -377,3 +377,30 @@ def test_compiled_runner_records_the_same_figures_as_eager(tmp_path, monkeypatch
         assert a[cols].values.tolist() == b[cols].values.tolist()
         for f in ("min", "max", "mean", "std"):
             np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
+
+
+def test_a_warmup_forward_on_nan_never_drives_the_verdict(tmp_path, monkeypatch,
+                                                         fresh_adapter):
+    """vLLM's compiled mode runs a warm-up forward on a dummy batch (token 0 everywhere); when
+    that batch makes NaN (here: token 0's embedding row), the served steps that never read
+    token 0 find no non-finite value (the stand-in's random head is near-uniform, which a
+    precursor rule may call SUSPECT: not the question here)."""
+    from qforensics.analyze.analyzer import analyze_trace
+
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t.h5"))
+    mod = _runner_module("warm_nan_runner")
+    fresh_adapter.patch_runner_module(mod)
+    r = mod.FakeModelRunner()
+    r.load_model()
+    cap = fresh_adapter._captures[id(r)]
+    with torch.no_grad():
+        r.model.embed.weight[0] = float("nan")
+    try:
+        r.dummy_run(4)
+        _two_steps(r)
+    finally:
+        cap.close()
+    with open_trace(tmp_path / "t.h5") as t:
+        assert 0 in t.nonfinite_record_steps().tolist()  # the warm-up's records hold NaN
+    rep = analyze_trace(str(tmp_path / "t.h5"))
+    assert rep.status != "FAILED" and rep.first_nonfinite is None, rep.verdict.line

@@ -122,3 +122,21 @@ def test_nan_row_found_in_compiled_mode(tmp_path, nan_row_model):
     assert names[int(first.module_id.iloc[0])] == "model.layers.0.self_attn.qkv_proj"
     assert (first[first.io == 0].nan_count > 0).all()  # already in its input
     assert rep.first_nonfinite is not None and rep.first_nonfinite.step == min(served)
+
+
+def test_healthy_compiled_run_reads_passed_and_sees_the_massive_activation(
+        recorded_compiled):
+    """vLLM's compiled warm-up forward on its dummy batch makes NaN in attention; it is
+    flagged and never drives the verdict. The served steps read PASSED, and the per-channel
+    ranges from inside the graph show SmolLM2's known massive activation: input channel 1229 of
+    layer 11's down_proj near 3,000 at the first token."""
+    path = str(recorded_compiled["files"][0])
+    rep = analyze_trace(path)
+    assert rep.status == "PASSED", rep.verdict.line
+    with open_trace(path) as t:
+        es = t.engine_table("steps")
+        prefill = int(es[es["warmup"] == 0]["step"].min())
+        lo, hi = t.channels_for("model.layers.11.mlp.down_proj", prefill)
+    peak = max(abs(lo[1229]), abs(hi[1229]))
+    assert 1500 < peak < 6000
+    assert int(np.argmax(np.maximum(np.abs(lo), np.abs(hi)))) == 1229
