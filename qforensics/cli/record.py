@@ -114,8 +114,10 @@ def _wait_for_writers(pattern: str, timeout: float = 30.0) -> None:
               show_default=True, help="Guard: check only the logits (one sync per step) or "
                                       "every quantized linear.")
 @click.option("--eager", is_flag=True,
-              help="vLLM: run the model without torch.compile and CUDA graphs (enforce_eager), "
-                   "so that every layer's hooks run.")
+              help="vLLM: run the model without torch.compile and CUDA graphs (enforce_eager). "
+                   "Not needed to record the layers (compiled mode records them from inside "
+                   "the graph); eager mode also keeps snapshots for replay and gives the "
+                   "guard its layer fallbacks.")
 @click.option("--print-env", is_flag=True,
               help="Print the environment variables that attach capture (for launchers that "
                    "cannot be wrapped) and exit.")
