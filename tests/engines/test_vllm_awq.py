@@ -74,7 +74,9 @@ def test_analysis_names_layer_step_column_and_scale(awq_inf_run):
         n_rows = len(t.engine_table("rows").query("step == 0"))
     cols = np.unique(snap["nonfinite_positions"][:, -1])
     assert cols.tolist() == [sc.AWQ_INF_COLUMN]
-    assert first.inf_count == n_rows and first.nan_count == 0  # one Inf per token row
+    # one non-finite value per token row, in that column: Inf through the W4A8 path (AMX),
+    # NaN through the W4A16 GEMM (AVX-512 without AMX: the Inf scale meets zeros)
+    assert first.inf_count + first.nan_count == n_rows
     text = "\n".join(f.notes)
     assert f"{sc.AWQ_INF_LAYER}.scales" in text and "1 Inf" in text
 
