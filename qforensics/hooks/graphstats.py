@@ -77,6 +77,8 @@ class GraphStats:
         self._where: dict[tuple[int, int, int], int] = {}
         self.lost: list[str] = []  # entries that found no room (said in the status)
         self._order: list[int] | None = None
+        self._lay: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._gathers: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._copied: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._event: Any = None
         _REGISTRY[self.key] = self
@@ -190,15 +192,10 @@ class GraphStats:
         rec["absmax"] = np.maximum(np.abs(lo), np.abs(hi))
         rec["nan_count"], rec["inf_count"] = nan, nonfin - nan
         # channel ranges: each entry's [2, cap] block in the gathered vector
-        caps = np.array([c.shape[1] for c in self._c], np.int64)
-        starts = np.concatenate([[0], np.cumsum(2 * caps)[:-1]])
-        kept = np.array([e.chan for e in ent], bool) & (width <= caps[ran]) & (width > 1)
+        caps, chan_kept, _ = self._layout()
+        kept = chan_kept[ran] & (width <= caps[ran]) & (width > 1)
         if keep_channels and kept.any():
-            sel = ran[kept]
-            idx_min = np.concatenate([starts[i] + np.arange(w) for i, w in
-                                      zip(sel.tolist(), width[kept].tolist())])
-            idx_max = np.concatenate([starts[i] + caps[i] + np.arange(w) for i, w in
-                                      zip(sel.tolist(), width[kept].tolist())])
+            idx_min, idx_max = self._gather(ran[kept], width[kept])
             cmin = c_all[idx_min].astype(np.float64)
             cmax = c_all[idx_max].astype(np.float64)
             off = np.full(len(ran), -1, np.int64)
@@ -214,6 +211,30 @@ class GraphStats:
         rec["tok_offset"] = np.where(cnt > 0, np.arange(len(ran)) * n, -1)
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
+
+    def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per entry: its channel buffer's width, whether it keeps channels, where its block
+        starts in the gathered vector (fixed once the graph is traced)."""
+        if self._lay is None or len(self._lay[0]) != len(self.entries):
+            caps = np.array([c.shape[1] for c in self._c], np.int64)
+            self._lay = (caps, np.array([e.chan for e in self.entries], bool),
+                         np.concatenate([[0], np.cumsum(2 * caps)[:-1]]).astype(np.int64))
+            self._gathers = {}
+        return self._lay
+
+    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Indices of the kept entries' minima and maxima in the gathered vector; the same
+        entries and widths come back every step, so they are computed once."""
+        key = sel.tobytes() + widths.tobytes()
+        got = self._gathers.get(key)
+        if got is None:
+            caps, _, starts = self._layout()
+            base = np.repeat(starts[sel] - np.concatenate([[0], np.cumsum(widths)[:-1]]),
+                             widths) + np.arange(int(widths.sum()))
+            got = self._gathers[key] = (base, base + np.repeat(caps[sel], widths))
+            if len(self._gathers) > 64:
+                self._gathers = {key: got}
+        return got
 
     def call_order(self) -> list[int]:
         """Modules in the order their hooks first ran (each module's call once a step)."""

@@ -19,6 +19,29 @@ PROMPT_B = "Quantization of large language models means"
 NAN_WORD = " France"
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recorded_server(tmp: Path, model_dir: Path, port: int) -> tuple[list[str], dict]:
+    """(command, environment) of vLLM's OpenAI-compatible server (eager, loopback) under
+    `qforensics record -o tmp/s-{rank}.h5`, with this checkout first on PYTHONPATH."""
+    import sys
+
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
+           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
+           "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
+           "--port", str(port), "--host", "127.0.0.1"]
+    return cmd, serve_env()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any fixture of the test starts an engine that would die in its first forward."""

@@ -171,12 +171,7 @@ def test_unknown_runner_is_reported_and_generic_hooks_stay(capsys, fresh_adapter
 
 
 def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_adapter):
-    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t.h5"))
-    mod = _runner_module("broken_model_runner")
-    fresh_adapter.patch_runner_module(mod)
-    r = mod.FakeModelRunner()
-    r.load_model()
-    cap = fresh_adapter._captures[id(r)]
+    r, cap = _loaded(tmp_path, monkeypatch, fresh_adapter, "broken_model_runner")
     r.input_batch = None  # the mapping cannot read the batch: capture must degrade, not raise
     r.execute_model(_sched(["A"], [2], [1, 2], [0, 1], [1]))
     out = r.sample_tokens()
@@ -188,16 +183,24 @@ def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_
 
 
 
-def _ring_runner(tmp_path, monkeypatch, fresh_adapter, name: str):
-    """A fake runner module `name`, patched, loaded and captured with a 16-step ring and an
-    8-step trigger window: (runner, its capture)."""
-    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
-    monkeypatch.setenv("QFORENSICS_OPTIONS", '{"ring_steps": 16, "trigger_window": 8}')
+def _loaded(tmp_path, monkeypatch, adapter_mod, name: str, trace: str = "t.h5",
+            options: str | None = None):
+    """A fake runner module `name`, patched, its model loaded (capture attaches into
+    `trace` with `options`): (runner, its capture)."""
+    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / trace))
+    if options is not None:
+        monkeypatch.setenv("QFORENSICS_OPTIONS", options)
     mod = _runner_module(name)
-    fresh_adapter.patch_runner_module(mod)
+    adapter_mod.patch_runner_module(mod)
     r = mod.FakeModelRunner()
     r.load_model()
-    return r, fresh_adapter._captures[id(r)]
+    return r, adapter_mod._captures[id(r)]
+
+
+def _ring_runner(tmp_path, monkeypatch, fresh_adapter, name: str):
+    """`_loaded` with a 16-step ring and an 8-step trigger window, into t-{rank}.h5."""
+    return _loaded(tmp_path, monkeypatch, fresh_adapter, name, "t-{rank}.h5",
+                   '{"ring_steps": 16, "trigger_window": 8}')
 
 
 def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
@@ -387,12 +390,7 @@ def test_a_warmup_forward_on_nan_never_drives_the_verdict(tmp_path, monkeypatch,
     precursor rule may call SUSPECT: not the question here)."""
     from qforensics.analyze.analyzer import analyze_trace
 
-    monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t.h5"))
-    mod = _runner_module("warm_nan_runner")
-    fresh_adapter.patch_runner_module(mod)
-    r = mod.FakeModelRunner()
-    r.load_model()
-    cap = fresh_adapter._captures[id(r)]
+    r, cap = _loaded(tmp_path, monkeypatch, fresh_adapter, "warm_nan_runner")
     with torch.no_grad():
         r.model.embed.weight[0] = float("nan")
     try:

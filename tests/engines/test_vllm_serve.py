@@ -7,27 +7,19 @@ and completion token counts, completion text), not against the trace itself. (vl
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
 from qforensics.trace.reader import open_trace
+from tests.engines.conftest import free_port, recorded_server
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The capital of France is", "Quantization means"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port: int, prompt: str) -> dict:
@@ -42,16 +34,8 @@ def _post(port: int, prompt: str) -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, bf16_model_dir):
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([repo] + ([os.environ["PYTHONPATH"]]
-                                                  if os.environ.get("PYTHONPATH") else []))}
-    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
-           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
-           "vllm.entrypoints.openai.api_server", "--model", str(bf16_model_dir),
-           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
-           "--port", str(port), "--host", "127.0.0.1"]
+    port = free_port()
+    cmd, env = recorded_server(tmp, bf16_model_dir, port)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp)
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,17 +25,12 @@ import pytest
 
 from qforensics.analyze import PASSED, SUSPECT, analyze_trace
 from qforensics.trace.reader import open_trace
+from tests.engines.conftest import free_port, recorded_server
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The capital of France is", "Quantization means", "Once upon a time"]
 LONG = "The history of the Roman Empire began"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port: int, prompt: str, n: int) -> dict:
@@ -83,16 +77,8 @@ def _group_gone(pgid: int, timeout: float) -> bool:
 
 
 def _serve(tmp: Path, model_dir: Path):
-    port = _free_port()
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo)] + ([os.environ["PYTHONPATH"]]
-                                                      if os.environ.get("PYTHONPATH") else []))}
-    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
-           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
-           "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
-           "--port", str(port), "--host", "127.0.0.1"]
+    port = free_port()
+    cmd, env = recorded_server(tmp, model_dir, port)
     log = open(tmp / "record.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
                             start_new_session=True)  # its own process group, like a pod
