@@ -50,6 +50,15 @@ def batch_bytes(b: StepBatch, chan_item: int) -> int:
                + 4 * len(b.tok_absmax) + 8 * len(b.input_ids))
 
 
+def _engine_step(b: StepBatch) -> int:
+    """The step an engine-only batch belongs to (-1: none named)."""
+    for t in ("steps", "rows", "sampled"):
+        a = b.engine.get(t)
+        if a is not None and len(a):
+            return int(a["step"][0])
+    return -1
+
+
 def _decode(k: Any) -> str:
     return k.decode("ascii", "replace") if isinstance(k, bytes) else str(k)
 
@@ -79,6 +88,9 @@ class BudgetWriter:
         self._snap_reserve = min(snap, max(1 << 20, self.max_bytes // 32)) if snap else 0
         self._pinned: set[str] = set()
         self._held: collections.deque[StepBatch] = collections.deque(maxlen=max(1, self.window))
+        # an engine's tables of a step come apart from its records (vLLM: before and after it)
+        self._held_engine: collections.deque[StepBatch] = collections.deque(
+            maxlen=2 * (self.window + 2))
         self.pins_kept = self.pins_dropped = 0
         self._detail_shape = (0, 0)  # (records, token values) a ring slot holds
         self.detail_off: str | None = None
@@ -273,6 +285,10 @@ class BudgetWriter:
         """Pinned windows of the triggered steps among `batches` (`appended`: already in the
         tables, before the budget was reached)."""
         for b, sb, appended in zip(batches, stripped, appended):
+            if not len(b.steps):  # an engine's tables of a step, submitted on their own
+                if not appended and b.engine:
+                    self._hold_engine(sb)
+                continue
             kinds = self._kinds(b)
             if not kinds:
                 if not appended:
@@ -285,26 +301,51 @@ class BudgetWriter:
                     self._pinned.update(new)
                     self._pin_rows(step, new, max(0, step - self.window), 1)
                 continue
-            window = [h for h in self._held if int(h.steps["step"][0]) >= step - self.window]
+            lo = step - self.window
+            # the window's engine tables (held apart) first, then its steps
+            window = [e for e in self._held_engine if _engine_step(e) >= lo]
+            n_eng = len(window)
+            window += [h for h in self._held if int(h.steps["step"][0]) >= lo]
             window.append(sb)
             self._held.clear()
+            self._held_engine.clear()
             kept = self._append_pinned(window, new)
             if kept:
                 self._pinned.update(kinds)
                 self.pins_kept += 1
             else:
                 self.pins_dropped += 1
-            self._pin_rows(step, new or tuple(kinds[:1]), int(window[0].steps["step"][0])
+            self._pin_rows(step, new or tuple(kinds[:1]), int(window[n_eng].steps["step"][0])
                            if kept else step, int(kept))
 
+    def _hold_engine(self, b: StepBatch) -> None:
+        """An engine's tables of one step once full detail is no longer appended: its new
+        requests' rows at once while they fit (a row a request: every request keeps its id),
+        the rest (the step's token rows, sampled tokens) held for a pinned window."""
+        rest = dict(b.engine)
+        reqs = rest.pop("requests", None)
+        if reqs is not None and len(reqs):
+            cols = schema.ENGINE_REQUEST_COLUMNS
+            if self._within_cap(self._growth({f"engine/requests/{n}": len(reqs)
+                                              for n, _, _ in cols}) + self._reserve()):
+                self._append_table("engine/requests", cols, reqs)
+            else:
+                rest["requests"] = reqs
+        if any(len(v) for v in rest.values()):
+            self._held_engine.append(replace(b, engine=rest))
+
     def _append_pinned(self, window: list[StepBatch], new: tuple[str, ...]) -> bool:
+        """Append a pinned window (its steps; engine-only batches of them first)."""
         reserve = self._reserve(taking=new)
         merged = merge_batches(window) if len(window) > 1 else window[0]
         tries = [merged, replace(merged, snapshots=merged.snapshots[:0],
                                  snapshot_bytes=merged.snapshot_bytes[:0])]
-        if len(window) > 1:
-            tries.append(replace(window[-1], snapshots=window[-1].snapshots[:0],
-                                 snapshot_bytes=window[-1].snapshot_bytes[:0]))
+        if len(window) > 1:  # the triggered step alone, with its own engine tables
+            step = int(window[-1].steps["step"][0])
+            own = [e for e in window if not len(e.steps) and _engine_step(e) == step]
+            last = merge_batches([*own, window[-1]]) if own else window[-1]
+            tries.append(replace(last, snapshots=last.snapshots[:0],
+                                 snapshot_bytes=last.snapshot_bytes[:0]))
         for t in tries:
             if self._within_cap(self._batch_growth(t) + reserve):
                 self._append_batch(t)

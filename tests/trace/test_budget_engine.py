@@ -1,0 +1,68 @@
+"""A serving engine's tables under the byte budget: vLLM's adapter submits a step's /engine
+rows in batches of their own (before the step's records, its sampled tokens after). Once full
+detail stops, a pinned window keeps its steps' engine rows, and every request keeps its id."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+import qforensics
+from qforensics.trace import schema
+from qforensics.trace.writer import StepBatch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from budget_batches import batch, writer  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _engine(step: int, request: int, new: bool) -> StepBatch:
+    """The engine batch vLLM's adapter submits as a step starts: its step row, one decode
+    token row of `request` at position `step`, and the request's row when it is new."""
+    st = np.zeros(1, schema.engine_dtype("steps"))
+    st["step"], st["n_rows"], st["n_requests"] = step, 1, 1
+    rows = np.zeros(1, schema.engine_dtype("rows"))
+    rows["step"], rows["request"], rows["position"], rows["phase"] = step, request, step, 1
+    tables = {"steps": st, "rows": rows}
+    if new:
+        req = np.zeros(1, schema.engine_dtype("requests"))
+        req["request"], req["first_step"], req["prompt_tokens"] = request, step, 4
+        req["request_id"] = f"req-{request}".encode()
+        tables["requests"] = req
+    e = np.zeros(0, np.float32)
+    return StepBatch(steps=np.zeros(0, schema.step_dtype()),
+                     records=np.zeros(0, schema.record_dtype()), chan_min=e, chan_max=e,
+                     tok_absmax=e, input_ids=np.zeros(0, np.int64), engine=tables)
+
+
+def test_pinned_windows_keep_their_engine_rows_after_the_budget(tmp_path):
+    p = tmp_path / "t.h5"
+    w = writer(p, 13 * MIB, window=4)
+    bad = {2500, 2700}
+    for s in range(3000):
+        request = s // 500  # a new request every 500 steps: 2000, 2500 come after the cap
+        w.submit(_engine(s, request, new=s % 500 == 0))
+        w.submit(batch(s, nan_module=7 if s in bad else None))
+        if s % 64 == 63:
+            w.flush()
+    w.close()
+    with qforensics.open_trace(p) as t:
+        status = t.meta["status"]
+        assert "writer_error" not in status  # the failure after the cap is written
+        assert t.limits["reached_at_step"] < 2000
+        assert t.pinned_table["step"].tolist() == [2500, 2700]
+        assert t.pinned_table["kept"].tolist() == [1, 1]
+        rows = t.engine_columns("rows")
+        late = sorted(int(s) for s in rows["step"] if s > t.limits["reached_at_step"])
+        # each pinned step with the 4 steps before it, as in /steps
+        want = [s for b in sorted(bad) for s in range(b - 4, b + 1)]
+        assert late == want
+        assert want == [s for s in t.steps.step.tolist() if s > t.limits["reached_at_step"]]
+        at = rows["step"] == 2700
+        assert rows["request"][at].tolist() == [5] and rows["position"][at].tolist() == [2700]
+        reqs = t.engine_columns("requests")
+        assert reqs["request_id"].tolist() == [f"req-{i}" for i in range(6)]
+        assert reqs["first_step"].tolist() == [0, 500, 1000, 1500, 2000, 2500]
