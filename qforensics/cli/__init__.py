@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "demo": "demo",
     "whatif": "whatif",
     "scan": "scan",
+    "triage": "triage",
 }
 
 

@@ -6,6 +6,7 @@ torch import."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -58,10 +59,16 @@ class SnapshotAccess:
     def snapshots(self) -> pd.DataFrame:
         return self.snapshot_table.to_frame()
 
-    def snapshot_tensors(self, call_index: int) -> dict[str, np.ndarray]:
-        """The tensors kept for one call, validated (dtype whitelist, shape vs byte count)."""
+    def snapshot_tensors(self, call_index: int, names: Collection[str] | None = None
+                         ) -> dict[str, np.ndarray]:
+        """The tensors kept for one call, validated (dtype whitelist, shape vs byte count);
+        `names`: only these of them (e.g. `{"call.json"}`, without reading the weights)."""
         t = self.snapshot_table
         hit = np.nonzero(t["call_index"] == int(call_index))[0]
+        if names is not None and len(hit):
+            hit = hit[np.isin(t["name"][hit].astype(str), list(names))]
+            if not len(hit):
+                return {}
         if not len(hit):
             raise TraceFormatError(f"{self.path}: no snapshot for call {call_index}; calls with "
                                    f"snapshots: {sorted(set(t['call_index'].tolist()))}")
