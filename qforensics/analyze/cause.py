@@ -87,10 +87,15 @@ def classify_cause(trace: Trace, recs: Table, first: FirstNonfinite, infos: Modu
     module = first.module
     if first.is_gap:
         gap = first.producer
-        hooked = set(trace.module_names.tolist())
-        # a corrupt tensor tied to a module capture does not hook (lm_head -> embedding)
-        elsewhere = [h for h in infos.health if _corrupt(h) and any(
-            n.rsplit(".", 1)[0] not in hooked for n in infos.tied_with(h.module, h.param))]
+        hooked = set(trace.module_names.tolist()) - infos.unhooked
+        # a corrupt tensor of a module capture does not hook (the token embedding, described
+        # in the root's info), or tied to one (lm_head -> embedding): one entry per storage
+        elsewhere: list[ParamHealth] = []
+        for h in sorted(infos.health, key=lambda h: h.module not in infos.unhooked):
+            names = {f"{h.module}.{h.param}", *infos.tied_with(h.module, h.param)}
+            if _corrupt(h) and any(n.rsplit(".", 1)[0] not in hooked for n in names) and not any(
+                    f"{e.module}.{e.param}" in names for e in elsewhere):
+                elsewhere.append(h)
         if elsewhere:
             tensors = [_tensor(h, infos) for h in elsewhere]
             return Cause("corrupted_parameters", "cause: corrupted parameters read by an "

@@ -192,6 +192,13 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
         if st is not None:
             info["static_input"] = st
     elif kind == "root":
+        try:
+            emb = input_embedding(module)
+            if emb is not None:  # before the clear: a tied lm_head already counted its weight
+                info["embedding"] = {"name": emb[0], "health": {"weight": _health_cached(
+                    emb[1].weight, "weight", group=None, bits=None, summarize=True)}}
+        except Exception as exc:  # noqa: BLE001 - an odd embedding: note it, go on
+            info["embedding"] = {"error": str(exc)[:200]}
         _HEALTH_CACHE.clear()  # the root comes last: the cache serves one attach (tied weights)
         try:
             info["tied"] = tied_groups(module)[:64]
@@ -199,6 +206,19 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
             info["tied_error"] = str(exc)[:200]
     return {"name": name, "type": type(module).__name__, "kind": kind,
             "info": json.dumps(info, sort_keys=True)}
+
+
+def input_embedding(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The token embedding capture does not hook (its output is the first layer's input, so
+    a corrupt row shows up as NaN arriving from an unhooked op): the first module whose class
+    is an embedding with a 2-D weight (HF nn.Embedding, vLLM's VocabParallelEmbedding; rotary
+    "embeddings" have no weight). Its weight's health goes into the root's info."""
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if ("Embedding" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 2
+                and not w.is_meta and w.numel()):
+            return name, mod
+    return None
 
 
 def io_width(m: nn.Module) -> int:

@@ -118,6 +118,8 @@ class ModuleInfos:
     quant: dict[str, dict[str, Any]] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
     invalid: int = 0  # info values dropped as malformed
+    # modules described (their health) but never hooked: the token embedding (root's info)
+    unhooked: set[str] = field(default_factory=set)
 
     def tied_with(self, module: str, param: str) -> list[str]:
         """The other names of `module.param` when it is tied (e.g. the embedding for lm_head)."""
@@ -237,6 +239,16 @@ def read_module_infos(trace: Trace) -> ModuleInfos:
             out.quant[name] = {str(k)[:40]: v for k, v in list(q.items())[:32]
                                if isinstance(v, (int, float, bool))
                                or (isinstance(v, str) and len(v) <= 200)}
+        emb = info.get("embedding") if kind == "root" else None
+        if isinstance(emb, dict) and isinstance(emb.get("health"), dict) and emb.get("name"):
+            ename = _name(emb["name"])
+            for pname, d in list(emb["health"].items())[:4]:
+                h = _health(ename, _name(pname), d)
+                if h is None:
+                    out.invalid += 1
+                else:
+                    out.health.append(h)
+                    out.unhooked.add(ename)
         if kind == "root" and isinstance(info.get("tied"), list):
             for g in info["tied"][:64]:
                 if isinstance(g, list) and all(isinstance(n, str) for n in g) and len(g) > 1:

@@ -266,6 +266,9 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
             return TraceEnd(True, last, f"run ended with {state}: "
                             f"{status.get('error', '')}".rstrip(": "))
         orphan = self._lengths["records"] - self.records_end
+        summ = self.summary_table  # every step's summary outlives the appended detail
+        if summ is not None and len(summ):
+            last = max(last, int(summ["step_hi"][-1]))
         return TraceEnd(False, last, "truncated: the writer never closed the file (the run "
                         f"crashed or was killed); trace ends after step {last}"
                         + (f", {orphan} records of a later step are incomplete" if orphan else ""))

@@ -89,9 +89,28 @@ def test_tied_embedding_corruption_names_both(tmp_path):
     f = analyze_trace(tmp_path / "e.h5")
     assert f.status == FAILED and f.first_nonfinite.is_gap  # the embedding is not hooked
     assert f.cause.kind == "corrupted_parameters"
+    # one storage, one entry: the embedding the gap reads, with the head it is tied to
+    assert len(f.cause.tensors) == 1
     t = f.cause.tensors[0]
-    assert t["row"] == 2 and t["tied_with"] == ["emb.weight"]
+    assert t["row"] == 2 and t["tied_with"] == ["head.weight"]
+    assert t["words"].startswith("emb.weight (tied to head.weight): 1 NaN")
     assert "emb.weight" in f.cause.line and "head.weight" in f.cause.line
+
+
+def test_untied_embedding_corruption_is_named_though_not_hooked(tmp_path):
+    """No hooked module holds the bad row: the root's info carries the embedding's health."""
+    m = Tiny()
+    with torch.no_grad():
+        m.emb.weight[2, 4] = float("nan")  # token id 2 is in ids()
+        m.emb.weight[3, 0] = float("inf")
+    _run(m, tmp_path / "u.h5", ids())
+    f = analyze_trace(tmp_path / "u.h5")
+    assert f.status == FAILED and f.first_nonfinite.is_gap
+    assert f.cause.kind == "corrupted_parameters"
+    [t] = f.cause.tensors
+    assert (t["param"], t["nan"], t["inf"], t["row"]) == ("weight", 1, 1, 2)
+    assert "tied_with" not in t
+    assert "unhooked op before" in f.cause.line and "emb.weight: 1 NaN and 1 Inf" in f.cause.line
 
 
 def test_fp16_overflow_inside_the_producer(tmp_path):
