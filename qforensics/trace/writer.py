@@ -44,7 +44,7 @@ import numpy as np
 from qforensics.version import __version__
 from qforensics.trace import schema
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
-from qforensics.trace.budget import BudgetWriter
+from qforensics.trace.budget import BudgetWriter, _engine_step
 from qforensics.trace.columns import ColumnWriter, batch_rows
 
 __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
@@ -364,7 +364,10 @@ class TraceWriter(BudgetWriter, ColumnWriter):
                 hi = mid - 1
         if lo:
             self._append_batch(merge_batches(batches[:lo]) if lo > 1 else batches[0])
-        self._reach_cap(int(batches[lo].steps["step"][0]) if len(batches[lo].steps) else -1)
+        # the first step left out (an engine's own batch of a step names it too)
+        self._reach_cap(next((int(b.steps["step"][0]) if len(b.steps) else _engine_step(b)
+                              for b in batches[lo:] if len(b.steps) or _engine_step(b) >= 0),
+                             -1))
         return [i < lo for i in range(len(batches))]
 
     def _append_batch(self, b: StepBatch) -> None:

@@ -52,7 +52,9 @@ def test_pinned_windows_keep_their_engine_rows_after_the_budget(tmp_path):
     with qforensics.open_trace(p) as t:
         status = t.meta["status"]
         assert "writer_error" not in status  # the failure after the cap is written
-        assert t.limits["reached_at_step"] < 2000
+        stopped = t.limits["reached_at_step"]
+        assert 0 < stopped < 2000  # the first step left out, even when its engine rows led
+        assert [s for s in t.steps.step.tolist() if s < 2496] == list(range(stopped))
         assert t.pinned_table["step"].tolist() == [2500, 2700]
         assert t.pinned_table["kept"].tolist() == [1, 1]
         rows = t.engine_columns("rows")
