@@ -16,7 +16,7 @@ from typing import Any
 from qforensics.trace.reader import Trace
 
 __all__ = ["BadIndex", "GroupLevels", "ModuleInfos", "ParamHealth", "StaticInput",
-           "read_module_infos"]
+           "read_module_infos", "read_module_quant"]
 
 _MAX_NAME = 200
 _MAX_INT = 2 ** 62
@@ -206,6 +206,31 @@ def _text(v: Any) -> str:
     return v[:200] if isinstance(v, str) else ""
 
 
+def _quant(q: Any) -> dict[str, Any] | None:
+    if not isinstance(q, dict):
+        return None
+    return {str(k)[:40]: v for k, v in list(q.items())[:32]
+            if isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 200)}
+
+
+def read_module_quant(trace: Trace) -> dict[str, dict[str, Any]]:
+    """Only the `quant` of each module's info (validated as in `read_module_infos`), for
+    callers that need nothing else: the parameter health is not parsed."""
+    out: dict[str, dict[str, Any]] = {}
+    cols = trace.module_columns
+    for name, raw in zip(cols["name"], cols["info"]):
+        if not raw:
+            continue
+        try:
+            info = json.loads(raw)
+        except (ValueError, TypeError, RecursionError):
+            continue
+        q = _quant(info.get("quant")) if isinstance(info, dict) else None
+        if q is not None:
+            out[_name(name)] = q
+    return out
+
+
 def read_module_infos(trace: Trace) -> ModuleInfos:
     """Parse and validate every module's info JSON once."""
     out = ModuleInfos()
@@ -234,11 +259,9 @@ def read_module_infos(trace: Trace) -> ModuleInfos:
                 out.invalid += 1
             else:
                 out.static_inputs[name] = st
-        q = info.get("quant")
-        if isinstance(q, dict):
-            out.quant[name] = {str(k)[:40]: v for k, v in list(q.items())[:32]
-                               if isinstance(v, (int, float, bool))
-                               or (isinstance(v, str) and len(v) <= 200)}
+        q = _quant(info.get("quant"))
+        if q is not None:
+            out.quant[name] = q
         emb = info.get("embedding") if kind == "root" else None
         if isinstance(emb, dict) and isinstance(emb.get("health"), dict) and emb.get("name"):
             ename = _name(emb["name"])

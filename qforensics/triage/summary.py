@@ -23,7 +23,7 @@ from qforensics.analyze.findings import FAILED, Findings
 from qforensics.analyze.thresholds import Thresholds
 from qforensics.errors import QForensicsError
 from qforensics.formats import GEMM_KINDS
-from qforensics.trace.moduleinfo import ModuleInfos, read_module_infos
+from qforensics.trace.moduleinfo import read_module_quant
 from qforensics.trace.reader import Trace, open_trace
 from qforensics.triage.names import align_producer, producer_site, run_key
 
@@ -120,11 +120,11 @@ def _summarize(trace: Trace, th: Thresholds) -> dict[str, Any]:
     row["prompt_tokens"] = _prompt_tokens(trace)
     row["prompt_bucket"] = prompt_bucket(row["prompt_tokens"])
     row["time"] = _first_time(trace, f)
-    infos = read_module_infos(trace)
-    row.update(_fleet_layers(trace, infos, eng))
+    quant = read_module_quant(trace)
+    row.update(_fleet_layers(trace, quant, eng))
     module = _producer(f, row)
     if module:
-        row["method"] = _method(infos.quant.get(module), eng)
+        row["method"] = _method(quant.get(module), eng)
         row["kernel"] = _kernel(trace, module, f, eng)
         row["producer"] = align_producer(module, eng.get("hf_names"))
         row["site"] = producer_site(row["producer"])
@@ -228,7 +228,8 @@ def _kernel(trace: Trace, module: str, f: Findings, eng: dict[str, Any]) -> str:
     return ""
 
 
-def _fleet_layers(trace: Trace, infos: ModuleInfos, eng: dict[str, Any]) -> dict[str, str]:
+def _fleet_layers(trace: Trace, quant: dict[str, dict[str, Any]], eng: dict[str, Any]
+                  ) -> dict[str, str]:
     """The model-wide quantization and kernels (what healthy traces are compared on)."""
     cols = trace.module_columns
     gemm = [i for i, k in enumerate(cols["kind"].tolist()) if k in GEMM_KINDS]
@@ -237,7 +238,7 @@ def _fleet_layers(trace: Trace, infos: ModuleInfos, eng: dict[str, Any]) -> dict
     if isinstance(methods, dict):
         types = sorted({_text(v, 60) for v in list(methods.values())[:4096]
                         if isinstance(v, str)})[:4] or types
-    fmts = sorted({_method(q, eng) for q in list(infos.quant.values())[:4096]})[:4]
+    fmts = sorted({_method(q, eng) for q in list(quant.values())[:4096]})[:4]
     return {"kernels": ",".join(types), "methods": ",".join(fmts) or _method(None, eng)}
 
 
