@@ -87,6 +87,7 @@ class BudgetWriter:
         snap = int(options.get("snapshot_budget", 0) or 0)
         self._snap_reserve = min(snap, max(1 << 20, self.max_bytes // 32)) if snap else 0
         self._pinned: set[str] = set()
+        self._warm_steps: set[int] = set()  # warm-up forwards (engine tables): never pinned
         self._held: collections.deque[StepBatch] = collections.deque(maxlen=max(1, self.window))
         # an engine's tables of a step come apart from its records (vLLM: before and after it)
         self._held_engine: collections.deque[StepBatch] = collections.deque(
@@ -148,6 +149,10 @@ class BudgetWriter:
         self._step_est = max(self._step_est if self._seen_steps else 0,
                              *(batch_bytes(b, item) for b in batches))
         self._seen_steps = True
+        for b in batches:  # an engine's tables of a step come before the step, on their own
+            es = b.engine.get("steps")
+            if es is not None and len(es) and (es["warmup"] > 0).any():
+                self._warm_steps.update(es["step"][es["warmup"] > 0].tolist())
         have = [b for b in batches if len(b.steps)]
         self._bad_steps: set[int] = set()
         if have:
@@ -173,12 +178,15 @@ class BudgetWriter:
     _seen_steps = False
     _bad_steps: set[int] = set()
 
-    @staticmethod
-    def _warm(b: StepBatch) -> np.ndarray:
+    def _warm(self, b: StepBatch) -> np.ndarray:
+        """Which of a batch's steps are warm-up forwards (never a failure to pin): flagged by
+        the engine's tables, in this batch or in an engine-only batch before it."""
         es = b.engine.get("steps")
-        if es is None or not len(es):
+        if es is not None and len(es):
+            self._warm_steps.update(es["step"][es["warmup"] > 0].tolist())
+        if not self._warm_steps:
             return np.zeros(len(b.steps), bool)
-        return np.isin(b.steps["step"], es["step"][es["warmup"] > 0])
+        return np.isin(b.steps["step"], np.fromiter(self._warm_steps, np.int64))
 
     def _bad_requests(self, b: StepBatch) -> np.ndarray:
         """Requests whose logits row held NaN/Inf (an engine's root record, slot 1)."""

@@ -252,3 +252,39 @@ def test_failure_without_a_trigger_is_pinned_from_its_summary(tmp_path):
         assert t.pinned_table["kind"].tolist() == ["nonfinite"]
     f = analyze_trace(p)
     assert f.status == "FAILED" and f.first_nonfinite.step == 2500
+
+
+def test_a_warmup_whose_engine_tables_came_first_is_never_the_pinned_failure(tmp_path):
+    """vLLM's order: a step's engine tables are submitted on their own before its records.
+    Its compiled warm-up runs a dummy batch that makes NaN; the budget then has room for one
+    first-failure window, and the real failure (step 2500) must be the one that gets it."""
+    from qforensics.trace import schema
+    from qforensics.trace.writer import StepBatch
+
+    def engine_only(step: int, warm: bool) -> StepBatch:
+        es = np.zeros(1, schema.engine_dtype("steps"))
+        es["step"], es["warmup"] = step, int(warm)
+        return StepBatch(steps=np.zeros(0, schema.step_dtype()),
+                         records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
+                         chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+                         input_ids=np.zeros(0, np.int64), engine={"steps": es})
+
+    p = tmp_path / "t.h5"
+    w = writer(p, 13 * MIB)
+    for s in range(3000):
+        w.submit(engine_only(s, warm=s == 0))
+        # the warm-up's NaN carries no trigger (the flight recorder leaves warm-ups out)
+        w.submit(batch(s, nan_module=7 if s in (0, 2500) else None, triggers=s != 0))
+        if s % 64 == 63:
+            w.flush()
+    w.close()
+    with qforensics.open_trace(p) as t:
+        assert t.limits["reached_at_step"] < 2500
+        pins = t.pinned_table
+        assert pins["step"].tolist() == [2500] and pins["kind"].tolist() == ["nonfinite"]
+        assert 2500 in t.steps.step.tolist()
+        summ = t.summary_table
+        bad = summ["first_nonfinite_step"][summ["first_nonfinite_step"] >= 0]
+        assert bad.tolist() == [2500]
+    f = analyze_trace(p)
+    assert f.status == "FAILED" and f.first_nonfinite.step == 2500
