@@ -302,7 +302,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     ]
     engine = find_engine_findings(
         trace, first.step if first is not None else None,
-        first.module if first is not None and first.tensor == "output" else None)
+        first.module if first is not None and first.tensor == "output" else None, steps=steps,
+        nonfinite_steps=cov.nonfinite_steps if cov is not None and cov.summaries else None)
     if engine is not None:
         notes.extend(engine.lines())
     ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)

@@ -1,8 +1,10 @@
-"""Serving-engine meaning of a trace (vLLM): warm-up steps, and which requests the non-finite
-rows of a step belong to, and whether one request's NaN reached the others.
+"""Serving-engine meaning of a trace (vLLM): warm-up steps, which requests the non-finite rows
+of a step belong to, and, for every request that went bad over the whole run, whether it was
+possibly reached from another or went bad on its own (analyze/badrequests.py).
 
-Reads only the /engine tables and, for the steps it looks at, the root module's row-flag records
-(schema.ENGINE_ROW_FLAG_SLOTS). A trace without them (an HF run) gives no engine findings.
+Reads only the /engine tables, the root module's row-flag records (schema.ENGINE_ROW_FLAG_SLOTS)
+and the records of the steps where a request first went bad. A trace without them (an HF run)
+gives no engine findings.
 """
 
 from __future__ import annotations
@@ -12,26 +14,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from qforensics.analyze.badrequests import (
+    BadRequest,
+    RequestHit,
+    SameSpot,
+    StepRows,
+    classify,
+    scan_hits,
+)
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
 
+__all__ = ["EngineFindings", "RequestHit", "engine_info", "find_engine_findings",
+           "hf_aligned_records", "warmup_steps", "without_warmup"]
+
 if TYPE_CHECKING:
     import pandas as pd
-
-MAX_FOLLOW_STEPS = 64  # steps after the first bad one that are read to follow the spread
-
-
-@dataclass
-class RequestHit:
-    """One request whose rows hold NaN/Inf at one step."""
-
-    request_id: str
-    step: int
-    rows: int  # its non-finite token rows in that step (0 when only its logits row is bad)
-    positions: list[int]  # their positions in the request (at most 8)
-    phase: str  # prefill | decode | mixed | unknown
-    logits: bool  # its row of the logits is non-finite
 
 
 @dataclass
@@ -48,21 +47,25 @@ class EngineFindings:
     producer_scales: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
     first: list[RequestHit] = field(default_factory=list)  # requests hit at the first bad step
-    reached: list[RequestHit] = field(default_factory=list)  # others hit at a later step
+    # others that went bad at a later step while a bad request held NaN/Inf in that forward
+    reached: list[RequestHit] = field(default_factory=list)
     clean: list[str] = field(default_factory=list)  # requests never hit in the steps read
-    followed_steps: int = 0
+    followed_steps: int = 0  # steps whose row flags were read (every one the trace holds)
+    went_bad: list[BadRequest] = field(default_factory=list)  # every request, first bad first
+    same_spots: list[SameSpot] = field(default_factory=list)  # >= 2 on their own at one spot
+    # non-finite steps (by the summaries) whose token rows the trace no longer holds
+    unattributed_steps: int = 0
 
     def lines(self) -> list[str]:
         out = []
         if self.warmup_steps:
             out.append(f"{len(self.warmup_steps)} warm-up/profile forward(s) of {self.engine} "
                        f"(steps {_steps(self.warmup_steps)}) recorded and left out of the verdict")
-        if self.first_bad_step is None:
+        if self.first_bad_step is None and not self.went_bad and not self.unattributed_steps:
             return out
-        if not self.first:
+        if self.first_bad_step is not None and not self.first:
             out.append(f"step {self.first_bad_step}: no per-row flags recorded; the requests "
                        "of the non-finite rows are unknown")
-            return out
         if self.origin:
             out.append(f"the first non-finite output ({self.origin_module}) has its NaN/Inf in "
                        + "; ".join(f"request {r} at positions {p[:8]}"
@@ -73,16 +76,39 @@ class EngineFindings:
                 out.append(f"{self.engine} holds {self.producer}.{name} {d.get('shape')} with "
                            f"{d.get('nan', 0)} NaN and {d.get('inf', 0)} Inf, the first at index "
                            f"{d.get('first_nonfinite_index')}")
-        who = "; ".join(_hit(h) for h in self.first)
-        out.append(f"step {self.first_bad_step}: non-finite rows belong to {who}")
-        if self.reached:
-            out.append("spread to other requests: " + "; ".join(
-                f"{h.request_id} at step {h.step}" for h in self.reached))
-        elif self.followed_steps > 1:
-            out.append(f"no other request was reached in the {self.followed_steps} steps read")
-        if self.clean:
+        if self.first:
+            who = "; ".join(_hit(h) for h in self.first)
+            out.append(f"step {self.first_bad_step}: non-finite rows belong to {who}")
+        out.extend(self._bad_lines())
+        if self.clean and self.went_bad:
             out.append(f"requests never hit: {', '.join(self.clean[:8])}"
                        + (f" (+{len(self.clean) - 8} more)" if len(self.clean) > 8 else ""))
+        return out
+
+    def _bad_lines(self) -> list[str]:
+        out = []
+        if self.reached:
+            by = {b.request_id: b for b in self.went_bad}
+            out.append("possibly spread to other requests: " + "; ".join(
+                f"{h.request_id} at step {h.step}"
+                + (f" (from {', '.join(by[h.request_id].spread_from[:4])} in the same forward)"
+                   if h.request_id in by and by[h.request_id].spread_from else "")
+                for h in self.reached))
+        if len(self.went_bad) > 1:
+            alone = sum(b.kind.startswith("independent") for b in self.went_bad)
+            out.append(f"{len(self.went_bad)} requests went bad over the run: {alone} on "
+                       f"their own, {len(self.reached)} possibly spread"
+                       + (f", {len(self.went_bad) - alone - len(self.reached)} undetermined"
+                          if len(self.went_bad) - alone - len(self.reached) else ""))
+            out.extend(b.line for b in self.went_bad[:8])
+            if len(self.went_bad) > 8:
+                out.append(f"... {len(self.went_bad) - 8} more (--json lists all)")
+        elif self.followed_steps > 1:
+            out.append(f"no other request went bad in the {self.followed_steps} steps read")
+        out.extend(sp.line for sp in self.same_spots)
+        if self.unattributed_steps:
+            out.append(f"{self.unattributed_steps} non-finite step(s) have no recorded token "
+                       "rows: the requests they hit are unknown")
         return out
 
 
@@ -127,52 +153,20 @@ def without_warmup(steps: Table, warm: np.ndarray) -> Table:
     return steps.with_columns(**cleared)
 
 
-def _row_flags(trace: Trace, recs: Table, root_id: int, slot: int) -> np.ndarray | None:
-    r = np.nonzero((recs["module_id"] == root_id) & (recs["io"] == schema.IO_OUTPUT)
-                   & (recs["slot"] == slot))[0]
-    if not len(r):
-        return None
-    off, n = int(recs["tok_offset"][r[0]]), int(recs["tok_count"][r[0]])
-    if off < 0 or n <= 0:
-        return None
-    return trace.token_span(off, off + n) > 0
-
-
-def _hits(step: int, rows: Table, hid: np.ndarray | None, lg: np.ndarray | None,
-          req_ids: dict[int, str]) -> list[RequestHit]:
-    at = np.nonzero(rows["step"] == step)[0]  # this step's token rows, batch order
-    request = rows["request"]
-    order = list(dict.fromkeys(request[at].tolist()))  # batch order = logits row order
-    bad: dict[int, list[int]] = {}
-    if hid is not None and len(at):
-        n = min(len(hid), len(at))
-        for i in at[:n][hid[:n]]:
-            bad.setdefault(int(request[i]), []).append(int(i))
-    bad_logits = set()
-    if lg is not None:
-        bad_logits = {int(order[i]) for i in np.nonzero(lg)[0] if i < len(order)}
-    out = []
-    for req in list(dict.fromkeys(list(bad) + sorted(bad_logits))):
-        g = np.asarray(bad.get(req, []), dtype=np.int64)
-        phases = {schema.ENGINE_PHASES.get(int(p), "unknown") for p in rows["phase"][g]}
-        out.append(RequestHit(
-            request_id=req_ids.get(req, f"#{req}"), step=step, rows=len(g),
-            positions=[int(p) for p in rows["position"][g[:8]]],
-            phase=phases.pop() if len(phases) == 1 else ("mixed" if phases else "unknown"),
-            logits=req in bad_logits))
-    return out
-
-
 def find_engine_findings(trace: Trace, first_bad_step: int | None,
-                         producer: str | None = None) -> EngineFindings | None:
+                         producer: str | None = None, *, steps: Table | None = None,
+                         nonfinite_steps: int | None = None) -> EngineFindings | None:
+    """`steps`: the step table with warm-ups cleared (`without_warmup`); `nonfinite_steps`:
+    the non-finite steps the summaries count (to say how many lack their token rows)."""
     info = engine_info(trace.meta)
     if info is None:
         return None
     reqs = trace.engine_columns("requests")
     req_ids = {int(r): str(i) for r, i in zip(reqs["request"], reqs["request_id"])}
+    warm = warmup_steps(trace)
     ef = EngineFindings(engine=str(info.get("name", "engine")),
                         version=str(info.get("version", "unknown")), n_requests=len(reqs),
-                        warmup_steps=[int(s) for s in warmup_steps(trace)],
+                        warmup_steps=[int(s) for s in warm],
                         first_bad_step=first_bad_step)
     if producer:
         health = info.get("scale_health")
@@ -180,26 +174,28 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
         if isinstance(h, dict):
             ef.producer = producer
             ef.producer_scales = {k: v for k, v in h.items() if isinstance(v, dict)}
-    if first_bad_step is None:
-        return ef
     rows = trace.engine_columns("rows")
+    sr = StepRows(rows)
     kinds = trace.module_kinds.tolist()
     root_id = kinds.index("root") if "root" in kinds else len(kinds) - 1
-    steps = [int(s) for s in trace.step_table["step"] if s >= first_bad_step][:MAX_FOLLOW_STEPS]
-    seen: set[str] = set()
-    for i, step in enumerate(steps):
-        recs = trace.record_table(step)
-        hid = _row_flags(trace, recs, root_id, schema.ENGINE_ROW_FLAG_SLOTS["hidden"])
-        lg = _row_flags(trace, recs, root_id, schema.ENGINE_ROW_FLAG_SLOTS["logits"])
-        hits = _hits(step, rows, hid, lg, req_ids)
-        if i == 0:
-            ef.first = hits
-        else:
-            ef.reached += [h for h in hits if h.request_id not in seen]
-        seen.update(h.request_id for h in hits)
-    ef.followed_steps = len(steps)
-    _origin(trace, ef, rows, req_ids)
-    ef.clean = [rid for rid in req_ids.values() if rid not in seen]
+    run = scan_hits(trace, sr, req_ids, root_id, warm)
+    ef.followed_steps = run.steps_read
+    ef.went_bad, ef.same_spots = classify(trace, run, sr, reqs)
+    if first_bad_step is not None:
+        ef.first = run.hits.get(first_bad_step, [])
+    by = {b.request_id: b for b in ef.went_bad}
+    ef.reached = [run.hits[b.step][[h.request_id for h in run.hits[b.step]].index(b.request_id)]
+                  for b in ef.went_bad if b.kind == "possibly_spread"
+                  and (first_bad_step is None or b.step > first_bad_step)]
+    if nonfinite_steps is not None and steps is not None:
+        st = steps
+        bad = (st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
+        known = set(int(x) for x in st["step"][bad]) | set(run.hits)
+        known = {x for x in known if len(sr.at(x))}
+        ef.unattributed_steps = max(0, int(nonfinite_steps) - len(known))
+    if first_bad_step is not None:
+        _origin(trace, ef, rows, req_ids)
+    ef.clean = [rid for rid in req_ids.values() if rid not in by]
     return ef
 
 

@@ -197,6 +197,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
         focus = None
     capture = meta.get("capture_options") if isinstance(meta.get("capture_options"), dict) else {}
     scenario = env.get("scenario") if isinstance(env.get("scenario"), str) else None
+    eng = getattr(findings, "engine", None)  # analyze.engine.EngineFindings (vLLM)
     return {
         "title": f"qforensics incident report: {os.path.basename(trace_arg)}",
         "csp": content_security_policy(),
@@ -230,6 +231,10 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
         "quant_summary": _quant_summary(quant),
         "divergence": div,
         "notes": findings.notes,
+        "bad_requests": eng.went_bad[:200] if eng is not None else [],
+        "bad_requests_total": len(eng.went_bad) if eng is not None else 0,
+        "same_spots": eng.same_spots if eng is not None else [],
+        "unattributed_steps": eng.unattributed_steps if eng is not None else 0,
         "incidents": getattr(findings, "incidents", [])[:200],
         "incidents_total": len(getattr(findings, "incidents", [])),
         "snapshots": findings.snapshots,
