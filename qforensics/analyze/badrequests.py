@@ -13,7 +13,6 @@ detail the trace no longer holds (the byte budget) are counted, never guessed. N
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 

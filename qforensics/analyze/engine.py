@@ -96,10 +96,11 @@ class EngineFindings:
                 for h in self.reached))
         if len(self.went_bad) > 1:
             alone = sum(b.kind.startswith("independent") for b in self.went_bad)
+            spread = sum(b.kind == "possibly_spread" for b in self.went_bad)
+            rest = len(self.went_bad) - alone - spread
             out.append(f"{len(self.went_bad)} requests went bad over the run: {alone} on "
-                       f"their own, {len(self.reached)} possibly spread"
-                       + (f", {len(self.went_bad) - alone - len(self.reached)} undetermined"
-                          if len(self.went_bad) - alone - len(self.reached) else ""))
+                       f"their own, {spread} possibly spread"
+                       + (f", {rest} undetermined" if rest else ""))
             out.extend(b.line for b in self.went_bad[:8])
             if len(self.went_bad) > 8:
                 out.append(f"... {len(self.went_bad) - 8} more (--json lists all)")

@@ -71,6 +71,7 @@ def test_same_position_far_apart_a_different_position_and_a_spread(tmp_path):
     assert f"possibly spread to other requests: R3 at step {s3} (from R2 in the same forward)" \
         in text
     assert not any("spread" in n and "R1" in n for n in f.notes)
+    assert "4 requests went bad over the run: 3 on their own, 1 possibly spread" in f.notes
     assert (f"request R2: went bad at step {s2} (decode) at position 40 (length 41, prompt 16 "
             "tokens), first in model.layers.3.proj: on its own (no other request held NaN/Inf "
             "in that forward)") in text
@@ -116,6 +117,7 @@ def test_the_earliest_op_of_the_forward_decides(tmp_path):
     assert bad["R"].length == bad["S"].length == 12
     f = analyze_trace(p)
     assert bad["Z"].line.endswith(": on its own (at an earlier op of that forward than X)")
+    assert "8 requests went bad over the run: 7 on their own, 1 possibly spread" in f.notes
     spots = [(sp.by, sp.value, sp.requests) for sp in f.engine.same_spots]
     assert spots == [("position", 13, ["Q1", "Q2"]), ("length", 12, ["R", "S"])]
     assert any(n.startswith("2 requests went bad on their own at length 12 (R, S; steps 80, "
