@@ -4,7 +4,8 @@ one trace per rank.
 Reads, in order: the /steps summaries (first bad step, logits), the records of ONE step (the
 failing one, or the step whose linear inputs peaked when nothing failed), the per-channel ranges
 and per-token absmax of that step (one span each), and a few narrow record columns for the
-spread and the outlier trends. Never imports torch; never prints.
+spread and the outlier trends. The verdict line is analyze/verdict.py's `verdict_for`
+(re-exported here). Never imports torch; never prints.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 
 from qforensics.analyze.cause import classify_cause, describe_nonfinite_logits
 from qforensics.analyze.coverage import (
-    Coverage,
     find_coverage,
     ring_failure,
     snapshot_corruption,
@@ -30,7 +30,6 @@ from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.evidence import (
     collect_evidence,
     flag_parameters,
-    output_evidence,
     summarize_parameters,
 )
 from qforensics.analyze.findings import (
@@ -38,7 +37,6 @@ from qforensics.analyze.findings import (
     PASSED,
     SUSPECT,
     Cause,
-    Evidence,
     Findings,
     FirstNonfinite,
     Incident,
@@ -47,11 +45,7 @@ from qforensics.analyze.findings import (
     TraceEndInfo,
     Verdict,
 )
-from qforensics.analyze.nonfinite import (
-    find_first_bad_step,
-    find_first_nonfinite,
-    kind_word,
-)
+from qforensics.analyze.nonfinite import find_first_bad_step, find_first_nonfinite
 from qforensics.analyze.outliers import (
     RecordIndex,
     find_outlier_channels,
@@ -62,6 +56,7 @@ from qforensics.analyze.outliers import (
 from qforensics.analyze.precursors import find_precursors, summary_owners
 from qforensics.analyze.reference import compare_to_reference
 from qforensics.analyze.thresholds import RATIONALE, Thresholds
+from qforensics.analyze.verdict import cross_check, verdict_for
 from qforensics.errors import TraceUnreadableError, UsageError
 from qforensics.formats import GEMM_KINDS, KIND_ROOT
 from qforensics.trace import schema
@@ -211,7 +206,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     warm = warmup_steps(trace)
     steps = without_warmup(steps, warm)
     fail_row = find_first_bad_step(steps)
-    fail_row = _cross_check(trace, steps, fail_row, notes, warm)
+    fail_row = cross_check(trace, steps, fail_row, notes, warm)
     cov = _guarded(trace, lambda: find_coverage(trace, steps, warm), None)
     first = None
     focus: list[int] = []
@@ -373,70 +368,3 @@ def _guarded(trace: Trace, get: Any, default: Any) -> Any:
     except TraceUnreadableError as exc:
         trace.unreadable.append(str(exc))
         return default
-
-
-def _cross_check(trace: Trace, steps: Table, fail_row: int | None,
-                 notes: list[str], warm: np.ndarray) -> int | None:
-    """The per-step summaries against a scan of every record's NaN/Inf counts: a step whose
-    records hold NaN/Inf is failing even when its summary (damaged, or written by a killed run)
-    says otherwise. A warm-up forward's records (vLLM's dummy batch) never count."""
-    bad_steps = trace.nonfinite_record_steps()
-    bad_steps = bad_steps[~np.isin(bad_steps, warm)]
-    if not len(bad_steps) or not len(steps):
-        return fail_row
-    rows = np.nonzero(np.isin(steps["step"], bad_steps))[0]
-    if not len(rows) or (fail_row is not None and fail_row <= int(rows[0])):
-        return fail_row
-    row = int(rows[0])
-    notes.append(f"the per-step summary of step {int(steps['step'][row])} says it is "
-                 "finite but its records hold NaN/Inf: the records are trusted")
-    trace.unreadable.append("/steps summaries disagree with the records' NaN/Inf counts")
-    return row
-
-
-def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
-                end: Any, unreadable: list[str] | None = None, *, cause: Cause | None = None,
-                evidence: list[Evidence] | None = None,
-                coverage: Coverage | None = None) -> Verdict:
-    """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
-    (parameters and activations first, then the output), when anything was `unreadable` or
-    when recording stopped with no summaries of the steps after it, else PASSED. Where
-    detail was thinned, the line says which steps it covers and at what resolution."""
-    tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
-    if coverage is not None and coverage.thinned:
-        tail += f"; {coverage.line()}"
-        if coverage.summaries:
-            n_steps = coverage.steps_seen
-    if first is not None:
-        word = kind_word(first.kind)
-        head = f"{FAILED} | first non-finite at step {first.step}, call {first.call_index}: "
-        why = f"; {cause.line}" if cause is not None and cause.kind not in (
-            "unhooked_op", "undetermined") else ""
-        if first.producer_module is not None:
-            return Verdict(FAILED, head + f"{first.module} produced {word} from finite input"
-                           + why + tail)
-        gap = first.producer
-        where = (f"after call {gap.last_finite_call} ({gap.last_finite_module})"  # type: ignore
-                 if gap.last_finite_call is not None else "before it")  # type: ignore
-        return Verdict(FAILED, head + f"{word} already in the input of {first.module}; "
-                       f"produced by an unhooked op {where}" + why + tail)
-    if evidence is None:  # callers that only have the precursors
-        evidence = output_evidence(precursors, Thresholds())
-    silent = [e for e in evidence if e.suspect]
-    if silent:
-        more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
-        return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)
-    if unreadable:
-        more = f" (+{len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
-        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps that "
-                       f"could be read, but the trace is damaged: {unreadable[0]}{more}" + tail)
-    if n_steps == 0:
-        return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
-                       + tail)
-    if coverage is not None and coverage.blind:
-        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps "
-                       "recorded in full, but the steps after them were not seen" + tail)
-    if not end.complete or not end.reason.startswith("complete"):
-        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but the run "
-                       f"did not finish normally: {end.reason}")
-    return Verdict(PASSED, f"{PASSED} | no non-finite values in {n_steps} steps" + tail)
