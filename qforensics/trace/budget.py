@@ -19,6 +19,7 @@ cannot hold. Nothing here imports torch.
 from __future__ import annotations
 
 import collections
+import os
 import logging
 from dataclasses import replace
 from typing import Any
@@ -95,6 +96,10 @@ class BudgetWriter:
         self.pins_kept = self.pins_dropped = 0
         self._detail_shape = (0, 0)  # (records, token values) a ring slot holds
         self.detail_off: str | None = None
+        # room kept for the requests table once full detail stops: every request keeps its id
+        # (about 100 bytes a request: 1 GiB keeps 16 MiB, some 160,000 requests)
+        self._req_reserve = self.max_bytes // 64 if self.max_bytes else 0
+        self._req_used = 0
         if not self.max_bytes:
             return
         ring = self.ring_slots * self._step_est
@@ -106,17 +111,20 @@ class BudgetWriter:
                 f"trace keeps in any case: the ring of the last {self.ring_slots} steps "
                 f"(~{_mib(ring)}) and the pinned windows of the first failure and the first "
                 f"step of each trigger kind with the {self.window} steps before each "
-                f"(~{_mib(self._reserve())}); give at least {_mib(need)}, or fewer ring_steps "
+                f"(~{_mib(self._reserve() - self._req_reserve)}), and room for the requests "
+                f"table (1/64 of the budget); give at least {_mib(need)}, or fewer ring_steps "
                 "/ a smaller trigger_window")
 
     def _window_bytes(self, kind: str) -> int:
         extra = self._snap_reserve if kind == "nonfinite" else 0
         return (self.window + 1) * self._step_est + _SLACK + extra
 
-    def _reserve(self, taking: tuple[str, ...] = ()) -> int:
-        """Bytes held back for the pinned windows not yet taken (`taking`: being taken now)."""
+    def _reserve(self, taking: tuple[str, ...] = (), requests: bool = False) -> int:
+        """Bytes held back for the pinned windows not yet taken (`taking`: being taken now) and
+        for the requests table (unless `requests`: appending to it now)."""
         return sum(self._window_bytes(k) for k in _KINDS
-                   if k not in self._pinned and k not in taking)
+                   if k not in self._pinned and k not in taking) + (
+            0 if requests else max(0, self._req_reserve - self._req_used))
 
     # -- file layout -------------------------------------------------------------------------
     def _create_budget(self, f: h5py.File) -> None:
@@ -334,9 +342,10 @@ class BudgetWriter:
         reqs = rest.pop("requests", None)
         if reqs is not None and len(reqs):
             cols = schema.ENGINE_REQUEST_COLUMNS
-            if self._within_cap(self._growth({f"engine/requests/{n}": len(reqs)
-                                              for n, _, _ in cols}) + self._reserve()):
+            grow = self._growth({f"engine/requests/{n}": len(reqs) for n, _, _ in cols})
+            if self._within_cap(grow + self._reserve(requests=True)):
                 self._append_table("engine/requests", cols, reqs)
+                self._req_used += grow
             else:
                 rest["requests"] = reqs
         if any(len(v) for v in rest.values()):
@@ -358,7 +367,17 @@ class BudgetWriter:
             if self._within_cap(self._batch_growth(t) + reserve):
                 self._append_batch(t)
                 return True
+        if not self._told_dropped:  # once: what did not fit, for whoever sizes the budget
+            self._told_dropped = True
+            free = self.max_bytes - os.path.getsize(self.path)
+            log.warning("qforensics: no room for the pinned window of step %d (%s): its "
+                        "smallest form needs %s, %s free with %s held back for the windows "
+                        "not taken yet", int(window[-1].steps["step"][0]), ",".join(new) or
+                        "again", _mib(self._batch_growth(tries[-1])), _mib(free), _mib(reserve))
         return False
+
+    _told_dropped = False
+    _req_reserve = _req_used = 0
 
     def _pin_rows(self, step: int, kinds: tuple[str, ...], lo: int, kept: int) -> None:
         rows = np.zeros(len(kinds), schema.pinned_dtype())

@@ -267,7 +267,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
                             f"{status.get('error', '')}".rstrip(": "))
         orphan = self._lengths["records"] - self.records_end
         summ = self.summary_table  # every step's summary outlives the appended detail
-        if summ is not None and len(summ):
+        if summ is not None and len(summ) and not orphan:
             last = max(last, int(summ["step_hi"][-1]))
         return TraceEnd(False, last, "truncated: the writer never closed the file (the run "
                         f"crashed or was killed); trace ends after step {last}"

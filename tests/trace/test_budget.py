@@ -288,3 +288,34 @@ def test_a_warmup_whose_engine_tables_came_first_is_never_the_pinned_failure(tmp
         assert bad.tolist() == [2500]
     f = analyze_trace(p)
     assert f.status == "FAILED" and f.first_nonfinite.step == 2500
+
+
+def test_every_request_keeps_its_id_long_after_full_detail_stopped(tmp_path):
+    """A server takes new requests for days after the budget stopped appending full detail:
+    the requests table has room of its own, so each request's id is still there to name."""
+    from qforensics.trace import schema
+    from qforensics.trace.writer import StepBatch
+
+    def new_request(step: int) -> StepBatch:
+        rq = np.zeros(1, schema.engine_dtype("requests"))
+        rq["request"], rq["first_step"], rq["prompt_tokens"] = step, step, 10 + step % 7
+        rq["request_id"] = f"cmpl-{step:06d}".encode()
+        return StepBatch(steps=np.zeros(0, schema.step_dtype()),
+                         records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
+                         chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+                         input_ids=np.zeros(0, np.int64), engine={"requests": rq})
+
+    p = tmp_path / "t.h5"
+    w = writer(p, 13 * MIB)
+    for s in range(3000):
+        w.submit(new_request(s))
+        w.submit(batch(s))
+        if s % 64 == 63:
+            w.flush()
+    w.close()
+    assert p.stat().st_size <= 13 * MIB
+    with qforensics.open_trace(p) as t:
+        assert 0 <= t.limits["reached_at_step"] < 2000  # a thousand requests came after
+        reqs = t.engine_table("requests")
+    assert len(reqs) == 3000
+    assert reqs["request_id"].tolist()[-1] == "cmpl-002999"
