@@ -67,6 +67,14 @@ def batch(step: int, *, nan_module: int | None = None, width: int = 64, t0: floa
                      ring=True, triggers=trig)
 
 
+def engine_batch(**tables: np.ndarray) -> StepBatch:
+    """An engine's tables of a step on their own, as vLLM's adapter submits them."""
+    return StepBatch(steps=np.zeros(0, schema.step_dtype()),
+                     records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
+                     chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
+                     input_ids=np.zeros(0, np.int64), engine=tables)
+
+
 def write_run(w: TraceWriter, n: int, nan_at: set[int] = frozenset(), nan_module: int = 7,
               **kw) -> None:
     for s in range(n):

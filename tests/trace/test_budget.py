@@ -20,7 +20,7 @@ from qforensics.errors import CaptureError
 from qforensics.trace.budgetopts import max_bytes_from_env, parse_max_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from budget_batches import batch, write_run, writer  # noqa: E402
+from budget_batches import batch, engine_batch, write_run, writer  # noqa: E402
 
 MIB = 1 << 20
 
@@ -259,15 +259,11 @@ def test_a_warmup_whose_engine_tables_came_first_is_never_the_pinned_failure(tmp
     Its compiled warm-up runs a dummy batch that makes NaN; the budget then has room for one
     first-failure window, and the real failure (step 2500) must be the one that gets it."""
     from qforensics.trace import schema
-    from qforensics.trace.writer import StepBatch
 
-    def engine_only(step: int, warm: bool) -> StepBatch:
+    def engine_only(step: int, warm: bool):
         es = np.zeros(1, schema.engine_dtype("steps"))
         es["step"], es["warmup"] = step, int(warm)
-        return StepBatch(steps=np.zeros(0, schema.step_dtype()),
-                         records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
-                         chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
-                         input_ids=np.zeros(0, np.int64), engine={"steps": es})
+        return engine_batch(steps=es)
 
     p = tmp_path / "t.h5"
     w = writer(p, 13 * MIB)
@@ -294,16 +290,12 @@ def test_every_request_keeps_its_id_long_after_full_detail_stopped(tmp_path):
     """A server takes new requests for days after the budget stopped appending full detail:
     the requests table has room of its own, so each request's id is still there to name."""
     from qforensics.trace import schema
-    from qforensics.trace.writer import StepBatch
 
-    def new_request(step: int) -> StepBatch:
+    def new_request(step: int):
         rq = np.zeros(1, schema.engine_dtype("requests"))
         rq["request"], rq["first_step"], rq["prompt_tokens"] = step, step, 10 + step % 7
         rq["request_id"] = f"cmpl-{step:06d}".encode()
-        return StepBatch(steps=np.zeros(0, schema.step_dtype()),
-                         records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
-                         chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
-                         input_ids=np.zeros(0, np.int64), engine={"requests": rq})
+        return engine_batch(requests=rq)
 
     p = tmp_path / "t.h5"
     w = writer(p, 13 * MIB)
