@@ -134,15 +134,32 @@ def expected(specs: list[Spec]) -> dict[tuple, int]:
     return out
 
 
-def triage(d: Path, out: Path, extra: list[str]) -> tuple[float, dict, int]:
+def triage(d: Path, out: Path, extra: list[str]) -> tuple[float, dict, int, float]:
+    """Run the command; (wall s, its JSON, exit code, CPU s of it and the processes it
+    waited for: with the local cluster, its workers)."""
     cmd = [sys.executable, "-m", "qforensics.cli", "triage", str(d), "--json", "--quiet",
            "-o", str(out), *extra]
+    out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    with open(out / "stdout.json", "wb") as so, open(out / "stderr.txt", "wb") as se:
+        p = subprocess.Popen(cmd, stdout=so, stderr=se)
+        _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
-    if res.returncode not in (0, 1, 2):
-        raise SystemExit(f"triage failed ({res.returncode}): {res.stderr[-3000:]}")
-    return wall, json.loads(res.stdout), res.returncode
+    rc = os.waitstatus_to_exitcode(status)
+    if rc not in (0, 1, 2):
+        raise SystemExit(f"triage failed ({rc}): {(out / 'stderr.txt').read_text()[-3000:]}")
+    return wall, json.loads((out / "stdout.json").read_text()), rc, ru.ru_utime + ru.ru_stime
+
+
+def load() -> str:
+    return "load average %.1f %.1f %.1f" % os.getloadavg()
+
+
+def worker_cpu(addr: str) -> float:
+    from dask.distributed import Client
+
+    with Client(addr, timeout=10) as c:
+        return sum(c.run(lambda: sum(__import__("resource").getrusage(0)[:2])).values())
 
 
 def check(doc: dict, specs: list[Spec], real_groups: int) -> str:
@@ -165,7 +182,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def on_processes(d: Path, out: Path, n_workers: int, logs: Path) -> tuple[float, dict, int]:
+def on_processes(d: Path, out: Path, n_workers: int, logs: Path
+                 ) -> tuple[float, dict, int, float]:
     """`dask scheduler` and `dask worker` x n as separate processes, then the command."""
     port = free_port()
     addr = f"tcp://127.0.0.1:{port}"
@@ -193,7 +211,9 @@ def on_processes(d: Path, out: Path, n_workers: int, logs: Path) -> tuple[float,
             except OSError:
                 if time.monotonic() > deadline:
                     raise
-        return triage(d, out, ["--scheduler", addr])
+        before = worker_cpu(addr)
+        wall, doc, rc, cpu_cmd = triage(d, out, ["--scheduler", addr])
+        return wall, doc, rc, cpu_cmd + worker_cpu(addr) - before
     finally:
         for p in procs:
             p.terminate()
@@ -230,19 +250,21 @@ def main() -> None:
     print(f"fleet: {n} trace files ({size:.2f} GB) in {a.dir}; CPU: {cpu()}", flush=True)
     real_groups = 6  # the committed samples: 2 FAILED + 4 SUSPECT scenarios
     out = Path(str(a.dir) + "-out")
+    def say(what: str, wall: float, doc: dict, rc: int, cpu_s: float) -> None:
+        print(f"{what}: {doc['traces']} traces in {wall:.1f} s = {doc['traces'] / wall:.1f} "
+              f"traces/s, exit {rc}; CPU {cpu_s:.0f} s ({1000 * cpu_s / doc['traces']:.0f} ms "
+              f"a trace, all processes); {load()}; {check(doc, specs, real_groups)}",
+              flush=True)
+
     if "local" not in a.skip:
-        wall, doc, rc = triage(a.dir, out / "local", [])
-        print(f"local cluster (default, {os.cpu_count()} workers): {doc['traces']} traces in "
-              f"{wall:.1f} s = {doc['traces'] / wall:.1f} traces/s, exit {rc}; "
-              f"{check(doc, specs, real_groups)}", flush=True)
+        wall, doc, rc, cpu_s = triage(a.dir, out / "local", [])
+        say(f"local cluster (default, {os.cpu_count()} workers)", wall, doc, rc, cpu_s)
     if "processes" not in a.skip:
         walls = {}
         for k in (1, 2):
-            wall, doc, rc = on_processes(a.dir, out / f"w{k}", k, out / f"logs-{k}")
+            wall, doc, rc, cpu_s = on_processes(a.dir, out / f"w{k}", k, out / f"logs-{k}")
             walls[k] = wall
-            print(f"dask scheduler + {k} dask worker process(es): {doc['traces']} traces in "
-                  f"{wall:.1f} s = {doc['traces'] / wall:.1f} traces/s, exit {rc}; "
-                  f"{check(doc, specs, real_groups)}", flush=True)
+            say(f"dask scheduler + {k} dask worker process(es)", wall, doc, rc, cpu_s)
         print(f"speed-up 1 -> 2 workers: {walls[1] / walls[2]:.2f}x")
 
 

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from qforensics.analyze.analyzer import analyze_open_trace
@@ -27,7 +26,7 @@ from qforensics.trace.moduleinfo import read_module_quant
 from qforensics.trace.reader import Trace, open_trace
 from qforensics.triage.names import align_producer, producer_site, run_key
 
-__all__ = ["UNREADABLE", "prompt_bucket", "summarize_many", "summarize_trace", "unreadable_row"]
+__all__ = ["UNREADABLE", "cause_index", "prompt_bucket", "summarize_trace", "unreadable_row"]
 
 UNREADABLE = "UNREADABLE"
 _TEXT = 300  # characters kept of any text that comes from the trace
@@ -80,12 +79,6 @@ def summarize_trace(path: str, th: Thresholds | None = None) -> dict[str, Any]:
     row["path"] = path
     row["seconds"] = round(time.perf_counter() - t0, 4)
     return row
-
-
-def summarize_many(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Several traces in one call (the batched form of the task; see docs/triage.md)."""
-    th = Thresholds()
-    return [summarize_trace(p, th) for p in paths]
 
 
 # -- one open trace --------------------------------------------------------------------------------
