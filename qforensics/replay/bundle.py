@@ -90,6 +90,8 @@ def write_bundle(bundle: Bundle, path: str | Path) -> Path:
 
 def is_bundle(path: str | Path) -> bool:
     """True when `path` is an HDF5 file whose root says it is a replay bundle."""
+    if validate.non_regular_kind(path) is not None:
+        return False  # a FIFO or device is never opened; the reader then refuses it by name
     try:
         with h5py.File(path, "r") as f:
             return f.attrs.get("format") == FORMAT_NAME

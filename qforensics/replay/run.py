@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from qforensics.trace import validate
 from qforensics.errors import ReplayError
 from qforensics.replay.build import build_bundle_from_trace
 from qforensics.replay.bundle import Bundle, is_bundle, read_bundle, write_bundle
@@ -90,8 +91,7 @@ def load_bundle(source: str | os.PathLike[str], *, call: int | None = None, bund
     """A bundle file is read (and validated); a trace is turned into a bundle (written to bundle_out
     when given, else kept in memory)."""
     src = Path(source)
-    if not src.is_file():
-        raise ReplayError(f"{src}: no such file")
+    validate.check_regular_file(src, "trace or replay bundle", ReplayError)
     if is_bundle(src):
         if call is not None:
             raise ReplayError(f"{src} is already a replay bundle (one call); --call applies to traces only")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.trace import validate
 
 __all__ = ["REPLAY_SCHEMA", "ReplayEntry", "ReplaySummary", "load_replay_result",
            "parse_replay_result"]
@@ -186,6 +187,7 @@ def parse_replay_result(doc: Any, source: str = "<replay result>") -> ReplaySumm
 def load_replay_result(path: str | os.PathLike[str]) -> ReplaySummary:
     """Read and validate a replay result file written by `qforensics replay --json`."""
     p = os.fspath(path)
+    validate.check_regular_file(p, "replay result", UsageError)  # a FIFO would block the read
     try:
         size = os.path.getsize(p)
         if size > MAX_BYTES:

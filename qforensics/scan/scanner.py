@@ -23,6 +23,7 @@ from qforensics.scan.gguf_file import scan_gguf
 from qforensics.scan.layout import Located, check_layout, is_scale_tensor, load_quant_config
 from qforensics.scan.safetensors_file import SafetensorsFile
 from qforensics.scan.values import findings_from_tallies, tally_float_chunks
+from qforensics.trace.validate import check_regular_file
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -85,6 +86,8 @@ def plan_scan(path: str | Path) -> ScanPlan:
     path = Path(path)
     if not path.exists():
         raise ScanError(f"{path}: no such file or folder")
+    if not path.is_dir():
+        check_regular_file(path, "checkpoint", ScanError)  # a FIFO or device is never opened
     if path.is_file():
         plan = ScanPlan(path=path, root=path.parent)
         suffix = path.suffix.lower()

@@ -2,6 +2,8 @@
 
 Every check a reader needs before it trusts a file's structure or numbers lives here:
 
+- `check_regular_file`: refuses a path that is not a regular file (a FIFO, a device, a socket,
+  a directory) before anything opens it: opening a FIFO blocks forever, a device never ends;
 - `open_hdf5`: opens a file read-only; a file left open by a killed writer (SWMR consistency
   flags) is opened for SWMR reading, and a file cut short (shorter than the end address its
   superblock records, e.g. copied while written or truncated by a crash) is opened through a
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from typing import Any
 
@@ -38,9 +41,11 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "CutShortFile",
+    "check_regular_file",
     "check_self_contained",
     "checked_int",
     "checked_span",
+    "non_regular_kind",
     "open_hdf5",
     "parse_json",
     "read",
@@ -117,13 +122,42 @@ def recorded_size(path: str) -> int | None:
     return int(struct.unpack_from("<Q", head, pos)[0])
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def non_regular_kind(path: str | os.PathLike[str]) -> str | None:
+    """What `path` is when it exists and is not a regular file ("a FIFO (named pipe)", "a
+    directory", ...), else None. Follows symlinks; never opens the path."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_regular_file(path: str | os.PathLike[str], what: str = "trace",
+                       error: type[Exception] = TraceFormatError) -> None:
+    """Raise `error` (a QForensicsError: exit 2) unless `path` is an existing regular file.
+    Called before any open: a FIFO would block the reader forever, a device never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    kind = non_regular_kind(path)
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: is {kind}, not a {what} file; give the path of a regular file")
+
+
 def open_hdf5(path: str, what: str = "trace") -> tuple[h5py.File, str | None]:
     """Open `path` read-only. Returns (file, cut_note): cut_note is None for a whole file, or a
     sentence saying how many bytes of the recorded size are missing. Raises TraceFormatError."""
-    if not os.path.exists(path):
-        raise TraceFormatError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise TraceFormatError(f"{path}: is a directory, not a {what} file")
+    check_regular_file(path, what)
     try:
         with open(path, "rb") as fh:
             sig = fh.read(8)

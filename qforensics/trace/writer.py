@@ -41,8 +41,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from qforensics.errors import CaptureError
 from qforensics.version import __version__
-from qforensics.trace import schema
+from qforensics.trace import schema, validate
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
 from qforensics.trace.budget import BudgetWriter, _engine_step
 from qforensics.trace.columns import ColumnWriter, batch_rows
@@ -142,6 +143,9 @@ class TraceWriter(BudgetWriter, ColumnWriter):
     def _create(self, modules: list[dict[str, str]], environment: dict, options: dict) -> None:
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
+        kind = validate.non_regular_kind(self.path)
+        if kind is not None:  # opening a FIFO for writing blocks until someone reads it
+            raise CaptureError(f"{self.path}: is {kind}, not a trace file; give -o a file path")
         f = h5py.File(self.path, "w", libver="latest")
         f.attrs["format"] = schema.FORMAT_NAME
         f.attrs["format_version"] = schema.FORMAT_VERSION_STR
