@@ -303,7 +303,7 @@ def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
         # token count (vLLM's compile refuses any, its dims are marked dynamic); rows past the
         # buffer (never, with vLLM's batch limit) land on its last element, never out of range
         rows = torch.arange(x.shape[0], device=x.device).clamp_max(gs.tok_rows - 1)
-        tbuf.index_copy_(0, rows, xz.abs().amax(1))
+        tbuf.index_copy_(0, rows, x.abs().amax(1))  # NaN (Inf) for a row holding one
 
 
 def _is_int(dt: torch.dtype) -> bool:

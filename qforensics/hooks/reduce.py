@@ -163,7 +163,8 @@ def exact_group(ts: list[torch.Tensor], rows: int, chans: int, keep_ch: bool) ->
                 hi = torch.where(fin, c, -big).amax(0)
                 cmin = lo if cmin is None else torch.minimum(cmin, lo)
                 cmax = hi if cmax is None else torch.maximum(cmax, hi)
-                toks.append(cz.abs().amax(1))
+                # a row holding NaN (Inf) reads NaN (Inf): which token rows went bad
+                toks.append(c.abs().amax(1))
             assert cmin is not None and cmax is not None
             lim = torch.finfo(cmin.dtype).max
             empty_ch = (cmin >= lim) & (cmax <= -lim)  # no finite value in this channel

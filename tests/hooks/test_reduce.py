@@ -44,5 +44,8 @@ def test_exact_group_in_chunks_counts_and_skips_nonfinite(small_chunks):
     assert np.isnan(cmin[1, 7])
     np.testing.assert_allclose(np.delete(cmin[1], 7), np.delete(a1.min(0), 7), rtol=1e-6)
     tok = got[7 * g + 2 * g * 16:].reshape(g, 21)
-    a0 = np.where(np.isfinite(xs[0].double().numpy()), xs[0].double().numpy(), 0)
+    # the per-token maxima tell the bad rows: NaN for row 3, Inf for row 20, finite elsewhere
+    a0 = xs[0].double().numpy()
+    assert np.isnan(tok[0, 3]) and np.isposinf(tok[0, 20])
     np.testing.assert_allclose(tok[0], np.abs(a0).max(1), rtol=1e-6)
+    assert np.isnan(tok[1]).all()  # every row of xs[1] holds its NaN channel

@@ -201,7 +201,7 @@ def test_replay_file_not_json(tmp_path):
     p.write_bytes(b"\xff\xfe not json")
     with pytest.raises(UsageError, match="not valid JSON"):
         load_replay_result(p)
-    with pytest.raises(UsageError, match="cannot read"):
+    with pytest.raises(UsageError, match="no such file"):
         load_replay_result(tmp_path / "missing.json")
 
 
