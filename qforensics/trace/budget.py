@@ -121,10 +121,12 @@ class BudgetWriter:
 
     def _reserve(self, taking: tuple[str, ...] = (), requests: bool = False) -> int:
         """Bytes held back for the pinned windows not yet taken (`taking`: being taken now) and
-        for the requests table (unless `requests`: appending to it now)."""
-        return sum(self._window_bytes(k) for k in _KINDS
-                   if k not in self._pinned and k not in taking) + (
-            0 if requests else max(0, self._req_reserve - self._req_used))
+        for the requests table (unless `requests`: appending to it now). The first failure's
+        window (`nonfinite`) yields to no other kind's: their reserve is an estimate that a wide
+        forward can push past what is left, and nothing may evict the first failure."""
+        windows = 0 if "nonfinite" in taking else sum(
+            self._window_bytes(k) for k in _KINDS if k not in self._pinned and k not in taking)
+        return windows + (0 if requests else max(0, self._req_reserve - self._req_used))
 
     # -- file layout -------------------------------------------------------------------------
     def _create_budget(self, f: h5py.File) -> None:
@@ -154,13 +156,17 @@ class BudgetWriter:
     def _note(self, batches: list[StepBatch]) -> None:
         """Fold the batches' summaries in and update the per-step estimate."""
         item = self.channel_dtype.itemsize
-        self._step_est = max(self._step_est if self._seen_steps else 0,
-                             *(batch_bytes(b, item) for b in batches))
-        self._seen_steps = True
         for b in batches:  # an engine's tables of a step come before the step, on their own
             es = b.engine.get("steps")
             if es is not None and len(es) and (es["warmup"] > 0).any():
                 self._warm_steps.update(es["step"][es["warmup"] > 0].tolist())
+        # the windows are reserved by the size of a step that can be pinned: never a warm-up
+        # forward (vLLM's on its dummy batch is thousands of rows wide)
+        sizes = [batch_bytes(b, item) for b in batches
+                 if not (len(b.steps) and int(b.steps["step"][0]) in self._warm_steps)]
+        if sizes:
+            self._step_est = max(self._step_est if self._seen_steps else 0, *sizes)
+            self._seen_steps = True
         have = [b for b in batches if len(b.steps)]
         self._bad_steps: set[int] = set()
         if have:
@@ -343,9 +349,13 @@ class BudgetWriter:
         if reqs is not None and len(reqs):
             cols = schema.ENGINE_REQUEST_COLUMNS
             grow = self._growth({f"engine/requests/{n}": len(reqs) for n, _, _ in cols})
-            if self._within_cap(grow + self._reserve(requests=True)):
+            # the room kept for requests first (counted by the rows' own bytes: `grow` bounds
+            # a gzip chunk's rewrite, many times what a few rows add), then what windows leave
+            used = len(reqs) * reqs.dtype.itemsize
+            own = used <= self._req_reserve - self._req_used and self._within_cap(grow)
+            if own or self._within_cap(grow + self._reserve(requests=True)):
                 self._append_table("engine/requests", cols, reqs)
-                self._req_used += grow
+                self._req_used += used
             else:
                 rest["requests"] = reqs
         if any(len(v) for v in rest.values()):

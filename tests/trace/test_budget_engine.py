@@ -68,3 +68,46 @@ def test_pinned_windows_keep_their_engine_rows_after_the_budget(tmp_path):
         reqs = t.engine_columns("requests")
         assert reqs["request_id"].tolist() == [f"req-{i}" for i in range(6)]
         assert reqs["first_step"].tolist() == [0, 500, 1000, 1500, 2000, 2500]
+
+
+def _big_step_run(p, warmup: bool) -> None:
+    """Step 1 is a forward 600 times wider than a decode (vLLM's warm-up on its dummy batch,
+    or a long prefill): the per-step estimate the pinned windows are reserved by grows with it.
+    A new request every 100 steps; a NaN at step 900."""
+    w = writer(p, 13 * MIB, window=4)
+    for s in range(1000):
+        eng = _engine(s, s // 100, new=s % 100 == 0)
+        if s == 1 and warmup:
+            eng.engine["steps"]["warmup"] = 1
+        w.submit(eng)
+        w.submit(batch(s, width=64 * 600 if s == 1 else 64,
+                       nan_module=7 if s == 900 else None))
+        if s % 64 == 63:
+            w.flush()
+    w.close()
+
+
+def test_every_request_keeps_its_id_when_the_windows_reserve_fills_the_budget(tmp_path):
+    """After a forward so wide that the windows' reserve takes all the room left, requests
+    still draw on the room kept for them: none is lost with the held engine rows."""
+    p = tmp_path / "t.h5"
+    _big_step_run(p, warmup=False)
+    with qforensics.open_trace(p) as t:
+        reqs = t.engine_columns("requests")
+        assert reqs["request_id"].tolist() == [f"req-{i}" for i in range(10)]
+        assert reqs["first_step"].tolist() == list(range(0, 1000, 100))
+        assert t.pinned_table["step"].tolist() == [900]
+
+
+def test_a_warmup_forward_never_sizes_the_reserved_windows(tmp_path):
+    """The same wide forward flagged warm-up (never pinned): the windows are reserved by the
+    served steps' size, so full detail goes on well past it (a 4-step window of decodes is
+    ~0.2 MiB of this 13 MiB budget)."""
+    wide, warm = tmp_path / "wide.h5", tmp_path / "warm.h5"
+    _big_step_run(wide, warmup=False)
+    _big_step_run(warm, warmup=True)
+    with qforensics.open_trace(wide) as a, qforensics.open_trace(warm) as b:
+        assert 0 <= a.limits["reached_at_step"] < 100  # reserved by the wide step's size
+        assert b.limits["reached_at_step"] == -1 or b.limits["reached_at_step"] > 500
+        assert b.engine_columns("requests")["request_id"].tolist() == [
+            f"req-{i}" for i in range(10)]
