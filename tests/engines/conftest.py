@@ -54,14 +54,16 @@ def pytest_runtest_setup(item):
 
 
 def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
-                 extra: list[str] | None = None, serve_args: list[str] | None = None) -> dict:
+                 extra: list[str] | None = None, serve_args: list[str] | None = None,
+                 timeout: float = 900) -> dict:
     """`qforensics record -o tmp/t-{rank}.h5 [extra] -- python -m qforensics.demo.vllm_serve
-    MODEL ... [serve_args]`."""
+    MODEL ... [serve_args]`. A compiled start under record (a cold Inductor compile: vLLM's
+    cache is off under capture) takes 10-15 minutes on a 2-core machine: give it longer."""
     from qforensics.demo.vllm_scenarios import record_vllm
 
     out_json = tmp / "outputs.json"
     proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
-                       cwd=tmp, extra=extra, timeout=900, serve_args=serve_args)
+                       cwd=tmp, extra=extra, timeout=timeout, serve_args=serve_args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
             "files": sorted(tmp.glob("t-*.h5"))}
