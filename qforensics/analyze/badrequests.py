@@ -56,6 +56,9 @@ class BadRequest:
     # undetermined
     kind: str = "undetermined"
     spread_from: list[str] = field(default_factory=list)  # bad before, NaN in the same forward
+    # others bad at an earlier op of that forward that the trace cannot name (its step's full
+    # detail is past the budget; /engine/hits counts them)
+    spread_unnamed: int = 0
     together_with: list[str] = field(default_factory=list)  # first bad in the same forward too
     same_position_as: list[str] = field(default_factory=list)  # same first bad position
     same_length_as: list[str] = field(default_factory=list)  # same length there
@@ -257,10 +260,47 @@ def _where(trace: Trace, h: RequestHit, op: Op | None, mine: np.ndarray, sr: Ste
     return int(pos[row]), length, token
 
 
-def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table
+def from_hits(trace: Trace, hits: Table, reqs: Table, known: set[str]) -> list[BadRequest]:
+    """The requests /engine/hits names (the writer's record of where each first held NaN/Inf)
+    that are not in `known` (found in the full detail): those whose first bad step is past the
+    detail the byte budget kept."""
+    ids = {int(i): str(r) for i, r in zip(reqs["request"], reqs["request_id"])}
+    prompt = {int(i): int(p) for i, p in zip(reqs["request"], reqs["prompt_tokens"])}
+    names = trace.module_names
+    out = []
+    for k in np.argsort(hits["step"], kind="stable"):
+        q = int(hits["request"][k])
+        rid = ids.get(q, f"#{q}")
+        if rid in known:
+            continue
+        known.add(rid)
+        mod = int(hits["module_id"][k])
+
+        def opt(col: str) -> int | None:
+            v = int(hits[col][k])
+            return v if v >= 0 else None
+        b = BadRequest(rid, int(hits["step"][k]), opt("position"), opt("length"),
+                       prompt.get(q), schema.ENGINE_PHASES.get(int(hits["phase"][k]), "mixed"),
+                       int(hits["rows"][k]), bool(hits["logits"][k]), opt("token"),
+                       str(names[mod]) if 0 <= mod < len(names) else "")
+        if int(hits["call_index"][k]) < 0:
+            b.line = _head(b) + ": its row flags say so; the op is not recorded"
+        elif int(hits["earlier"][k]):
+            b.kind, b.spread_unnamed = "possibly_spread", int(hits["earlier"][k])
+            b.line = _line(b, [], {}, [])
+        else:
+            b.kind = "independent"
+            b.line = _head(b) + (": on its own (no other request held NaN/Inf at an earlier "
+                                 "op of that forward)")
+        out.append(b)
+    return out
+
+
+def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table | None = None
              ) -> tuple[list[BadRequest], list[SameSpot]]:
     """Each request that went bad, in order, with how (see `BadRequest.kind`), and the groups
-    of requests that went bad on their own at one position or length."""
+    of requests that went bad on their own at one position or length; `hits`: /engine/hits,
+    for the requests whose first bad step has no full detail left."""
     first: dict[str, RequestHit] = {}
     for step in sorted(run.hits):
         for h in run.hits[step]:
@@ -300,6 +340,8 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table
             b.kind, b.spread_from = "possibly_spread", cands
         b.line = _line(b, carriers, since, others, same)
         out.append(b)
+    if hits is not None and len(hits):
+        out = sorted(out + from_hits(trace, hits, reqs, set(first)), key=lambda b: b.step)
     spots = _same_spots(out)
     for b in out:
         b.same_position_as = [x.request_id for x in out if x is not b and b.position is not None
@@ -343,18 +385,22 @@ def _same_spots(bad: list[BadRequest]) -> list[SameSpot]:
     return spots
 
 
+def _head(b: BadRequest) -> str:
+    where = f"position {b.position}" if b.position is not None else "an unrecorded position"
+    extra = [f"length {b.length}"] if b.length is not None else []
+    if b.prompt_tokens is not None:
+        extra.append(f"prompt {b.prompt_tokens} tokens")
+    return (f"request {b.request_id}: went bad at step {b.step} ({b.phase}) at {where}"
+            + (f" ({', '.join(extra)})" if extra else "")
+            + (f", first in {b.first_module or '(model output)'}" if b.first_module else ""))
+
+
 def _line(b: BadRequest, carriers: list[str], since: dict[str, int], others: list[str],
           same: list[str] = ()) -> str:
     """`carriers`: the requests bad before it in that forward (for a same-position or -length
     kind: the others of its group); `others`: every other request bad in that forward; `same`:
     those of them that went bad at the same op, for the first time."""
-    where = f"position {b.position}" if b.position is not None else "an unrecorded position"
-    extra = [f"length {b.length}"] if b.length is not None else []
-    if b.prompt_tokens is not None:
-        extra.append(f"prompt {b.prompt_tokens} tokens")
-    head = (f"request {b.request_id}: went bad at step {b.step} ({b.phase}) at {where}"
-            + (f" ({', '.join(extra)})" if extra else "")
-            + (f", first in {b.first_module or '(model output)'}" if b.first_module else ""))
+    head = _head(b)
     if b.kind.startswith("independent_same_"):
         return head + (f": on its own, at the same {b.kind.rsplit('_', 1)[1]} as "
                        + _ids(carriers))
@@ -365,6 +411,10 @@ def _line(b: BadRequest, carriers: list[str], since: dict[str, int], others: lis
         why = ([f"at an earlier op of that forward than {_ids(later)}"] if later else []) + (
             [f"at the same op as {_ids(same)}, bad for the first time too"] if same else [])
         return head + f": on its own ({'; '.join(why)})"
+    if b.kind == "possibly_spread" and not b.spread_from:
+        return head + (f": possibly spread: {b.spread_unnamed} other request(s) held NaN/Inf at "
+                       "an earlier op of that forward (not named: that step's full detail is "
+                       "past the byte budget)")
     if b.kind == "possibly_spread":
         src = "; ".join(f"{x} (bad since step {since[x]})" if x in carriers else x
                         for x in b.spread_from[:4])

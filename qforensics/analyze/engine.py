@@ -81,7 +81,9 @@ class EngineFindings:
             out.append(f"step {self.first_bad_step}: non-finite rows belong to {who}")
         out.extend(self._bad_lines())
         if self.clean and self.went_bad:
-            out.append(f"requests never hit: {', '.join(self.clean[:8])}"
+            # "never" only when every non-finite step's rows were read
+            out.append(("requests never hit" if not self.unattributed_steps else
+                        "requests not seen hit") + f": {', '.join(self.clean[:8])}"
                        + (f" (+{len(self.clean) - 8} more)" if len(self.clean) > 8 else ""))
         return out
 
@@ -181,18 +183,21 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
     root_id = kinds.index("root") if "root" in kinds else len(kinds) - 1
     run = scan_hits(trace, sr, req_ids, root_id, warm)
     ef.followed_steps = run.steps_read
-    ef.went_bad, ef.same_spots = classify(trace, run, sr, reqs)
+    ef.went_bad, ef.same_spots = classify(trace, run, sr, reqs, trace.engine_columns("hits"))
     if first_bad_step is not None:
         ef.first = run.hits.get(first_bad_step, [])
     by = {b.request_id: b for b in ef.went_bad}
     ef.reached = [run.hits[b.step][[h.request_id for h in run.hits[b.step]].index(b.request_id)]
-                  for b in ef.went_bad if b.kind == "possibly_spread"
+                  for b in ef.went_bad if b.kind == "possibly_spread" and b.step in run.hits
+                  and b.request_id in [h.request_id for h in run.hits[b.step]]
                   and (first_bad_step is None or b.step > first_bad_step)]
     if nonfinite_steps is not None and steps is not None:
         st = steps
         bad = (st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
         known = set(int(x) for x in st["step"][bad]) | set(run.hits)
         known = {x for x in known if len(sr.at(x))}
+        # a step where the writer found a request's first NaN/Inf (/engine/hits) is known too
+        known |= {int(x) for x in trace.engine_columns("hits")["step"]}
         ef.unattributed_steps = max(0, int(nonfinite_steps) - len(known))
     if first_bad_step is not None:
         _origin(trace, ef, rows, req_ids)

@@ -154,8 +154,26 @@ ENGINE_SAMPLED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("request", "i4", ()),
     ("token", "i8", ()),  # the token the engine sampled for this request from this step's logits
 ]
+# /engine/hits (1.2): where each request first held NaN/Inf, one row a request, written by the
+# writer at that step (trace/hits.py) from the room the budget keeps for the requests table, so
+# it outlives the step's full detail.
+ENGINE_HIT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),
+    ("request", "i4", ()),  # index into /engine/requests
+    ("position", "i8", ()),  # its first bad position at its first bad op (-1: not known)
+    ("length", "i8", ()),  # its sequence length after that step's tokens (-1: not known)
+    ("phase", "i1", ()),  # ENGINE_PHASES of its rows in that step (-1: mixed or unknown)
+    ("rows", "i4", ()),  # its token rows holding NaN/Inf at that op (0: its logits row only)
+    ("logits", "i1", ()),  # 1: its row of the logits is non-finite
+    ("token", "i8", ()),  # the input token id at `position` (-1: not recorded)
+    ("call_index", "i8", ()),  # its first bad op (-1: only the row flags say it is bad)
+    ("module_id", "i4", ()),  # that op's module (-1: not known)
+    ("earlier", "i4", ()),  # other requests bad at an earlier op (or at it, bad before): 0 =
+    #                         on its own
+    ("same_op", "i4", ()),  # other requests first bad at the same op of that forward
+]
 ENGINE_TABLES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
-    "steps": ENGINE_STEP_COLUMNS, "rows": ENGINE_ROW_COLUMNS,
+    "steps": ENGINE_STEP_COLUMNS, "rows": ENGINE_ROW_COLUMNS, "hits": ENGINE_HIT_COLUMNS,
     "requests": ENGINE_REQUEST_COLUMNS, "sampled": ENGINE_SAMPLED_COLUMNS,
 }
 ENGINE_PHASES = {0: "prefill", 1: "decode", -1: "unknown"}

@@ -46,6 +46,7 @@ from qforensics.version import __version__
 from qforensics.trace import schema, validate
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
 from qforensics.trace.budget import BudgetWriter, _engine_step
+from qforensics.trace.hits import HitsWriter
 from qforensics.trace.columns import ColumnWriter, batch_rows
 
 __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
@@ -87,7 +88,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter(BudgetWriter, ColumnWriter):
+class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -316,6 +317,7 @@ class TraceWriter(BudgetWriter, ColumnWriter):
         try:
             with self._lock:
                 self._note(batches)  # summaries, the per-step estimate
+                self._note_hits(batches)  # where each request first held NaN/Inf
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
                 empty = np.zeros(0, self.channel_dtype)
@@ -429,6 +431,8 @@ class TraceWriter(BudgetWriter, ColumnWriter):
             st["max_bytes_reached"] = {"max_bytes": self.max_bytes, "step": self.capped_at}
         st["pinned"] = {"kept": self.pins_kept, "dropped": self.pins_dropped,
                         "kinds": sorted(self._pinned)}
+        if self.hits_dropped:
+            st["hits_dropped"] = self.hits_dropped
         if self.detail_off:
             st["ring_detail_off"] = self.detail_off
         if self._failed:

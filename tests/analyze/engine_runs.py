@@ -85,10 +85,11 @@ def _engine(step: int, rows: list[tuple[int, int, int]], new: list[tuple[int, Re
                      tok_absmax=e, input_ids=np.zeros(0, np.int64), engine=tables)
 
 
-def _step(step: int, rows: list[tuple[int, int, int]], bad_from: list[int | None]
-          ) -> StepBatch:
+def _step(step: int, rows: list[tuple[int, int, int]], bad_from: list[int | None],
+          wide: int = 0) -> StepBatch:
     """The step's records: every module's input and output over the token rows, then the
-    root's logits, logits-row flags and hidden-row flags."""
+    root's logits, logits-row flags and hidden-row flags. `wide`: the first module's input
+    also keeps per-channel ranges over that many channels (a step as large as a real model's)."""
     n = len(rows)
     order = list(dict.fromkeys(r for r, _, _ in rows))  # batch order = logits row order
     last = {r: i for i, (r, _, _) in enumerate(rows)}  # a request's logits: its last row
@@ -136,18 +137,22 @@ def _step(step: int, rows: list[tuple[int, int, int]], bad_from: list[int | None
     st["logits_top5_ids"] = st["logits_argmax"] + np.arange(5)
     st["logits_top5_values"] = 5.0 - np.arange(5, dtype=np.float32)
     ids = np.array([token(r, p) for r, p, _ in rows], np.int64)
-    e = np.zeros(0, np.float32)
-    return StepBatch(steps=st, records=rec, chan_min=e, chan_max=e,
+    e = np.zeros(wide, np.float32)
+    if wide:
+        rec["channels"][0], rec["chan_offset"][0] = wide, 0
+        rec["numel"][0] = wide * rec["rows"][0]
+    return StepBatch(steps=st, records=rec, chan_min=e - 1, chan_max=e + 1,
                      tok_absmax=np.concatenate(per).astype(np.float32), input_ids=ids)
 
 
 def write_run(path, reqs: list[Req], n_steps: int,
               nan: dict[tuple[int, str], dict[int, int]] | None = None,
               stay_bad_from: int | None = 0, max_bytes: int = 0,
-              rows_lost: frozenset[int] = frozenset()) -> None:
+              rows_lost: frozenset[int] = frozenset(), wide: int = 0) -> None:
     """Write the run. A request stays bad after it went bad: from module `stay_bad_from`'s
     output on, its rows of every later step (its KV cache holds the NaN; None: it recovers).
-    `rows_lost`: steps whose /engine rows are not written (their records are)."""
+    `rows_lost`: steps whose /engine rows are not written (their records are); `wide`: see
+    `_step`."""
     nan = nan or {}
     w = writer(path, max_bytes)
     bad_since: dict[str, int] = {}
@@ -173,7 +178,7 @@ def write_run(path, reqs: list[Req], n_steps: int,
             if here:
                 bad_since.setdefault(r.name, step)
         w.submit(_engine(step, [] if step in rows_lost else rows, new))
-        w.submit(_step(step, rows, bad_from))
+        w.submit(_step(step, rows, bad_from, wide))
         if step % 64 == 63:
             w.flush()
     w.close()

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from qforensics import open_trace
 from qforensics.analyze import analyze_trace
 from qforensics.reports.report import render_report
 
@@ -122,6 +123,19 @@ def test_the_earliest_op_of_the_forward_decides(tmp_path):
     assert spots == [("position", 13, ["Q1", "Q2"]), ("length", 12, ["R", "S"])]
     assert any(n.startswith("2 requests went bad on their own at length 12 (R, S; steps 80, "
                             "85)") for n in f.notes)
+    # the writer's own record of each first hit (/engine/hits), from the same construction:
+    # (step, position, first module, others bad at an earlier op, others first bad at it)
+    want = {"X": (10, pos["X"], 2, 0, 0), "Z": (20, pos["Z"], 0, 0, 0),
+            "Y": (25, pos["Y"], 4, 2, 0), "P": (40, 5, 2, 0, 0), "Q1": (60, 13, 2, 0, 1),
+            "Q2": (60, 13, 2, 0, 1), "R": (80, 2, 1, 0, 0), "S": (85, 7, 1, 0, 0)}
+    names = [q.name for q in (x, z, y, pp, q1, q2, r, s)]
+    with open_trace(p) as t:
+        h = t.engine_table("hits")
+    got = {names[int(q)]: (int(st), int(po), int(m), int(e), int(so)) for q, st, po, m, e, so
+           in zip(h["request"], h["step"], h["position"], h["module_id"], h["earlier"],
+                  h["same_op"])}
+    assert got == want and len(h) == len(want)
+    assert h["token"].tolist() == [token(names.index(n), want[n][1]) for n in got]
 
 
 def test_a_healthy_long_run_names_no_bad_request(tmp_path):
@@ -153,6 +167,34 @@ def test_requests_after_the_budget_are_found_in_the_pinned_windows(tmp_path):
     assert [bad[r].kind for r in bad] == ["independent_same_position"] * 2 + ["independent"]
     assert [(sp.value, sp.requests) for sp in f.engine.same_spots] == [(64, ["A", "B"])]
     assert f.engine.unattributed_steps == 0  # every bad step was pinned with its rows
+
+
+def test_requests_past_every_pinned_window_are_named_from_the_writers_hits(tmp_path):
+    # steps as wide as a real model's fill the budget at once; A goes bad at position 20 and
+    # stays bad for 280 steps, whose windows take what room is left, so B's and C's first bad
+    # steps (alone but for healthy requests) keep no full detail: the writer's /engine/hits
+    # still says where each went bad, through which module, on which input token
+    a, b, c = Req("A", 300, 8, 300), Req("B", 620, 8, 40), Req("C", 800, 16, 20)
+    hs = [Req(f"H{i}", 0, 5, 1000) for i in range(16)]
+    nan = {(a.step_at(20), "A"): {20: 3}, (b.step_at(30), "B"): {30: 2},
+           (c.step_at(25), "C"): {25: 4}}
+    p = tmp_path / "t.h5"
+    write_run(p, [a, b, c, *hs], 1000, nan, max_bytes=9 * MIB, wide=1 << 16)
+    with open_trace(p) as t:
+        pins = dict(zip(t.pinned_table["step"].tolist(), t.pinned_table["kept"].tolist()))
+    assert pins[a.step_at(20)] == 1 and pins[b.step_at(30)] == pins[c.step_at(25)] == 0
+    f = analyze_trace(p)
+    got = [(x.request_id, x.step, x.position, x.token, x.first_module, x.phase, x.kind)
+           for x in f.engine.went_bad]
+    assert got == [("A", a.step_at(20), 20, token(0, 20), "model.layers.3.proj", "decode",
+                    "independent"),
+                   ("B", b.step_at(30), 30, token(1, 30), "model.layers.2.proj", "decode",
+                    "independent"),
+                   ("C", c.step_at(25), 25, token(2, 25), "model.layers.4.proj", "decode",
+                    "independent")]
+    assert "H0" in f.engine.clean and "B" not in f.engine.clean
+    # A's later bad steps lost their rows: no request is said never hit
+    assert not any(n.startswith("requests never hit") for n in f.notes)
 
 
 def test_bad_steps_without_token_rows_are_counted_not_guessed(tmp_path):

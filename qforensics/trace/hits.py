@@ -1,0 +1,158 @@
+"""Where each request of a serving-engine run first held NaN/Inf, found by the writer at the step
+it happens and kept in /engine/hits (one row a request, from the room the budget keeps for the
+requests table), so that a request hit after full detail stopped, or outside every pinned
+window, is still named with its step, position, token and first module.
+
+`first_hits` reads one step's batch (its records and per-token maxima, batch-local offsets)
+with that step's /engine/rows; it runs on the writer's drainer, and only for a step whose
+summary says it held NaN/Inf. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qforensics.trace import schema
+from qforensics.trace.batch import StepBatch
+
+__all__ = ["first_hits"]
+
+
+def _flagged(b: StepBatch, root: int, order: np.ndarray, request: np.ndarray
+             ) -> dict[str, set[int]]:
+    """{"logits" | "hidden": requests whose logits row / final hidden rows the root's row-flag
+    records mark bad}."""
+    r, tok = b.records, b.tok_absmax
+    out: dict[str, set[int]] = {}
+    for name, slot in schema.ENGINE_ROW_FLAG_SLOTS.items():
+        out[name] = set()
+        sel = np.nonzero((r["module_id"] == root) & (r["io"] == schema.IO_OUTPUT)
+                         & (r["slot"] == slot) & (r["tok_offset"] >= 0))[0]
+        for i in sel[:1]:
+            lo, n = int(r["tok_offset"][i]), int(r["tok_count"][i])
+            v = np.asarray(tok[lo:lo + n]) > 0
+            who = order if name == "logits" else request
+            out[name].update(int(x) for x in who[:len(v)][v[:len(who)]])
+    return out
+
+
+def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.ndarray:
+    """/engine/hits rows (schema.ENGINE_HIT_COLUMNS) of the requests of this one-step batch
+    that hold NaN/Inf here for the first time (not in `seen`, which it updates). For each:
+    the earliest record (inputs before outputs) whose per-token maxima hold NaN/Inf in its
+    rows, and how many other requests held NaN/Inf at an earlier op of that forward (or at the
+    same op, already bad before): 0 means it went bad on its own."""
+    empty = np.zeros(0, schema.engine_dtype("hits"))
+    s = b.steps
+    if len(s) != 1 or not len(rows):
+        return empty
+    if not (s["n_nonfinite_records"][0] > 0 or s["logits_nan"][0] > 0 or s["logits_inf"][0] > 0):
+        return empty
+    request = rows["request"].astype(np.int64)
+    order = np.asarray(list(dict.fromkeys(request.tolist())), np.int64)  # logits row order
+    n_tok, n_req = len(rows), len(order)
+    flags = _flagged(b, root, order, request)
+    flagged = flags["logits"] | flags["hidden"]
+    r = b.records
+    has_flags = bool(((r["module_id"] == root) & (r["slot"] > 0)).any())
+    if has_flags and not (flagged - seen):
+        return empty  # every request bad here was bad before: no scan of its records
+    tok = np.asarray(b.tok_absmax)
+    ok = ((r["tok_offset"] >= 0) & (r["tok_count"] > 0)
+          & ((r["nan_count"] > 0) | (r["inf_count"] > 0))
+          & ~((r["module_id"] == root) & (r["slot"] > 0)))
+    idx = np.nonzero(ok)[0]
+    idx = idx[np.lexsort((r["io"][idx], r["call_index"][idx]))]
+    first: dict[int, tuple[int, int, np.ndarray]] = {}  # request -> (call, record, its rows)
+    for i in idx:
+        lo, n = int(r["tok_offset"][i]), int(r["tok_count"][i])
+        bad = np.nonzero(~np.isfinite(tok[lo:lo + n]))[0]
+        if not len(bad):
+            continue
+        if n == n_req and n_req != n_tok:  # one row per request (logits, lm_head)
+            per = {int(order[x]): np.zeros(0, np.int64) for x in bad if x < n_req}
+        elif n >= n_tok:  # token rows (padding rows past them left out)
+            bad = bad[bad < n_tok]
+            per = {int(q): bad[request[bad] == q] for q in np.unique(request[bad])}
+        else:
+            continue
+        for q, qrows in per.items():
+            first.setdefault(q, (int(r["call_index"][i]), int(i), qrows))
+        if len(first) == n_req:
+            break
+    new = [q for q in order.tolist() if q not in seen and (q in first or q in flagged)]
+    if not new:
+        return empty
+    out = np.zeros(len(new), schema.engine_dtype("hits"))
+    pos, phase = rows["position"], rows["phase"]
+    ids = np.asarray(b.input_ids)
+    for k, q in enumerate(new):
+        mine = np.nonzero(request == q)[0]
+        call, rec, qrows = first.get(q, (-1, -1, np.zeros(0, np.int64)))
+        if len(qrows):  # its first bad token row
+            row = int(qrows[np.argmin(pos[qrows])])
+        else:  # its logits row only: the request's last token row of the step
+            row = int(mine[np.argmax(pos[mine])]) if len(mine) else -1
+        ph = set(phase[mine].tolist())
+        o = out[k]
+        o["step"], o["request"] = int(s["step"][0]), q
+        o["position"] = int(pos[row]) if row >= 0 else -1
+        o["length"] = int(pos[mine].max()) + 1 if len(mine) else -1
+        o["phase"] = ph.pop() if len(ph) == 1 else -1
+        o["rows"] = len(qrows)
+        o["logits"] = int(q in flags["logits"])
+        o["token"] = int(ids[int(rows["row"][row])]) if row >= 0 and len(ids) == n_tok else -1
+        o["call_index"] = call
+        o["module_id"] = int(r["module_id"][rec]) if rec >= 0 else -1
+        o["earlier"] = sum(1 for x, (c, _, _) in first.items() if x != q and call >= 0 and (
+            c < call or (c == call and x in seen)))
+        o["same_op"] = sum(1 for x, (c, _, _) in first.items()
+                           if x != q and c == call and x not in seen)
+    seen.update(new)
+    return out
+
+
+class HitsWriter:
+    """A mixin of `TraceWriter` (with `BudgetWriter`): /engine/hits, on the drainer. A step's
+    /engine/rows come in a batch of their own before its records (vLLM); they are held here
+    until the step's batch comes."""
+
+    _root: int
+    _warm_steps: set[int]
+    _req_reserve: int
+    _req_used: int
+    max_bytes: int
+    hits_dropped = 0
+
+    def _note_hits(self, batches: list[StepBatch]) -> None:
+        if not hasattr(self, "_hit_rows"):
+            self._hit_rows: dict[int, np.ndarray] = {}
+            self._hit_seen: set[int] = set()
+        for b in batches:
+            er = b.engine.get("rows")
+            if er is not None and len(er):
+                for st in np.unique(er["step"]).tolist():
+                    self._hit_rows[int(st)] = er[er["step"] == st]
+            if len(b.steps) != 1:
+                continue
+            step = int(b.steps["step"][0])
+            rows = self._hit_rows.pop(step, None)
+            for old in [k for k in self._hit_rows if k < step]:  # a step whose batch never came
+                del self._hit_rows[old]
+            if rows is None or step in self._warm_steps:
+                continue
+            new = first_hits(b, rows, self._root, self._hit_seen)
+            if len(new):
+                self._write_hits(new)
+
+    def _write_hits(self, hits: np.ndarray) -> None:
+        """Append within the room kept for the requests table (or what the windows leave)."""
+        cols = schema.ENGINE_HIT_COLUMNS
+        grow = self._growth({f"engine/hits/{n}": len(hits) for n, _, _ in cols})
+        used = len(hits) * hits.dtype.itemsize
+        own = used <= self._req_reserve - self._req_used and self._within_cap(grow)
+        if not self.max_bytes or own or self._within_cap(grow + self._reserve(requests=True)):
+            self._append_table("engine/hits", cols, hits)
+            self._req_used += used
+        else:
+            self.hits_dropped += len(hits)
