@@ -53,12 +53,15 @@ class BadRequest:
     token: int | None  # the input token id at `position` in that step (None: not recorded)
     first_module: str  # the earliest hooked call of that forward holding its NaN/Inf ("")
     # independent_same_position | independent_same_length | independent | possibly_spread |
-    # undetermined
+    # possibly_via_kv_cache | undetermined
     kind: str = "undetermined"
     spread_from: list[str] = field(default_factory=list)  # bad before, NaN in the same forward
     # others bad at an earlier op of that forward that the trace cannot name (its step's full
     # detail is past the budget; /engine/hits counts them)
     spread_unnamed: int = 0
+    # bad before it in the run, when its NaN/Inf came first out of its own attention (its
+    # inputs there finite): KV blocks they left may be what it read
+    kv_from: list[str] = field(default_factory=list)
     together_with: list[str] = field(default_factory=list)  # first bad in the same forward too
     same_position_as: list[str] = field(default_factory=list)  # same first bad position
     same_length_as: list[str] = field(default_factory=list)  # same length there
@@ -342,6 +345,7 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
         out.append(b)
     if hits is not None and len(hits):
         out = sorted(out + from_hits(trace, hits, reqs, set(first)), key=lambda b: b.step)
+    _via_kv_cache(out)
     spots = _same_spots(out)
     for b in out:
         b.same_position_as = [x.request_id for x in out if x is not b and b.position is not None
@@ -353,6 +357,20 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
             if b.request_id in sp.requests and b.kind == f"independent_same_{sp.by}":
                 b.line = _line(b, [x for x in sp.requests if x != b.request_id], since, [])
     return out, spots
+
+
+_ATTN_OUT = "self_attn.o_proj"  # its input is the attention's output (Llama-family names)
+
+
+def _via_kv_cache(bad: list[BadRequest]) -> None:
+    """A request on its own in its forward whose NaN/Inf appeared first in its attention's
+    output, after requests went bad earlier in the run: it read KV blocks, and a freed block
+    the engine did not clear (or a shared prefix block) can hold their NaN."""
+    for b in bad:
+        before = [x.request_id for x in bad if x.step < b.step]
+        if b.kind == "independent" and b.first_module.endswith(_ATTN_OUT) and before:
+            b.kind, b.kv_from = "possibly_via_kv_cache", before[::-1][:4]
+            b.line = _line(b, [], {}, [])
 
 
 def _same_spots(bad: list[BadRequest]) -> list[SameSpot]:
@@ -411,6 +429,10 @@ def _line(b: BadRequest, carriers: list[str], since: dict[str, int], others: lis
         why = ([f"at an earlier op of that forward than {_ids(later)}"] if later else []) + (
             [f"at the same op as {_ids(same)}, bad for the first time too"] if same else [])
         return head + f": on its own ({'; '.join(why)})"
+    if b.kind == "possibly_via_kv_cache":
+        return head + (": possibly through the KV cache: NaN/Inf first in its attention's "
+                       "output, its inputs there finite, after " + _ids(b.kv_from)
+                       + " went bad (a freed KV block not cleared, or a shared prefix block)")
     if b.kind == "possibly_spread" and not b.spread_from:
         return head + (f": possibly spread: {b.spread_unnamed} other request(s) held NaN/Inf at "
                        "an earlier op of that forward (not named: that step's full detail is "

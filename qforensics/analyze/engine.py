@@ -99,9 +99,11 @@ class EngineFindings:
         if len(self.went_bad) > 1:
             alone = sum(b.kind.startswith("independent") for b in self.went_bad)
             spread = sum(b.kind == "possibly_spread" for b in self.went_bad)
-            rest = len(self.went_bad) - alone - spread
+            kv = sum(b.kind == "possibly_via_kv_cache" for b in self.went_bad)
+            rest = len(self.went_bad) - alone - spread - kv
             out.append(f"{len(self.went_bad)} requests went bad over the run: {alone} on "
                        f"their own, {spread} possibly spread"
+                       + (f", {kv} possibly through the KV cache" if kv else "")
                        + (f", {rest} undetermined" if rest else ""))
             out.extend(b.line for b in self.went_bad[:8])
             if len(self.went_bad) > 8:

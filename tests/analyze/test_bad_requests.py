@@ -197,6 +197,33 @@ def test_requests_past_every_pinned_window_are_named_from_the_writers_hits(tmp_p
     assert not any(n.startswith("requests never hit") for n in f.notes)
 
 
+def test_a_request_that_goes_bad_first_in_its_attention_after_others_reads_kv_cache(
+        tmp_path, monkeypatch):
+    # module 4 is an attention's o_proj (its input: the attention's output). C0 goes bad there
+    # first in the run: nothing before it, so on its own. A goes bad at layer 1 on its own;
+    # B, later, alone but for the healthy H, first at the o_proj: possibly through the KV
+    # cache that C0 and A used before it
+    import engine_runs
+
+    mods = [dict(m) for m in engine_runs.MODULES]
+    mods[4]["name"] = "model.layers.2.self_attn.o_proj"
+    monkeypatch.setattr(engine_runs, "MODULES", mods)
+    c0, a, b = Req("C0", 0, 8, 20), Req("A", 40, 8, 20), Req("B", 80, 8, 20)
+    h = Req("H", 0, 5, 110)
+    nan = {(c0.step_at(10), "C0"): {10: 4}, (a.step_at(12), "A"): {12: 1},
+           (b.step_at(14), "B"): {14: 4}}
+    p = tmp_path / "t.h5"
+    write_run(p, [c0, a, b, h], 110, nan)
+    f = analyze_trace(p)
+    bad = _by(f)
+    assert [(r, bad[r].kind) for r in bad] == [
+        ("C0", "independent"), ("A", "independent"), ("B", "possibly_via_kv_cache")]
+    assert bad["B"].kv_from == ["A", "C0"] and bad["B"].position == 14
+    assert "possibly through the KV cache" in bad["B"].line
+    assert "3 requests went bad over the run: 2 on their own, 0 possibly spread, 1 possibly " \
+        "through the KV cache" in f.notes
+
+
 def test_bad_steps_without_token_rows_are_counted_not_guessed(tmp_path):
     # A goes bad at position 64 and stays bad 5 more steps; 3 of its bad steps lost their
     # /engine rows: the requests they hit are unknown, and said so

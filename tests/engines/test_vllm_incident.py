@@ -140,6 +140,7 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         w = went[rid]
         assert w["step"] > first and w["token"] != incident["token"], w
         assert w["first_module"].endswith(".self_attn.o_proj"), w
+        assert w["kind"] == "possibly_via_kv_cache", w
     for rid, pos in want.items():
         assert went[rid]["kind"] == "independent", went[rid]
         assert went[rid]["position"] == pos and went[rid]["token"] == incident["token"]
