@@ -7,7 +7,9 @@ them, picked from the narrow record columns the reader keeps (a flag record's ab
 one of its rows is non-finite), their per-token values in a few merged reads, the /engine
 tables, and, at each step where a request first went bad, that step's records and per-token
 maxima (which request's rows held NaN/Inf at the earliest op of that forward). Steps whose full
-detail the trace no longer holds (the byte budget) are counted, never guessed. No torch import.
+detail the trace no longer holds (the byte budget) are counted, never guessed; a request whose
+first bad step is among them is named from /engine/hits, the writer's record of it. The lines
+and the groups by position or length are analyze/badtext.py's. No torch import.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qforensics.analyze.badtext import SameSpot, _head, _line, _same_spots, _via_kv_cache
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
@@ -23,7 +26,6 @@ from qforensics.trace.table import Table
 __all__ = ["BadRequest", "RunHits", "SameSpot", "classify", "scan_hits"]
 
 _READ_SPAN = 1 << 16  # per-token values read in one go when flag records lie this close
-CAUSES = "a rotary table, a kernel that switches at a size, a KV block boundary"
 
 
 @dataclass
@@ -65,18 +67,6 @@ class BadRequest:
     together_with: list[str] = field(default_factory=list)  # first bad in the same forward too
     same_position_as: list[str] = field(default_factory=list)  # same first bad position
     same_length_as: list[str] = field(default_factory=list)  # same length there
-    line: str = ""
-
-
-@dataclass
-class SameSpot:
-    """Requests that went bad on their own at one position (or, else, at one length)."""
-
-    by: str  # position | length
-    value: int
-    requests: list[str]
-    steps: list[int]
-    tokens: list[int | None]
     line: str = ""
 
 
@@ -234,10 +224,6 @@ def first_ops(trace: Trace, step: int, sr: StepRows) -> dict[int, Op]:
     return out
 
 
-def _ids(xs: list[str]) -> str:
-    return ", ".join(xs[:4]) + (f" (+{len(xs) - 4} more)" if len(xs) > 4 else "")
-
-
 def _where(trace: Trace, h: RequestHit, op: Op | None, mine: np.ndarray, sr: StepRows
            ) -> tuple[int | None, int | None, int | None]:
     """(first bad position, length, input token there) of a request at its first bad step."""
@@ -357,90 +343,3 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
             if b.request_id in sp.requests and b.kind == f"independent_same_{sp.by}":
                 b.line = _line(b, [x for x in sp.requests if x != b.request_id], since, [])
     return out, spots
-
-
-_ATTN_OUT = "self_attn.o_proj"  # its input is the attention's output (Llama-family names)
-
-
-def _via_kv_cache(bad: list[BadRequest]) -> None:
-    """A request on its own in its forward whose NaN/Inf appeared first in its attention's
-    output, after requests went bad earlier in the run: it read KV blocks, and a freed block
-    the engine did not clear (or a shared prefix block) can hold their NaN."""
-    for b in bad:
-        before = [x.request_id for x in bad if x.step < b.step]
-        if b.kind == "independent" and b.first_module.endswith(_ATTN_OUT) and before:
-            b.kind, b.kv_from = "possibly_via_kv_cache", before[::-1][:4]
-            b.line = _line(b, [], {}, [])
-
-
-def _same_spots(bad: list[BadRequest]) -> list[SameSpot]:
-    spots: list[SameSpot] = []
-    for by in ("position", "length"):
-        groups: dict[int, list[BadRequest]] = {}
-        for b in bad:
-            v = getattr(b, by)
-            if b.kind == "independent" and v is not None:
-                groups.setdefault(v, []).append(b)
-        for v, g in sorted(groups.items()):
-            if len(g) < 2:
-                continue
-            for b in g:
-                b.kind = f"independent_same_{by}"
-            sp = SameSpot(by, v, [b.request_id for b in g], [b.step for b in g],
-                          [b.token for b in g])
-            toks = set(sp.tokens)
-            tok = ""
-            if None not in toks and len(toks) == 1:
-                tok = (f"; all with input token {sp.tokens[0]} there, so that token may be the "
-                       "cause as well")
-            elif None not in toks:
-                tok = "; with different input tokens there"
-            steps = _ids([str(x) for x in sp.steps])
-            sp.line = (f"{len(g)} requests went bad on their own at {by} {v} "
-                       f"({_ids(sp.requests)}; steps {steps}): points to a position- or "
-                       f"length-dependent cause ({CAUSES}){tok}")
-            spots.append(sp)
-    return spots
-
-
-def _head(b: BadRequest) -> str:
-    where = f"position {b.position}" if b.position is not None else "an unrecorded position"
-    extra = [f"length {b.length}"] if b.length is not None else []
-    if b.prompt_tokens is not None:
-        extra.append(f"prompt {b.prompt_tokens} tokens")
-    return (f"request {b.request_id}: went bad at step {b.step} ({b.phase}) at {where}"
-            + (f" ({', '.join(extra)})" if extra else "")
-            + (f", first in {b.first_module or '(model output)'}" if b.first_module else ""))
-
-
-def _line(b: BadRequest, carriers: list[str], since: dict[str, int], others: list[str],
-          same: list[str] = ()) -> str:
-    """`carriers`: the requests bad before it in that forward (for a same-position or -length
-    kind: the others of its group); `others`: every other request bad in that forward; `same`:
-    those of them that went bad at the same op, for the first time."""
-    head = _head(b)
-    if b.kind.startswith("independent_same_"):
-        return head + (f": on its own, at the same {b.kind.rsplit('_', 1)[1]} as "
-                       + _ids(carriers))
-    if b.kind == "independent":
-        if not others:
-            return head + ": on its own (no other request held NaN/Inf in that forward)"
-        later = [x for x in others if x not in same]
-        why = ([f"at an earlier op of that forward than {_ids(later)}"] if later else []) + (
-            [f"at the same op as {_ids(same)}, bad for the first time too"] if same else [])
-        return head + f": on its own ({'; '.join(why)})"
-    if b.kind == "possibly_via_kv_cache":
-        return head + (": possibly through the KV cache: NaN/Inf first in its attention's "
-                       "output, its inputs there finite, after " + _ids(b.kv_from)
-                       + " went bad (a freed KV block not cleared, or a shared prefix block)")
-    if b.kind == "possibly_spread" and not b.spread_from:
-        return head + (f": possibly spread: {b.spread_unnamed} other request(s) held NaN/Inf at "
-                       "an earlier op of that forward (not named: that step's full detail is "
-                       "past the byte budget)")
-    if b.kind == "possibly_spread":
-        src = "; ".join(f"{x} (bad since step {since[x]})" if x in carriers else x
-                        for x in b.spread_from[:4])
-        return head + (f": possibly spread from {src}, NaN/Inf in the same forward (an op "
-                       "that mixes the batch's rows, or shared prefix KV blocks)")
-    return head + (f": went bad in the same forward as {_ids(b.together_with)}; which reached "
-                   "which is not recorded")
