@@ -20,6 +20,7 @@ import numpy as np
 
 from qforensics.analyze.badtext import SameSpot, _head, _line, _same_spots, _via_kv_cache
 from qforensics.trace import schema
+from qforensics.trace.hits import earliest_bad
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
 
@@ -188,40 +189,20 @@ def first_ops(trace: Trace, step: int, sr: StepRows) -> dict[int, Op]:
         return {}
     at = sr.at(step)
     request = sr.rows["request"][at]
-    reqs_order = list(dict.fromkeys(request.tolist()))
-    n_tok, n_req = len(at), len(reqs_order)
     kinds = trace.module_kinds
     toff, tcnt = recs["tok_offset"], recs["tok_count"]
-    ok = (toff >= 0) & (tcnt > 0) & ~((kinds[recs["module_id"]] == "root") & (recs["slot"] > 0))
-    idx = np.nonzero(ok)[0]
-    if not len(idx) or not n_tok:
+    keep = ~((kinds[recs["module_id"]] == "root") & (recs["slot"] > 0))
+    idx = np.nonzero(keep & (toff >= 0) & (tcnt > 0))[0]
+    if not len(idx) or not len(at):
         return {}
     lo, hi = int(toff[idx].min()), int((toff[idx] + tcnt[idx]).max())
     try:
         tok = trace.token_span(lo, hi)
     except Exception:  # noqa: BLE001
         return {}
-    order = np.lexsort((recs["io"][idx], recs["call_index"][idx]))
-    out: dict[int, Op] = {}
-    for i in idx[order]:
-        n = int(tcnt[i])
-        v = tok[int(toff[i]) - lo:int(toff[i]) - lo + n]
-        bad = np.nonzero(~np.isfinite(v))[0]
-        if not len(bad):
-            continue
-        if n == n_req and n_req != n_tok:  # one row per request (logits, lm_head)
-            per = {int(reqs_order[b]): [-1] for b in bad.tolist() if b < n_req}
-        elif n >= n_tok:  # token rows (padding rows past them left out)
-            per = {}
-            for b in bad[bad < n_tok].tolist():
-                per.setdefault(int(request[b]), []).append(int(at[b]))
-        else:
-            continue
-        for r, rows in per.items():
-            out.setdefault(r, (int(recs["call_index"][i]), rows, str(recs["module"][i])))
-        if len(out) == n_req:
-            break
-    return out
+    return {q: (int(recs["call_index"][i]), [int(at[x]) for x in rows] or [-1],
+                str(recs["module"][i]))
+            for q, (i, rows) in earliest_bad(recs, keep, tok, lo, request).items()}
 
 
 def _where(trace: Trace, h: RequestHit, op: Op | None, mine: np.ndarray, sr: StepRows

@@ -185,7 +185,8 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
     root_id = kinds.index("root") if "root" in kinds else len(kinds) - 1
     run = scan_hits(trace, sr, req_ids, root_id, warm)
     ef.followed_steps = run.steps_read
-    ef.went_bad, ef.same_spots = classify(trace, run, sr, reqs, trace.engine_columns("hits"))
+    hits = trace.engine_columns("hits")
+    ef.went_bad, ef.same_spots = classify(trace, run, sr, reqs, hits)
     if first_bad_step is not None:
         ef.first = run.hits.get(first_bad_step, [])
     by = {b.request_id: b for b in ef.went_bad}
@@ -199,7 +200,7 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
         known = set(int(x) for x in st["step"][bad]) | set(run.hits)
         known = {x for x in known if len(sr.at(x))}
         # a step where the writer found a request's first NaN/Inf (/engine/hits) is known too
-        known |= {int(x) for x in trace.engine_columns("hits")["step"]}
+        known |= {int(x) for x in hits["step"]}
         ef.unattributed_steps = max(0, int(nonfinite_steps) - len(known))
     if first_bad_step is not None:
         _origin(trace, ef, rows, req_ids)

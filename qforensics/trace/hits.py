@@ -10,12 +10,14 @@ summary says it held NaN/Inf. Nothing here imports torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from qforensics.trace import schema
 from qforensics.trace.batch import StepBatch
 
-__all__ = ["first_hits"]
+__all__ = ["earliest_bad", "first_hits"]
 
 
 def _flagged(b: StepBatch, root: int, order: np.ndarray, request: np.ndarray
@@ -36,6 +38,39 @@ def _flagged(b: StepBatch, root: int, order: np.ndarray, request: np.ndarray
     return out
 
 
+def earliest_bad(recs: Any, keep: np.ndarray, tok: np.ndarray, tok_base: int,
+                 request: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
+    """request -> (index of its record, its bad token rows) of the earliest record (inputs
+    before outputs) among those `keep` marks whose per-token maxima hold NaN/Inf in that
+    request's rows; an empty array of rows: only its row of a record with one row a request
+    (the logits, lm_head). `recs`: record columns (call_index, io, tok_offset, tok_count);
+    `tok`: per-token maxima from offset `tok_base`; `request`: the step's request per token
+    row, in batch order (which is the order of the one-row-a-request records' rows)."""
+    order = np.asarray(list(dict.fromkeys(request.tolist())), np.int64)
+    n_tok, n_req = len(request), len(order)
+    toff, tcnt = recs["tok_offset"], recs["tok_count"]
+    idx = np.nonzero(keep & (toff >= 0) & (tcnt > 0))[0]
+    idx = idx[np.lexsort((recs["io"][idx], recs["call_index"][idx]))]
+    out: dict[int, tuple[int, np.ndarray]] = {}
+    for i in idx:
+        lo, n = int(toff[i]) - tok_base, int(tcnt[i])
+        bad = np.nonzero(~np.isfinite(tok[lo:lo + n]))[0]
+        if not len(bad):
+            continue
+        if n == n_req and n_req != n_tok:  # one row per request (logits, lm_head)
+            per = {int(order[x]): np.zeros(0, np.int64) for x in bad if x < n_req}
+        elif n >= n_tok:  # token rows (padding rows past them left out)
+            bad = bad[bad < n_tok]
+            per = {int(q): bad[request[bad] == q] for q in np.unique(request[bad])}
+        else:
+            continue
+        for q, qrows in per.items():
+            out.setdefault(q, (int(i), qrows))
+        if len(out) == n_req:
+            break
+    return out
+
+
 def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.ndarray:
     """/engine/hits rows (schema.ENGINE_HIT_COLUMNS) of the requests of this one-step batch
     that hold NaN/Inf here for the first time (not in `seen`, which it updates). For each:
@@ -50,36 +85,17 @@ def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.
         return empty
     request = rows["request"].astype(np.int64)
     order = np.asarray(list(dict.fromkeys(request.tolist())), np.int64)  # logits row order
-    n_tok, n_req = len(rows), len(order)
+    n_tok = len(rows)
     flags = _flagged(b, root, order, request)
     flagged = flags["logits"] | flags["hidden"]
     r = b.records
     has_flags = bool(((r["module_id"] == root) & (r["slot"] > 0)).any())
     if has_flags and not (flagged - seen):
         return empty  # every request bad here was bad before: no scan of its records
-    tok = np.asarray(b.tok_absmax)
-    ok = ((r["tok_offset"] >= 0) & (r["tok_count"] > 0)
-          & ((r["nan_count"] > 0) | (r["inf_count"] > 0))
-          & ~((r["module_id"] == root) & (r["slot"] > 0)))
-    idx = np.nonzero(ok)[0]
-    idx = idx[np.lexsort((r["io"][idx], r["call_index"][idx]))]
-    first: dict[int, tuple[int, int, np.ndarray]] = {}  # request -> (call, record, its rows)
-    for i in idx:
-        lo, n = int(r["tok_offset"][i]), int(r["tok_count"][i])
-        bad = np.nonzero(~np.isfinite(tok[lo:lo + n]))[0]
-        if not len(bad):
-            continue
-        if n == n_req and n_req != n_tok:  # one row per request (logits, lm_head)
-            per = {int(order[x]): np.zeros(0, np.int64) for x in bad if x < n_req}
-        elif n >= n_tok:  # token rows (padding rows past them left out)
-            bad = bad[bad < n_tok]
-            per = {int(q): bad[request[bad] == q] for q in np.unique(request[bad])}
-        else:
-            continue
-        for q, qrows in per.items():
-            first.setdefault(q, (int(r["call_index"][i]), int(i), qrows))
-        if len(first) == n_req:
-            break
+    keep = ((r["nan_count"] > 0) | (r["inf_count"] > 0)) & ~(
+        (r["module_id"] == root) & (r["slot"] > 0))
+    first = {q: (int(r["call_index"][i]), i, qrows) for q, (i, qrows) in earliest_bad(
+        r, keep, np.asarray(b.tok_absmax), 0, request).items()}  # request -> (call, record, rows)
     new = [q for q in order.tolist() if q not in seen and (q in first or q in flagged)]
     if not new:
         return empty
