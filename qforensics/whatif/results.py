@@ -7,9 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CLAIM", "SchemeResult", "WhatIfResult"]
-
-CLAIM = 0.994  # the brief's "precision recovers to 99.4% of FP16", checked, never assumed
+__all__ = ["SchemeResult", "WhatIfResult"]
 
 
 def _num(x: float | None) -> float | None:
@@ -55,26 +53,6 @@ class WhatIfResult:
     text_tokens: int
     schemes: list[SchemeResult] = field(default_factory=list)
 
-    def best(self, key: str = "recovered") -> SchemeResult | None:
-        ok = [s for s in self.schemes if math.isfinite(getattr(s, key))]
-        return max(ok, key=lambda s: getattr(s, key)) if ok else None
-
-    def claim(self) -> dict[str, Any]:
-        """The brief's claim ("recovers to 99.4% of FP16"), checked against measured numbers."""
-        best = self.best("recovered")
-        best_top1 = self.best("top1")
-        meets = [s.scheme for s in self.schemes if s.recovered >= CLAIM]
-        return {
-            "claim": f"precision recovers to {CLAIM:.1%} of FP16",
-            "recovered_definition": "ppl_ref / ppl_scheme on the fixed text",
-            "best_scheme": best.scheme if best else None,
-            "best_recovered": _num(best.recovered) if best else None,
-            "best_top1_scheme": best_top1.scheme if best_top1 else None,
-            "best_top1": _num(best_top1.top1) if best_top1 else None,
-            "schemes_meeting_claim": meets,
-            "holds": bool(meets),
-        }
-
     def to_json(self) -> dict[str, Any]:
         return {
             "trace": self.trace,
@@ -83,7 +61,6 @@ class WhatIfResult:
             "reference": {"text": self.ref_text, "ppl": _num(self.ref_ppl),
                           "positions": self.positions, "text_tokens": self.text_tokens},
             "schemes": [s.to_json() for s in self.schemes],
-            "claim": self.claim(),
         }
 
     def format_table(self) -> str:
@@ -107,7 +84,6 @@ class WhatIfResult:
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        c = self.claim()
         lines.append("")
         lines.append(f"top-1: teacher-forced over the reference's {self.positions}-token answer; "
                      f"ppl and text top-1: {self.text_tokens} tokens of fixed text; "
@@ -122,11 +98,6 @@ class WhatIfResult:
                          "compressed-tensors, same dtype; its ct: twin has min/max scales)")
         lines += [f"{s.scheme}: not measured: {s.error}" for s in self.schemes if s.error]
         lines += self._vllm_lines(pct, num)
-        if c["best_scheme"] is not None:
-            verdict = ("holds for " + ", ".join(c["schemes_meeting_claim"]) if c["holds"]
-                       else "does not hold for any scheme run")
-            lines.append(f"claim '{c['claim']}': {verdict}; best recovered: "
-                         f"{c['best_scheme']} at {100 * c['best_recovered']:.2f}%")
         return "\n".join(lines)
 
     def _vllm_lines(self, pct: Any, num: Any) -> list[str]:

@@ -31,7 +31,7 @@ from importlib import resources
 from typing import Any
 
 from qforensics.errors import UsageError
-from qforensics.whatif.results import CLAIM, SchemeResult, WhatIfResult
+from qforensics.whatif.results import SchemeResult, WhatIfResult
 from qforensics.whatif.schemes import (
     TABLE_SCHEMES,
     WhatIfScheme,
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 SERVED = ("awq", "compressed-tensors", "llmcompressor")
 
 __all__ = [
-    "CLAIM",
     "TABLE_SCHEMES",
     "SchemeResult",
     "WhatIf",

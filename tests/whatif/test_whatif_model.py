@@ -31,7 +31,8 @@ def test_whatif_int4_g128_keep_salient_beats_per_tensor(demo, reference_trace) -
     assert 0 < salient.recovered <= 1.5 and math.isfinite(res.ref_ppl)
     assert sum(line.startswith("[") for line in lines) == 2  # one progress line per scheme
     data = json.loads(json.dumps(res.to_json(), allow_nan=False))
-    assert data["claim"]["best_scheme"] == "w:int4-g128-salient1pct"
+    assert [s["scheme"] for s in data["schemes"]] == ["w:int4-g128-salient1pct",
+                                                      "w:int4-per-tensor"]
     assert "w:int4-g128-salient1pct" in res.format_table()
     # every weight is back: the reference is unchanged afterwards
     from qforensics.whatif.run import WhatIf
