@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from qforensics.trace import schema  # noqa: E402
 from qforensics.trace import writer as writer_mod  # noqa: E402
+from qforensics.trace import layout as layout_mod  # noqa: E402
 from qforensics.trace.writer import StepBatch, TraceWriter  # noqa: E402
 
 
@@ -91,8 +92,8 @@ def writes_per_second(step_s: float, seconds: float, batch: StepBatch) -> float:
 def write_cost(level: int, per_write: int, batches: list[StepBatch], ring_chunk: int
                ) -> tuple[float, float, float]:
     """(ms per write without its ring slots, ms per ring slot, bytes per step) on a real file."""
-    saved = writer_mod._COMPRESSION
-    writer_mod._COMPRESSION = {**saved, "compression_opts": level}
+    saved = layout_mod._COMPRESSION
+    layout_mod._COMPRESSION = {**saved, "compression_opts": level}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             w = _writer(Path(tmp) / "c.h5", ring_chunk)
@@ -114,7 +115,7 @@ def write_cost(level: int, per_write: int, batches: list[StepBatch], ring_chunk:
             w.close()
             size = os.path.getsize(Path(tmp) / "c.h5")
     finally:
-        writer_mod._COMPRESSION = saved
+        layout_mod._COMPRESSION = saved
     return ((total - ring_ns[0]) / 1e6 / len(groups), ring_ns[0] / 1e6 / len(batches),
             size / len(batches))
 

@@ -14,6 +14,8 @@ step row on disk therefore always has its records on disk.
 The batches are trace/batch.py's; how their bytes reach the datasets (low-level appends, ring
 slots, the byte cap) is trace/columns.py's.
 
+The file's layout at creation, and edits of closed traces, are trace/layout.py's.
+
 Format 1.1 adds the flight recorder's pieces (docs/trace-format.md, "Channel keeping"): a batch
 marked `ring` writes its channel block in place into slot step % K of the fixed-size `/ring`
 (never appended), `promote` copies earlier ring blocks into `/channels`, `triggers` go to
@@ -30,7 +32,6 @@ held back for it.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
@@ -38,16 +39,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import h5py
 import numpy as np
 
-from qforensics.errors import CaptureError
-from qforensics.version import __version__
-from qforensics.trace import schema, validate
+from qforensics.trace import schema
+from qforensics.trace import layout
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
 from qforensics.trace.budget import BudgetWriter, _engine_step
 from qforensics.trace.hits import HitsWriter
 from qforensics.trace.columns import ColumnWriter, batch_rows
+from qforensics.trace.layout import STATUS_BYTES, compact_trace, json_attr, set_meta  # noqa: F401
 
 __all__ = ["StepBatch", "TraceWriter", "compact_trace", "merge_batches", "set_meta"]
 
@@ -55,30 +55,6 @@ log = logging.getLogger(__name__)
 
 _clock = time.monotonic  # the schedule's clock (a test drives it)
 
-# gzip level 1: a flush recompresses every open chunk of ~45 integer columns; level 4 took
-# twice the CPU for files within 0.1% of the size (bench/writer_cost.py)
-_COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
-
-
-# rows per chunk: a flush recompresses each open chunk whole, so the one-row-per-step table
-# gets small chunks
-_TABLE_CHUNKS = {"steps": 256, "records": 2048}
-
-
-# /meta@status is reserved at this size (JSON padded with spaces) and sealed in place
-_STATUS_BYTES = 16384
-_UNSEALED = b"{}"  # what the slot holds until close: no "state", so the reader says truncated
-
-
-def _table_compression(dt: Any) -> dict[str, Any]:
-    """Per-step table columns: integer columns (indices, counts, offsets) shrink several-fold
-    under gzip for little CPU; float statistics are noise that gzip barely shrinks, while every
-    flush would recompress their open chunk (the writer thread's largest cost). Stored raw."""
-    return {} if np.dtype(dt).kind == "f" else _COMPRESSION
-
-
-def _json_attr(obj: Any) -> str:
-    return json.dumps(obj, default=str, allow_nan=True, sort_keys=True)
 
 
 class _Barrier:
@@ -142,90 +118,9 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
 
     # -- file layout -------------------------------------------------------------------------
     def _create(self, modules: list[dict[str, str]], environment: dict, options: dict) -> None:
-        parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, exist_ok=True)
-        kind = validate.non_regular_kind(self.path)
-        if kind is not None:  # opening a FIFO for writing blocks until someone reads it
-            raise CaptureError(f"{self.path}: is {kind}, not a trace file; give -o a file path")
-        f = h5py.File(self.path, "w", libver="latest")
-        f.attrs["format"] = schema.FORMAT_NAME
-        f.attrs["format_version"] = schema.FORMAT_VERSION_STR
-        f.attrs["writer"] = f"qforensics {__version__}"
-        f.attrs["created_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        meta = f.create_group("meta")
-        meta.attrs["environment"] = _json_attr(environment)
-        meta.attrs["capture_options"] = _json_attr(options)
-        # /meta@status, reserved at its final size: close writes it in place while the file is
-        # still in SWMR mode (attribute creation is not allowed there), so no moment of the
-        # seal leaves the file open for non-SWMR writing, which a kill would make unopenable
-        meta.attrs.create("status", np.bytes_(_UNSEALED.ljust(_STATUS_BYTES)),
-                          dtype=f"S{_STATUS_BYTES}")
-        # Reserve the attributes written at close: attribute creation is not allowed in SWMR mode.
-        g = f.create_group("modules")
-        str_t = h5py.string_dtype("utf-8")
-        for col, _ in schema.MODULE_COLUMNS:
-            data = [str(m.get(col, "")) for m in modules]
-            g.create_dataset(col, data=np.array(data, dtype=object), dtype=str_t)
-        self._cols: dict[str, h5py.Dataset] = {}
-        for table, columns in (("steps", schema.STEP_COLUMNS), ("records", schema.RECORD_COLUMNS)):
-            grp = f.create_group(table)
-            for name, dt, shape in columns:
-                self._cols[f"{table}/{name}"] = grp.create_dataset(
-                    name, shape=(0, *shape), maxshape=(None, *shape), dtype=dt,
-                    chunks=(_TABLE_CHUNKS[table], *shape), **_table_compression(dt),
-                )
-        snap = f.create_group("snapshots")
-        for name, dt, shape in schema.SNAPSHOT_COLUMNS:
-            self._cols[f"snapshots/index/{name}"] = snap.require_group("index").create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
-            )
-        inc = f.create_group("incidents")
-        for name, dt, shape in schema.INCIDENT_COLUMNS:
-            self._cols[f"incidents/{name}"] = inc.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,), **_COMPRESSION
-            )
-        eng = f.create_group("engine")
-        for table, columns in schema.ENGINE_TABLES.items():
-            for name, dt, shape in columns:
-                self._cols[f"engine/{table}/{name}"] = eng.require_group(table).create_dataset(
-                    name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,), **_COMPRESSION
-                )
-        for path, dt in schema.FLAT_ARRAYS.items():
-            if path.startswith("channels/"):
-                dt = self.channel_dtype.str
-            # input ids grow by a token or a few per step and are compressed: small chunks,
-            # since a flush recompresses the open one whole
-            chunk = {"snapshots/data": 1 << 20, "tokens/input_ids": 4096}.get(path, 1 << 16)
-            # Activation ranges are float noise: gzip saves ~14% of their bytes for ~35x the
-            # CPU time, which the writer thread would take from the run. Store them raw.
-            comp = {} if path in ("channels/min", "channels/max", "tokens/absmax") else (
-                _COMPRESSION)
-            self._cols[path] = f.create_dataset(
-                path, shape=(0,), maxshape=(None,), dtype=dt, chunks=(chunk,), **comp
-            )
-        f["channels"].attrs["dtype"] = self.channel_dtype.name
-        prom = f["channels"].create_group("promoted")
-        for name, dt, _ in schema.PROMOTED_COLUMNS:
-            self._cols[f"channels/promoted/{name}"] = prom.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
-        trig = f.create_group("triggers")
-        for name, dt, _ in schema.TRIGGER_COLUMNS:
-            self._cols[f"triggers/{name}"] = trig.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
-        k = max(self.ring_slots, 1)
-        ring = f.create_group("ring")
-        ring.attrs["slots"] = self.ring_slots
-        for path in schema.RING_DATASETS:  # fixed K rows; the width is set by the first block
-            # a slot is rewritten every K steps, whole: chunks sized to the expected block
-            # (capture's hint) make that a few large writes instead of hundreds of small ones
-            self._cols[path] = f.create_dataset(
-                path, shape=(k, 0), maxshape=(k, None), dtype=self.channel_dtype,
-                chunks=(1, self.ring_chunk))
-        for path in schema.RING_INDEX:
-            self._cols[path] = f.create_dataset(path, data=np.full(k, -1 if path.endswith(
-                "step") else 0, np.int64))
-        self._cols[schema.LIMITS_DATASET] = f.create_dataset(
-            schema.LIMITS_DATASET, data=np.array([self.max_bytes, -1], np.int64))
+        f, self._cols = layout.create_file(
+            self.path, modules, environment, options, channel_dtype=self.channel_dtype,
+            ring_slots=self.ring_slots, ring_chunk=self.ring_chunk, max_bytes=self.max_bytes)
         self._create_budget(f)
         f.flush()
         f.swmr_mode = True
@@ -233,6 +128,7 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
         # lengths of the appendable datasets, kept here (h5py's .shape is a library call)
         self._len = {p: int(ds.shape[0]) for p, ds in self._cols.items()}
         self._geo: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+
 
     # -- producer side -----------------------------------------------------------------------
     def submit(self, batch: StepBatch) -> None:
@@ -456,34 +352,13 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
     def _seal_in_place(self, st: dict[str, Any]) -> bool:
         """Write the status into its reserved slot and flush, in SWMR mode; False when it does
         not fit (caller holds `_lock`)."""
-        raw = _json_attr(st).encode()
-        if len(raw) > _STATUS_BYTES:
+        raw = json_attr(st).encode()
+        if len(raw) > STATUS_BYTES:
             return False
         try:
-            self._file["meta"].attrs.modify("status", np.bytes_(raw.ljust(_STATUS_BYTES)))
+            self._file["meta"].attrs.modify("status", np.bytes_(raw.ljust(STATUS_BYTES)))
             self._file.flush()
         except Exception as exc:  # noqa: BLE001 - the slot is missing or unwritable: reopen
             log.warning("qforensics: status slot not written (%s); sealing after close", exc)
             return False
         return True
-
-
-def set_meta(path: str | os.PathLike[str], key: str, value: Any) -> None:
-    """Write one JSON metadata attribute (e.g. a scenario's outcome) into a closed trace."""
-    if key not in schema.META_KEYS:
-        raise ValueError(f"unknown meta key {key!r}; known: {', '.join(schema.META_KEYS)}")
-    with h5py.File(os.fspath(path), "a") as f:
-        f["meta"].attrs[key] = _json_attr(value)
-
-
-def compact_trace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy a closed trace into a fresh file without the free space that appends leave behind
-    (and without SWMR flags), e.g. before committing or mailing it."""
-    src, dst = os.fspath(src), os.fspath(dst)
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError("compact_trace needs a different destination path")
-    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
-        for k, v in fin.attrs.items():
-            fout.attrs[k] = v
-        for name in fin:
-            fin.copy(fin[name], fout, name=name)
