@@ -201,7 +201,11 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
         known = {x for x in known if len(sr.at(x))}
         # a step where the writer found a request's first NaN/Inf (/engine/hits) is known too
         known |= {int(x) for x in hits["step"]}
-        ef.unattributed_steps = max(0, int(nonfinite_steps) - len(known))
+        # a step the writer scanned is read too (every request bad there has its row or was bad
+        # before), unless it dropped rows for want of room
+        hc = trace.hits_checked
+        scanned = hc["scanned"] if hc and not hc["dropped"] else 0
+        ef.unattributed_steps = max(0, int(nonfinite_steps) - max(len(known), scanned))
     if first_bad_step is not None:
         _origin(trace, ef, rows, req_ids)
     ef.clean = [rid for rid in req_ids.values() if rid not in by]

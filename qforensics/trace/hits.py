@@ -71,6 +71,12 @@ def earliest_bad(recs: Any, keep: np.ndarray, tok: np.ndarray, tok_base: int,
     return out
 
 
+def _nonfinite(s: np.ndarray) -> bool:
+    """A one-step batch's step row says NaN/Inf (in a record or in the logits)."""
+    return bool(len(s) == 1 and (s["n_nonfinite_records"][0] > 0 or s["logits_nan"][0] > 0
+                                 or s["logits_inf"][0] > 0))
+
+
 def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.ndarray:
     """/engine/hits rows (schema.ENGINE_HIT_COLUMNS) of the requests of this one-step batch
     that hold NaN/Inf here for the first time (not in `seen`, which it updates). For each:
@@ -81,7 +87,7 @@ def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.
     s = b.steps
     if len(s) != 1 or not len(rows):
         return empty
-    if not (s["n_nonfinite_records"][0] > 0 or s["logits_nan"][0] > 0 or s["logits_inf"][0] > 0):
+    if not _nonfinite(s):
         return empty
     request = rows["request"].astype(np.int64)
     order = np.asarray(list(dict.fromkeys(request.tolist())), np.int64)  # logits row order
@@ -138,12 +144,14 @@ class HitsWriter:
     _req_reserve: int
     _req_used: int
     max_bytes: int
+    _cols: dict[str, Any]
     hits_dropped = 0
 
     def _note_hits(self, batches: list[StepBatch]) -> None:
         if not hasattr(self, "_hit_rows"):
             self._hit_rows: dict[int, np.ndarray] = {}
             self._hit_seen: set[int] = set()
+            self.hits_checked = np.zeros(3, np.int64)  # /engine/hits_checked
         for b in batches:
             er = b.engine.get("rows")
             if er is not None and len(er):
@@ -155,11 +163,16 @@ class HitsWriter:
             rows = self._hit_rows.pop(step, None)
             for old in [k for k in self._hit_rows if k < step]:  # a step whose batch never came
                 del self._hit_rows[old]
-            if rows is None or step in self._warm_steps:
+            if step in self._warm_steps or not _nonfinite(b.steps):
                 continue
-            new = first_hits(b, rows, self._root, self._hit_seen)
-            if len(new):
-                self._write_hits(new)
+            self.hits_checked[0] += 1  # a non-finite step: scanned when its rows came
+            if rows is not None and len(rows):
+                self.hits_checked[1] += 1
+                new = first_hits(b, rows, self._root, self._hit_seen)
+                if len(new):
+                    self._write_hits(new)
+            self.hits_checked[2] = self.hits_dropped
+            self._cols[schema.HITS_CHECKED][:] = self.hits_checked
 
     def _write_hits(self, hits: np.ndarray) -> None:
         """Append within the room kept for the requests table (or what the windows leave)."""

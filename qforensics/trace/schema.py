@@ -172,6 +172,11 @@ ENGINE_HIT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     #                         on its own
     ("same_op", "i4", ()),  # other requests first bad at the same op of that forward
 ]
+# /engine/hits_checked (1.2): i8 [3], written in place: non-finite steps (warm-ups left out) the
+# writer saw, how many of them it scanned for /engine/hits (their token rows came), and hit rows
+# it dropped for want of room. analyze counts a scanned step as read: every request bad there
+# has its row, or was bad before.
+HITS_CHECKED = "engine/hits_checked"
 ENGINE_TABLES: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {
     "steps": ENGINE_STEP_COLUMNS, "rows": ENGINE_ROW_COLUMNS, "hits": ENGINE_HIT_COLUMNS,
     "requests": ENGINE_REQUEST_COLUMNS, "sampled": ENGINE_SAMPLED_COLUMNS,

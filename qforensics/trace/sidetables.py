@@ -70,6 +70,17 @@ class SideTables:
         return df
 
     @cached_property
+    def hits_checked(self) -> dict[str, int] | None:
+        """The writer's /engine/hits bookkeeping: non-finite steps it saw (`bad_steps`), those it
+        scanned for first hits (`scanned`), hit rows it dropped (`dropped`); None when the trace
+        lacks it (an HF run's trace has zeros; an older trace none)."""
+        ds = self._f.get(schema.HITS_CHECKED)
+        if isinstance(ds, h5py.Dataset) and ds.shape == (3,) and ds.dtype.kind in "iu":
+            v = [max(0, int(x)) for x in ds[:]]
+            return {"bad_steps": v[0], "scanned": v[1], "dropped": v[2]}
+        return None
+
+    @cached_property
     def limits(self) -> dict[str, int]:
         """max_bytes the writer ran with (0: none) and the step it was reached at (-1: never)."""
         ds = self._f.get(schema.LIMITS_DATASET)

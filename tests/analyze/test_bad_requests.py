@@ -193,8 +193,17 @@ def test_requests_past_every_pinned_window_are_named_from_the_writers_hits(tmp_p
                    ("C", c.step_at(25), 25, token(2, 25), "model.layers.4.proj", "decode",
                     "independent")]
     assert "H0" in f.engine.clean and "B" not in f.engine.clean
-    # A's later bad steps lost their rows: no request is said never hit
-    assert not any(n.startswith("requests never hit") for n in f.notes)
+    # A's later bad steps kept no token rows, but the writer scanned each of them as it came
+    # (a request stays bad from its first bad step to its last): every one is accounted for,
+    # so the healthy requests are said never hit
+    bad_steps = set()
+    for r, pos in ((a, 20), (b, 30), (c, 25)):
+        bad_steps |= set(range(r.step_at(pos), r.start + r.steps + 1))
+    with open_trace(p) as t:
+        assert t.hits_checked == {"bad_steps": len(bad_steps), "scanned": len(bad_steps),
+                                  "dropped": 0}
+    assert f.engine.unattributed_steps == 0
+    assert any(n.startswith("requests never hit: ") and "H0" in n for n in f.notes)
 
 
 def test_a_request_that_goes_bad_first_in_its_attention_after_others_reads_kv_cache(
@@ -236,6 +245,8 @@ def test_bad_steps_without_token_rows_are_counted_not_guessed(tmp_path):
     eng = f.engine
     assert [(b.request_id, b.step, b.position) for b in eng.went_bad] == [("A", s0, 64)]
     assert eng.unattributed_steps == 3 and eng.followed_steps == 6 - 3
+    with open_trace(p) as t:  # the writer had no rows for them either: it could not scan them
+        assert t.hits_checked == {"bad_steps": 6, "scanned": 3, "dropped": 0}
     assert ("3 non-finite step(s) have no recorded token rows: the requests they hit are "
             "unknown") in f.notes
 
