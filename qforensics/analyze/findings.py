@@ -5,16 +5,16 @@ prints them), the HTML report and the replay command (which read them). The name
 here are stable; new fields are added at the end with defaults. `Findings.to_dict()` is the
 JSON schema documented in docs/analyze-json.md: `{"schema": "qforensics.analyze", "version":
 SCHEMA_VERSION, ...}`. Bump the major version when a key is renamed or removed; adding keys is a
-minor change. JSON has no NaN/Inf: such floats become the strings "nan", "inf", "-inf".
+minor change. The JSON is written by qforensics.jsondoc (its one non-finite policy: "nan",
+"inf", "-inf" strings).
 
 No torch import.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from qforensics.analyze.diagnosis import (
     Cause,
@@ -22,6 +22,7 @@ from qforensics.analyze.diagnosis import (
     NonfiniteLogits,
     ReferenceComparison,
 )
+from qforensics.jsondoc import SCHEMAS, document, jsonable
 
 __all__ = [
     "DIFF_SCHEMA_NAME",
@@ -50,43 +51,16 @@ __all__ = [
     "TrendPoint",
     "UnsafeModules",
     "Verdict",
-    "to_jsonable",
 ]
 
 SCHEMA_NAME = "qforensics.analyze"
 DIFF_SCHEMA_NAME = "qforensics.diff"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = SCHEMAS[SCHEMA_NAME]
 
 FAILED = "FAILED"
 SUSPECT = "SUSPECT"
 PASSED = "PASSED"
 STATUSES = (FAILED, SUSPECT, PASSED)  # worst first
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses/lists/dicts/numpy scalars -> JSON-safe values (non-finite floats as strings)."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
-        if isinstance(obj, Gap):
-            out["type"] = "gap"
-        return out
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalar
-        obj = obj.item()
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
-    return str(obj)
 
 
 # -- verdict ---------------------------------------------------------------------------------------
@@ -114,6 +88,7 @@ class Gap:
     last finite output (`last_finite_call`, None when no call before it in the step had an
     output) and that input produced it."""
 
+    json_type: ClassVar[str] = "gap"  # tells it from a FirstNonfinite producer in the JSON
     last_finite_call: int | None
     last_finite_module: str | None
     first_bad_call: int
@@ -353,8 +328,7 @@ class Findings:
         return self.verdict.exit_code
 
     def to_dict(self) -> dict[str, Any]:
-        body = to_jsonable(self)
-        return {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, **body}
+        return document(SCHEMA_NAME, jsonable(self))
 
 
 @dataclass
@@ -370,14 +344,12 @@ class MultiRankFindings:
         return self.verdict.exit_code
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_NAME,
-            "version": SCHEMA_VERSION,
+        return document(SCHEMA_NAME, {
             "multi_rank": True,
-            "verdict": to_jsonable(self.verdict),
+            "verdict": jsonable(self.verdict),
             "earliest": self.earliest,
             "ranks": [r.to_dict() for r in self.ranks],
-        }
+        })
 
 
 # -- diff ------------------------------------------------------------------------------------------
@@ -428,4 +400,4 @@ class DiffFindings:
         return self.verdict.exit_code
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": DIFF_SCHEMA_NAME, "version": SCHEMA_VERSION, **to_jsonable(self)}
+        return document(DIFF_SCHEMA_NAME, jsonable(self))

@@ -4,7 +4,6 @@ codes only; the analysis lives in qforensics.analyze). No torch import."""
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import textwrap
@@ -16,6 +15,7 @@ import click
 from qforensics.analyze import analyze_trace, analyze_traces
 from qforensics.analyze.findings import Findings, MultiRankFindings
 from qforensics.analyze.thresholds import Thresholds
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 from qforensics.errors import UsageError
 
 WIDTH = 100
@@ -236,22 +236,23 @@ def render_multi(m: MultiRankFindings) -> list[str]:
 EXAMPLE = """\b
 Example:
     qforensics analyze trace.h5
-    qforensics analyze trace-*.h5 --json > findings.json
+    qforensics analyze trace-*.h5 --json out.json
+    qforensics analyze trace.h5 --json > findings.json
+    qforensics analyze trace.h5 --json=findings.txt
     qforensics analyze trace.h5 --ratio 50 --top 20
     qforensics analyze int4.h5 --reference fp16.h5
 """
 
 
-@click.command("analyze", epilog=EXAMPLE)
+@click.command("analyze", cls=JsonCommand, epilog=EXAMPLE)
 @click.argument("traces", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the findings as JSON (schema qforensics.analyze, docs/analyze-json.md).")
+@json_option("the findings (schema qforensics.analyze, docs/analyze-json.md)")
 @click.option("--reference", type=click.Path(dir_okay=False), default=None,
               help="A trace of the same prompt from a reference (e.g. unquantized) run: adds the "
                    "first diverging module, the error per layer and whether it starts at the "
                    "quantized layers (one trace only).")
 @threshold_options
-def command(traces: tuple[str, ...], as_json: bool, reference: str | None,
+def command(traces: tuple[str, ...], json_path: str | None, reference: str | None,
             **thresholds: Any) -> None:
     """Find the first NaN/Inf in a trace, the module (or unhooked op) that produced it, the
     outlier channels responsible and the damage each quantization scheme would do.
@@ -264,13 +265,15 @@ def command(traces: tuple[str, ...], as_json: bool, reference: str | None,
     error.
     """
     paths = expand_paths(traces)
-    ctx = click.get_current_context()
+    out = json_out(json_path, [*paths, reference])
     if reference is not None and len(paths) != 1:
         raise UsageError("--reference compares one trace; give exactly one TRACE with it")
     if len(paths) == 1:
-        f = analyze_trace(paths[0], reference=reference, **thresholds)
-        click.echo(json.dumps(f.to_dict(), indent=2) if as_json else "\n".join(render(f)))
-        ctx.exit(f.exit_code)
-    m = analyze_traces(paths, **thresholds)
-    click.echo(json.dumps(m.to_dict(), indent=2) if as_json else "\n".join(render_multi(m)))
-    ctx.exit(m.exit_code)
+        one = analyze_trace(paths[0], reference=reference, **thresholds)
+        doc, text, code = one.to_dict(), render(one), one.exit_code
+    else:
+        many = analyze_traces(paths, **thresholds)
+        doc, text, code = many.to_dict(), render_multi(many), many.exit_code
+    out.text("\n".join(text))
+    out.write(doc)
+    click.get_current_context().exit(code)

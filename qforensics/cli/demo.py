@@ -3,7 +3,6 @@ SmolLM2-135M, analyze each trace, and write an HTML incident report for each."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import click
 
 from qforensics.cli.options import capture_kwargs, capture_options
+from qforensics.jsondoc import write as write_json
 
 
 @click.command()
@@ -125,7 +125,7 @@ def _analyze_and_report(trace: Path, out: Path) -> tuple[str, str]:
     except ImportError as exc:  # pragma: no cover - partial installs
         return f"(analyzer unavailable: {exc})", "-"
     findings = analyze_trace(str(trace))
-    (out / f"{trace.stem}.json").write_text(json.dumps(findings.to_dict(), indent=1))
+    write_json(findings.to_dict(), out / f"{trace.stem}.json")
     verdict = findings.verdict.line
     try:
         from qforensics.reports import write_report

@@ -3,18 +3,18 @@ exit codes only; the comparison lives in qforensics.analyze.diff). No torch impo
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from qforensics.analyze.diff import DEFAULT_JUMP, diff_traces
 from qforensics.analyze.findings import DiffFindings
 from qforensics.cli.analyze import _num, _wrap
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 
 EXAMPLE = """\b
 Example:
     qforensics diff fp16-reference.h5 int4-per-tensor-weights.h5
     qforensics diff ref.h5 suspect.h5 --steps 0,1 --json > diff.json
+    qforensics diff ref.h5 suspect.h5 --json diff.json
 """
 
 
@@ -37,11 +37,10 @@ def render_diff(d: DiffFindings) -> list[str]:
     return L
 
 
-@click.command("diff", epilog=EXAMPLE)
+@click.command("diff", cls=JsonCommand, epilog=EXAMPLE)
 @click.argument("reference", type=click.Path(exists=True, dir_okay=False))
 @click.argument("suspect", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the comparison as JSON (schema qforensics.diff, docs/analyze-json.md).")
+@json_option("the comparison (schema qforensics.diff, docs/analyze-json.md)")
 @click.option("--top", type=click.IntRange(1, 10000), default=10, show_default=True,
               help="Modules listed in the ranking.")
 @click.option("--jump", type=click.FloatRange(0), default=DEFAULT_JUMP, show_default=True,
@@ -49,7 +48,7 @@ def render_diff(d: DiffFindings) -> list[str]:
                    "where divergence jumps.")
 @click.option("--steps", default=None, metavar="0,1,...",
               help="Steps to compare. Default: the prefill (step 0), and it alone.")
-def command(reference: str, suspect: str, as_json: bool, top: int, jump: float,
+def command(reference: str, suspect: str, json_path: str | None, top: int, jump: float,
             steps: str | None) -> None:
     """Compare two captures of the same prompt (e.g. FP16 reference vs INT4) and name the first
     module, in call order, where the divergence jumps, with a ranked list.
@@ -61,6 +60,7 @@ def command(reference: str, suspect: str, as_json: bool, top: int, jump: float,
     Exit status: 0 no jump, 1 a jump or NaN/Inf only in the suspect, 2 bad usage or unreadable
     trace, 3 internal error.
     """
+    out = json_out(json_path, [reference, suspect])
     chosen = None
     if steps:
         try:
@@ -68,5 +68,6 @@ def command(reference: str, suspect: str, as_json: bool, top: int, jump: float,
         except ValueError:
             raise click.BadParameter("a comma-separated list of step numbers", param_hint="--steps")
     d = diff_traces(reference, suspect, jump=jump, top=top, steps=chosen)
-    click.echo(json.dumps(d.to_dict(), indent=2) if as_json else "\n".join(render_diff(d)))
+    out.text("\n".join(render_diff(d)))
+    out.write(d.to_dict())
     click.get_current_context().exit(d.exit_code)

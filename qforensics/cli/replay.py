@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import click
 
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 from qforensics.replay.run import replay
 from qforensics.replay.sanitizer import DEFAULT_PRINT_LIMIT, TOOLS
 from qforensics.replay.torch_kernels import KERNELS
-from qforensics.replay.verdict import write_result_json
 
 EXAMPLE = """\b
 Example:
     qforensics replay trace.h5 --json replay.json --export repro/
+    qforensics replay trace.h5 --json | jq .results
     qforensics replay trace.h5 --kernel torch-int4pack
     qforensics replay call17.h5 --launcher my_awq_ext.replay:launch --sanitize on
 """
 
 
-@click.command(name="replay", epilog=EXAMPLE)
+@click.command(name="replay", cls=JsonCommand, epilog=EXAMPLE)
 @click.argument("source", metavar="TRACE_OR_BUNDLE", type=click.Path(dir_okay=False))
 @click.option("--call", type=int, default=None, help="Snapshot call index (default: first non-finite, else first outlier).")
 @click.option("--kernel", type=click.Choice(sorted(KERNELS)), default=None,
@@ -36,10 +37,10 @@ Example:
               help="Keep launcher output and raw sanitizer output here (default: a temp dir, removed afterwards).")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
               help="Write a repro for an upstream bug report: tensors (safetensors), geometry JSON, script.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result as JSON.")
+@json_option("the result (schema qforensics.replay, docs/replay.md; what `report --replay` reads)")
 def command(source: str, call: int | None, kernel: str | None, launcher: str | None, sanitize: str, tool: str,
             sanitizer: str | None, kernel_name: str | None, print_limit: int, bundle_out: str | None,
-            work_dir: str | None, export_dir: str | None, json_out: str | None) -> None:
+            work_dir: str | None, export_dir: str | None, json_path: str | None) -> None:
     """Rerun the suspect GEMM call of TRACE_OR_BUNDLE through the kernel the run used, on the
     data it saw, against a float64 reference.
 
@@ -54,27 +55,26 @@ def command(source: str, call: int | None, kernel: str | None, launcher: str | N
     Exit codes: 0 measured and NOT REPRODUCED, 1 KERNEL FAULT / KERNEL DIVERGES / DATA
     or nothing measured, 2 bad usage or unreadable input.
     """
+    out = json_out(json_path, [source, bundle_out])
     outcome = replay(source, call=call, bundle_out=bundle_out, kernel=kernel, launcher=launcher, sanitize=sanitize,
                      tool=tool, sanitizer=sanitizer, kernel_name=kernel_name, print_limit=print_limit, work_dir=work_dir)
     meta = outcome.bundle.meta
-    click.echo(f"call {meta.get('call_index')} {meta.get('module')} ({meta.get('module_type') or '?'}), layout "
-               f"{meta.get('layout')}, kernel {kernel or launcher or meta.get('kernel') or 'unknown'}, "
-               f"M={meta['M']} of {meta.get('M_full')} N={meta['N']} of {meta.get('N_full')} K={meta['K']}")
+    out.text(f"call {meta.get('call_index')} {meta.get('module')} ({meta.get('module_type') or '?'}), layout "
+             f"{meta.get('layout')}, kernel {kernel or launcher or meta.get('kernel') or 'unknown'}, "
+             f"M={meta['M']} of {meta.get('M_full')} N={meta['N']} of {meta.get('N_full')} K={meta['K']}")
     if meta.get("fixture"):
-        click.echo("  note: this layer is qforensics's own fake-quant FIXTURE; the verdict is about it, not a user kernel")
+        out.text("  note: this layer is qforensics's own fake-quant FIXTURE; the verdict is about it, not a user kernel")
     for res in outcome.results:
-        click.echo(res.line())
+        out.text(res.line())
         raw = (res.details.get("sanitizer") or {}).get("raw_output") if res.details else None
         if raw and work_dir:
-            click.echo(f"  raw sanitizer output: {raw}")
+            out.note(f"  raw sanitizer output: {raw}")
     if outcome.bundle.path is not None:
-        click.echo(f"  bundle: {outcome.bundle.path}")
+        out.note(f"  bundle: {outcome.bundle.path}")
     if export_dir:
         from qforensics.replay.export import export_repro
 
         where = export_repro(outcome.bundle, export_dir, kernel=kernel or meta.get("kernel"), results=outcome.results)
-        click.echo(f"  repro: {where} (python {where}/repro.py)")
-    if json_out:
-        write_result_json(outcome.document(), json_out)
-        click.echo(f"  json: {json_out}")
+        out.note(f"  repro: {where} (python {where}/repro.py)")
+    out.write(outcome.document())
     click.get_current_context().exit(outcome.exit_code())

@@ -5,7 +5,6 @@ Only printing and exit codes live here; the scan itself is `qforensics.scan`.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import click
 
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 from qforensics.errors import ScanError
 from qforensics.scan import ScanReport, plan_scan, run_scan
 
@@ -74,14 +74,14 @@ EXAMPLE = """\b
 Example:
     qforensics scan ./Llama-3-8B-Instruct-AWQ
     qforensics scan model.Q4_1.gguf --json > scan.json
+    qforensics scan ./Llama-3-8B-Instruct-AWQ --json scan.json
     qforensics scan ./fp8-model --fail-on error
 """
 
 
-@click.command("scan", epilog=EXAMPLE)
+@click.command("scan", cls=JsonCommand, epilog=EXAMPLE)
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the report as JSON (schema qforensics.scan, see docs/scan.md).")
+@json_option("the report (schema qforensics.scan, see docs/scan.md)")
 @click.option("--fail-on", type=click.Choice(["warning", "error"]), default="warning",
               show_default=True,
               help="Lowest severity that makes the scan fail (exit 1).")
@@ -90,7 +90,7 @@ Example:
                    "terminal.")
 @click.option("--chunk-mib", type=click.IntRange(1, 65536), default=256, show_default=True,
               help="Largest slice of one tensor decoded at once, in MiB (bounds memory).")
-def command(path: Path, as_json: bool, fail_on: str, progress: bool | None,
+def command(path: Path, json_path: str | None, fail_on: str, progress: bool | None,
             chunk_mib: int) -> None:
     """Check a checkpoint's scales, zero points and packing without loading the model.
 
@@ -104,6 +104,7 @@ def command(path: Path, as_json: bool, fail_on: str, progress: bool | None,
     Exit status: 0 clean, 1 findings at or above --fail-on, 2 unreadable input or nothing
     scannable, 3 internal error. The JSON schema and every check are described in docs/scan.md.
     """
+    out = json_out(json_path, [path])
     plan = plan_scan(path)
     chunk_bytes = chunk_mib * 1024 * 1024
     total = plan.total_bytes
@@ -117,14 +118,12 @@ def command(path: Path, as_json: bool, fail_on: str, progress: bool | None,
     else:
         report = run_scan(plan, chunk_bytes=chunk_bytes)
 
-    if as_json:
-        click.echo(json.dumps(report.to_dict(fail_on), indent=2))
-    else:
-        for f in report.findings:
-            click.echo(_finding_line(f))
-        for line in _skipped_lines(report):
-            click.echo(line)
-        click.echo(_verdict_line(report, fail_on))
+    for f in report.findings:
+        out.text(_finding_line(f))
+    for line in _skipped_lines(report):
+        out.text(line)
+    out.text(_verdict_line(report, fail_on))
+    out.write(report.to_dict(fail_on))
     verdict = report.verdict(fail_on)
     if verdict == "nothing_scanned":
         raise ScanError(f"{path}: nothing scanned; only pickle files or unsupported tensors "

@@ -1,15 +1,15 @@
-"""`qforensics triage PATHS... [-o DIR] [--json]`: many traces -> incident groups, on Dask
+"""`qforensics triage PATHS... [-o DIR] [--json [PATH]]`: many traces -> incident groups, on Dask
 (printing, progress and exit codes only; the work lives in qforensics.triage). No torch import.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 
 import click
 
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 from qforensics.triage.groups import Fleet
 
 WIDTH = 100
@@ -18,6 +18,7 @@ EXAMPLE = """\b
 Example:
     qforensics triage /var/traces/ -o triage-out
     qforensics triage 'fleet/**/*.h5' --json > triage.json
+    qforensics triage /var/traces/ --json triage.json --quiet
     dask scheduler --port 8786 &  dask worker tcp://127.0.0.1:8786 &
     qforensics triage fleet/ --scheduler tcp://127.0.0.1:8786 -o triage-out
 """
@@ -72,22 +73,21 @@ def render(fleet: Fleet) -> list[str]:
     return L
 
 
-@click.command("triage", epilog=EXAMPLE)
+@click.command("triage", cls=JsonCommand, epilog=EXAMPLE)
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write DIR/triage.parquet (one row per trace and per group), DIR/fleet.html "
                    "and the representatives' reports in DIR/reports/.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print {traces, groups: [{verdict, producer, cause, count, traces}], "
-                   "unreadable: [{path, reason}]} as JSON (docs/triage.md).")
+@json_option("{traces, groups: [{verdict, producer, cause, count, traces}], unreadable: "
+             "[{path, reason}]} (schema qforensics.triage, docs/triage.md)")
 @click.option("--scheduler", default=None, metavar="tcp://HOST:PORT",
               help="Run on this dask.distributed scheduler instead of a local cluster.")
 @click.option("--workers", type=click.IntRange(1, 1024), default=None,
               help="Worker processes of the local cluster [default: the CPU count].")
 @click.option("--no-reports", is_flag=True, help="With -o: skip the representatives' reports.")
 @click.option("--quiet", is_flag=True, help="No progress count on stderr.")
-def command(paths: tuple[str, ...], out_dir: str | None, as_json: bool, scheduler: str | None,
-            workers: int | None, no_reports: bool, quiet: bool) -> None:
+def command(paths: tuple[str, ...], out_dir: str | None, json_path: str | None,
+            scheduler: str | None, workers: int | None, no_reports: bool, quiet: bool) -> None:
     """Triage a fleet: analyze every trace in PATHS (files, globs, directories read
     recursively), one Dask task per trace, and group the incidents by signature (verdict,
     producer, cause and its index, the layer's quantization and kernel, engine and torch
@@ -105,16 +105,16 @@ def command(paths: tuple[str, ...], out_dir: str | None, as_json: bool, schedule
     from qforensics.triage.run import collect_traces, dask_client, run_tasks
 
     found = collect_traces(paths)
+    out = json_out(json_path, found)
     progress = None if quiet else _Count()
     with dask_client(scheduler, workers) as client:
         fleet = build_fleet(run_tasks(client, found, progress))
         outputs = (write_outputs(fleet, out_dir, client=client, reports=not no_reports)
                    if out_dir is not None else None)
-    if as_json:
-        click.echo(json.dumps(fleet.to_dict(), indent=2))
-    else:
-        click.echo("\n".join(render(fleet)))
-        if outputs is not None:
-            click.echo(f"\nwrote {outputs.parquet}, {outputs.html} and "
-                       f"{len(outputs.reports)} representative reports")
+    out.text("\n".join(render(fleet)))
+    if outputs is not None:
+        out.text("")
+        out.note(f"wrote {outputs.parquet}, {outputs.html} and {len(outputs.reports)} "
+                 "representative reports")
+    out.write(fleet.to_dict())
     click.get_current_context().exit(fleet.exit_code)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import click
 
+from qforensics.cli.jsonout import JsonCommand, json_option, json_out
 from qforensics.errors import UsageError
+from qforensics.jsondoc import document
 
 
-@click.command("whatif")
+@click.command("whatif", cls=JsonCommand)
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--scheme", "schemes", multiple=True, metavar="SPEC",
               help="Scheme to try (repeatable): int4-g128, w:int4-per-tensor, "
@@ -35,8 +36,7 @@ from qforensics.errors import UsageError
                    "returning (model, tokenizer)) or 'demo'. Default: the model path the trace "
                    "recorded, else the demo model. It must match the trace (class, vocab size, "
                    "module names, shapes), or whatif exits 2 saying what differs.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), metavar="OUT",
-              help="Also write the results as JSON to OUT.")
+@json_option("the results (schema qforensics.whatif, docs/whatif.md)")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 512),
               help="Length of the reference's greedy answer the agreement is measured on.")
 @click.option("--text-tokens", default=None, type=click.IntRange(8, None),
@@ -54,7 +54,7 @@ from qforensics.errors import UsageError
                    "; default: $QF_LLMC_PYTHON, else .venv-llmc/bin/python). Calibration takes "
                    "minutes; its checkpoint is cached.")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
-            model_spec: str | None, json_out: str | None, max_new_tokens: int,
+            model_spec: str | None, json_path: str | None, max_new_tokens: int,
             text_tokens: int | None, engine: str, vllm_python: str | None,
             llmc_python: str | None) -> None:
     """Rerun TRACE's prompt on the traced model under other quantization schemes.
@@ -69,6 +69,7 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     Example:
         qforensics whatif trace.h5 --scheme int4-g128 --keep-salient 1%
         qforensics whatif trace.h5 --table --json whatif.json
+        qforensics whatif trace.h5 --scheme int4-g128 --json | jq .schemes
         qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
         qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
         qforensics whatif trace.h5 --scheme ct:W4A16 --scheme ct:W8A8 --engine vllm \\
@@ -111,17 +112,15 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         from qforensics.whatif.llmc import resolve_llmc_python
 
         llmc_python = resolve_llmc_python(llmc_python)  # no llmcompressor: exit 2 now
+    out = json_out(json_path, [trace])  # a bad --json PATH: exit 2 before loading
     with open_trace(trace) as t:  # unreadable trace: exit 2 before loading the model
         resolve_model_source(model_spec, t.meta)  # bad --model: exit 2 before loading
 
     result = run_whatif(trace, parsed, max_new_tokens=max_new_tokens, text_tokens=text_tokens,
                         model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True),
                         engine=engine, vllm_python=vllm_python, llmc_python=llmc_python)
-    click.echo(result.format_table())
-    if json_out:
-        with open(json_out, "w", encoding="utf-8") as fh:
-            json.dump(result.to_json(), fh, indent=2, allow_nan=False)
-        click.echo(f"wrote {json_out}", err=True)
+    out.text(result.format_table())
+    out.write(document("qforensics.whatif", result.to_json()))
     if all(s.error is not None for s in result.schemes):
         raise UsageError("no scheme could be measured (the reasons are above)")
     tried = [s.vllm for s in result.schemes if isinstance(s.vllm, dict) and

@@ -9,7 +9,6 @@ DIR/repro.py             a short script that calls the kernel and prints the com
 
 from __future__ import annotations
 
-import json
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.errors import ReplayError
+from qforensics.jsondoc import write as write_json
 from qforensics.replay.bundle import Bundle
 
 _SCRIPT_HEAD = '''"""Repro written by `qforensics replay --export`: {title}.
@@ -124,7 +124,7 @@ def export_repro(bundle: Bundle, directory: str | Path, *, kernel: str | None, r
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / "tensors.safetensors"))
     geo = {**bundle.meta, "versions": _versions(), "verdicts": [r.line() for r in results],
            "kernel_under_judgement": kernel}
-    (d / "geometry.json").write_text(json.dumps(geo, indent=2, default=str) + "\n")
+    write_json(geo, d / "geometry.json")
     title = f"{bundle.meta.get('module')} call {bundle.meta.get('call_index')}, layout {bundle.layout.name}"
     if op_kernel:
         script = (_SCRIPT_HEAD.format(title=title, op=op_kernel) + f"op = {op_kernel!r}\n" + _SCRIPT_OPS[op_kernel]

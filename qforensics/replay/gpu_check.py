@@ -25,7 +25,6 @@ recorded with its error and the others still run.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from qforensics.jsondoc import write as write_json
 from qforensics.replay import awq
 from qforensics.replay.build import build_bundle, build_bundle_from_trace
 from qforensics.replay.bundle import Bundle
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     case("torch_compile_triton", {Verdict.NOT_REPRODUCED}, torch_case("int4", "torch-compile"))
     case("planted_oob_fixture", {Verdict.KERNEL_FAULT}, planted)
     summary["total_s"] = round(time.time() - t0, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_json(summary, out / "summary.json")
     return 0 if ok else 1
 
 

@@ -13,12 +13,11 @@ INCONCLUSIVE     nothing was measured, with the reason (no GPU, no sanitizer, th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
+from qforensics.jsondoc import document
 from qforensics.replay.records import (
     AccessRecord,
     ApiError,
@@ -26,8 +25,7 @@ from qforensics.replay.records import (
     SanitizerReport,
 )
 
-RESULT_SCHEMA = "qforensics-replay-result"
-RESULT_SCHEMA_VERSION = "2.0"
+RESULT_SCHEMA = "qforensics.replay"  # its version: qforensics.jsondoc.SCHEMAS
 
 
 class Verdict(str, Enum):
@@ -114,9 +112,7 @@ def result_document(results: list[ReplayResult], *, bundle_path: str | None, met
     """The versioned JSON document written by `--json` (schema in docs/replay.md)."""
     from qforensics.version import __version__
 
-    return {
-        "schema": RESULT_SCHEMA,
-        "schema_version": RESULT_SCHEMA_VERSION,
+    return document(RESULT_SCHEMA, {
         "created_by": f"qforensics {__version__}",
         "bundle": bundle_path,
         "call_index": meta.get("call_index"),
@@ -128,11 +124,4 @@ def result_document(results: list[ReplayResult], *, bundle_path: str | None, met
         "shapes": {k: meta.get(k) for k in ("M", "M_full", "N", "N_full", "K", "group_size", "compute_dtype")},
         "tile": {k: meta.get(k) for k in ("row_start", "row_stop", "col_start", "col_stop", "first_nonfinite")},
         "results": [r.to_dict() for r in results],
-    }
-
-
-def write_result_json(doc: dict[str, Any], path: str | Path) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
-    return p
+    })

@@ -1,4 +1,4 @@
-"""Read and validate a replay result JSON (schema `qforensics-replay-result`) for the report.
+"""Read and validate a replay result JSON (schema `qforensics.replay`) for the report.
 
 The file is untrusted input, like a trace: the schema name and major version are checked, every
 field the report shows is type-checked, strings are length-capped, and nothing else in the
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.jsondoc import VERSION_KEY, schema_problem
 from qforensics.trace import validate
 
 __all__ = ["REPLAY_SCHEMA", "ReplayEntry", "ReplaySummary", "load_replay_result",
            "parse_replay_result"]
 
-REPLAY_SCHEMA = "qforensics-replay-result"
-SUPPORTED_MAJOR = 2
+REPLAY_SCHEMA = "qforensics.replay"
 MAX_BYTES = 16 << 20
 MAX_RESULTS = 64
 MAX_STR = 2000
@@ -56,7 +56,7 @@ class ReplaySummary:
     """The validated content of a replay result document."""
 
     source: str
-    schema_version: str
+    version: str
     created_by: str | None
     bundle: str | None
     call_index: int | None
@@ -150,22 +150,10 @@ def _entry(raw: Any, where: str) -> ReplayEntry:
 
 def parse_replay_result(doc: Any, source: str = "<replay result>") -> ReplaySummary:
     """Validate a decoded replay result document. Raises UsageError saying what is wrong."""
-    if not isinstance(doc, dict):
-        raise UsageError(f"{source}: a replay result must be a JSON object")
-    if doc.get("schema") != REPLAY_SCHEMA:
-        raise UsageError(f"{source}: not a replay result (schema {str(doc.get('schema'))[:60]!r}, "
-                         f"expected {REPLAY_SCHEMA!r}); write one with "
-                         "`qforensics replay TRACE --json result.json`")
-    ver = doc.get("schema_version")
-    if not isinstance(ver, str):
-        raise UsageError(f"{source}: 'schema_version' must be a string like \"1.0\"")
-    try:
-        major = int(ver.split(".")[0])
-    except ValueError:
-        raise UsageError(f"{source}: bad schema_version {ver[:20]!r}") from None
-    if major != SUPPORTED_MAJOR:
-        raise UsageError(f"{source}: replay result version {ver[:20]} is not supported (this "
-                         f"qforensics reads {SUPPORTED_MAJOR}.x); upgrade qforensics")
+    problem = schema_problem(doc, REPLAY_SCHEMA)
+    if problem is not None:
+        raise UsageError(f"{source}: not a replay result this qforensics reads ({problem}); "
+                         f"write one with `qforensics replay TRACE --json result.json`")
     results = doc.get("results")
     if not isinstance(results, list):
         raise UsageError(f"{source}: 'results' must be a list")
@@ -173,7 +161,7 @@ def parse_replay_result(doc: Any, source: str = "<replay result>") -> ReplaySumm
         raise UsageError(f"{source}: more than {MAX_RESULTS} results")
     return ReplaySummary(
         source=source,
-        schema_version=ver[:20],
+        version=str(doc[VERSION_KEY])[:20],
         created_by=_opt_str(doc, "created_by", source),
         bundle=_opt_str(doc, "bundle", source),
         call_index=_opt_int(doc, "call_index", source),

@@ -2,14 +2,16 @@
 
 The JSON form (`ScanReport.to_dict`) is the documented, versioned schema of docs/scan.md:
 `{"schema": "qforensics.scan", "version": SCHEMA_VERSION, ...}`. Bump the major version on any
-change that renames or removes a key; adding keys is a minor change.
+change that renames or removes a key; adding keys is a minor change. Written by
+qforensics.jsondoc: a non-finite `example` is the string "nan", "inf" or "-inf".
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from qforensics.jsondoc import SCHEMAS, document, jsonable
 
 __all__ = [
     "SCHEMA_NAME",
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 SCHEMA_NAME = "qforensics.scan"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = SCHEMAS[SCHEMA_NAME]
 
 # Ordered from worst to mildest.
 SEVERITIES = ("error", "warning")
@@ -44,17 +46,6 @@ CHECKS: dict[str, tuple[str, str]] = {
     "missing_file": ("error", "a shard named in model.safetensors.index.json is absent"),
     "duplicate_tensor": ("error", "the same tensor name appears in two files of one checkpoint"),
 }
-
-
-def _json_number(value: float | int | None) -> float | int | str | None:
-    """JSON has no NaN/Inf: non-finite floats become the strings "nan", "inf", "-inf"."""
-    if value is None or isinstance(value, int):
-        return value
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
 
 
 @dataclass(frozen=True)
@@ -78,9 +69,7 @@ class Finding:
     message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["example"] = _json_number(self.example)
-        return out
+        return jsonable(asdict(self))  # a NaN example: "nan" (qforensics.jsondoc)
 
 
 @dataclass(frozen=True)
@@ -146,9 +135,7 @@ class ScanReport:
         return "passed"
 
     def to_dict(self, fail_on: str = "warning") -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_NAME,
-            "version": SCHEMA_VERSION,
+        return document(SCHEMA_NAME, {
             "path": self.path,
             "root": self.root,
             "verdict": self.verdict(fail_on),
@@ -159,4 +146,4 @@ class ScanReport:
             "files": [f.to_dict() for f in self.files],
             "findings": [f.to_dict() for f in self.findings],
             "skipped": [s.to_dict() for s in self.skipped],
-        }
+        })

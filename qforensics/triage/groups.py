@@ -18,9 +18,14 @@ from typing import Any
 
 from qforensics.analyze.findings import FAILED, PASSED, SUSPECT
 from qforensics.errors import EXIT_FINDING, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
+from qforensics.jsondoc import SCHEMAS, document, jsonable
 from qforensics.triage.summary import UNREADABLE
 
-__all__ = ["COMPARED", "SIGNATURE", "Fleet", "Group", "Incident", "build_fleet"]
+__all__ = ["COMPARED", "SCHEMA_NAME", "SCHEMA_VERSION", "SIGNATURE", "Fleet", "Group",
+           "Incident", "build_fleet"]
+
+SCHEMA_NAME = "qforensics.triage"  # Fleet.to_dict, docs/triage.md
+SCHEMA_VERSION = SCHEMAS[SCHEMA_NAME]
 
 # what a group's signature is made of (row keys)
 SIGNATURE = ("status", "producer", "cause", "cause_index", "method", "kernel", "engine",
@@ -135,11 +140,11 @@ class Fleet:
         return EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": "qforensics.triage", "version": "1.0", "traces": len(self.rows),
-                "healthy": sum(len(i.rows) for i in self.healthy),
-                "groups": [g.to_dict() for g in self.groups],
-                "unreadable": [{"path": r["path"], "reason": r["reason"],
-                                "internal": bool(r.get("internal"))} for r in self.unreadable]}
+        return document(SCHEMA_NAME, jsonable({
+            "traces": len(self.rows), "healthy": sum(len(i.rows) for i in self.healthy),
+            "groups": [g.to_dict() for g in self.groups],
+            "unreadable": [{"path": r["path"], "reason": r["reason"],
+                            "internal": bool(r.get("internal"))} for r in self.unreadable]}))
 
 
 def _first_rank(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,12 +6,12 @@ group apart (`apart`, JSON text). Written with pandas + pyarrow. No torch import
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
 
 from qforensics.errors import QForensicsError, UsageError
+from qforensics.jsondoc import dumps
 from qforensics.triage.groups import Fleet
 
 __all__ = ["COLUMNS", "fleet_frame", "write_parquet"]
@@ -71,7 +71,7 @@ def fleet_rows(fleet: Fleet, reports: dict[str, str] | None = None) -> list[dict
             "n_traces": len(g.traces), "representative": rep["path"],
             "time": g.first_time if math.isfinite(g.first_time) else math.nan,
             "rank_count": n, "rank_first": by_first[g.id],
-            "apart": json.dumps(g.apart, sort_keys=True),
+            "apart": dumps(g.apart, indent=None),
             "report": reports.get(rep["path"], "")}))
     return out
 

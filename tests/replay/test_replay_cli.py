@@ -63,7 +63,7 @@ def test_sample_trace_is_data_naming_the_channels_over_range(tmp_path):
     assert r.exit_code == 1, r.output
     assert "FIXTURE" in r.output.splitlines()[1]
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["schema_version"] == "2.0" and doc["fixture"] is True and doc["layout"] == "qforensics-fakequant"
+    assert (doc["schema"], doc["version"]) == ("qforensics.replay", "3.0") and doc["fixture"] is True and doc["layout"] == "qforensics-fakequant"
     data, san = doc["results"]
     assert data["verdict"] == "DATA" and san["verdict"] == "INCONCLUSIVE" and san["reason"] == "no GPU"
     named = sorted(c["channel"] for c in data["details"]["facts"]["overflowing_input_channels"])

@@ -40,7 +40,7 @@ from qforensics.reports.report import CSP_SCRIPT
 
 def _replay_doc(**over):
     doc = {
-        "schema": "qforensics-replay-result", "schema_version": "2.0",
+        "schema": "qforensics.replay", "version": "3.0",
         "created_by": "qforensics 0.1.0", "bundle": "call94.h5", "call_index": 94,
         "module": "model.layers.11.mlp.down_proj",
         "shapes": {"M": 3, "N": 576, "K": 1536, "group_size": 128},
@@ -180,9 +180,11 @@ def test_replay_result_is_shown(tmp_path, failing_trace):
 
 
 @pytest.mark.parametrize("doc, words", [
-    ({"schema": "something-else", "schema_version": "1.0", "results": []}, "not a replay result"),
-    (_replay_doc(schema_version="3.0"), "not supported"),
-    (_replay_doc(schema_version=1), "schema_version"),
+    ({"schema": "something-else", "version": "1.0", "results": []}, "not a replay result"),
+    (_replay_doc(version="4.0"), "newer than this qforensics reads (3.x); upgrade"),
+    (_replay_doc(version=3), "'version' must be a string"),
+    ({"schema": "qforensics-replay-result", "schema_version": "2.0", "results": []},
+     "expected 'qforensics.replay'"),
     (_replay_doc(results={"a": 1}), "'results' must be a list"),
     (_replay_doc(results=[{"verdict": "PWNED", "path": "gpu", "summary": "x"}]), "verdict"),
     (_replay_doc(results=[{"verdict": "DATA", "path": 3, "summary": "x"}]), "strings"),

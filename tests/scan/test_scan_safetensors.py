@@ -350,7 +350,8 @@ def test_json_schema_and_help(cli, kit, tmp_path):
 
     help_text = cli("--help").output
     tail = help_text.strip().splitlines()
-    assert "Example:" in tail[-4] and tail[-1].strip().startswith("qforensics scan")
+    at = max(i for i, line in enumerate(tail) if "Example:" in line)
+    assert tail[at + 1:] and all(ln.strip().startswith("qforensics scan") for ln in tail[at + 1:])
 
 
 def test_progress_bar_goes_to_stderr(cli, kit, tmp_path):
