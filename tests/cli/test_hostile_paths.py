@@ -5,11 +5,13 @@ hanging the suite."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qforensics.errors import EXIT_USAGE
@@ -42,10 +44,14 @@ def hostile(request, tmp_path) -> tuple[str, str]:
 def _commands(path: str, tmp: Path) -> list[list[str]]:
     return [
         ["analyze", path],
+        ["analyze", str(SAMPLE), path],  # one of several ranks
         ["analyze", str(SAMPLE), "--reference", path],
+        ["analyze", str(SAMPLE), "--json", path],  # the bare --json leaves it a trace
         ["report", path, "-o", str(tmp / "r.html")],
         ["report", str(SAMPLE), "-o", str(tmp / "r2.html"), "--replay", path],
+        ["report", str(SAMPLE), "-o", str(tmp / "r3.html"), "--reference", path],
         ["diff", str(SAMPLE), path],
+        ["diff", path, str(SAMPLE)],
         ["replay", path],
         ["whatif", path, "--table"],
     ]
@@ -80,3 +86,41 @@ def test_writer_refuses_a_fifo_output(tmp_path):
     assert non_regular_kind(SAMPLE) is None
     with pytest.raises(CaptureError, match="FIFO"):
         check_regular_file(fifo, "trace", CaptureError)
+
+
+def test_triage_lists_a_fifo_as_unreadable_and_goes_on(tmp_path):
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    os.symlink(SAMPLE, fleet / "a.h5")
+    os.mkfifo(fleet / "b.h5")  # found by the directory walk
+    lone = tmp_path / "lone.h5"
+    os.mkfifo(lone)  # given by name
+    res = _run("triage", str(fleet), str(lone), "--workers", "1", "--quiet",
+               f"--json={tmp_path / 't.json'}")
+    assert res.returncode == EXIT_USAGE, res.stderr[-500:]  # unreadable traces, nothing found
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert (doc["traces"], doc["healthy"]) == (3, 1)
+    bad = {u["path"]: u["reason"] for u in doc["unreadable"]}
+    assert set(bad) == {str(fleet / "b.h5"), str(lone)}
+    assert all("FIFO" in r for r in bad.values()) and not any(u["internal"]
+                                                              for u in doc["unreadable"])
+
+
+def test_scan_never_opens_a_fifo_inside_a_model_folder(tmp_path):
+    from safetensors.numpy import save_file
+
+    only = tmp_path / "only-fifos"
+    only.mkdir()
+    os.mkfifo(only / "model.safetensors")
+    res = _run("scan", str(only))
+    assert res.returncode == EXIT_USAGE and "no .safetensors" in res.stderr, res.stderr[-500:]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    save_file({"w": np.ones((2, 4), dtype=np.float32)}, str(mixed / "model.safetensors"))
+    for name in ("config.json", "model.safetensors.index.json", "extra.safetensors"):
+        os.mkfifo(mixed / name)
+    res = _run("scan", str(mixed), "--json")
+    assert res.returncode == 0, res.stderr[-500:]
+    doc = json.loads(res.stdout)
+    assert [f["file"] for f in doc["files"]] == ["model.safetensors"]
+    assert doc["tensors_scanned"] == 1
