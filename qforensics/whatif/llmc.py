@@ -43,7 +43,7 @@ from typing import Any
 from qforensics.errors import QForensicsError, UsageError
 
 __all__ = ["LLMC_SPEC", "LlmcError", "applied_llmc", "calibrate", "measure_llmc",
-           "parse_llmc", "prepare_llmc", "resolve_llmc_python", "twin_ct"]
+           "parse_llmc", "prepare_llmc", "resolve_llmc_python", "twin_ct", "with_twins"]
 
 LLMC_SPEC = re.compile(r"^(?:llmc|llmcompressor):(GPTQ|SQ)-([A-Za-z0-9_]+?)(?:-g(\d+))?$",
                        re.IGNORECASE)
@@ -86,6 +86,19 @@ def twin_ct(sc: Any) -> str:
     """The ``ct:`` spec of the same preset with min/max scales: what calibration is measured
     against."""
     return f"ct:{sc.preset}"
+
+
+def with_twins(schemes: list[Any]) -> list[Any]:
+    """``schemes`` with each llmc: scheme after its min/max ct: twin (added when not given)."""
+    from qforensics.whatif.schemes import parse_whatif_scheme
+
+    labels, out = {s.label for s in schemes}, []
+    for s in schemes:
+        if s.library == "llmcompressor" and twin_ct(s) not in labels:
+            labels.add(twin_ct(s))
+            out.append(parse_whatif_scheme(twin_ct(s)))
+        out.append(s)
+    return out
 
 
 def resolve_llmc_python(given: str | None) -> str:

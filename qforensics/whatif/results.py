@@ -31,6 +31,19 @@ class SchemeResult:
     vllm: dict[str, Any] | None = None
     error: str | None = None  # not measured (e.g. llmcompressor failed to calibrate): why
     library: dict[str, Any] | None = None  # what the library said (llmc: its llmc.json)
+    # the checkpoint's weight bytes against bf16 (qforensics.whatif.memory), None: no format
+    memory: dict[str, Any] | None = None
+    decode_speed_vs_bf16: float | None = None  # not measured yet
+
+    @property
+    def memory_vs_bf16(self) -> float | None:
+        m = self.memory
+        return float(m["vs_bf16"]) if isinstance(m, dict) and "vs_bf16" in m else None
+
+    @property
+    def engine_memory_vs_bf16(self) -> float | None:
+        e = self.vllm.get("engine_memory") if isinstance(self.vllm, dict) else None
+        return float(e["vs_bf16"]) if isinstance(e, dict) else None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -39,6 +52,12 @@ class SchemeResult:
         d["path"] = "HF fake-quant (the model's dtype, against the model as loaded)"
         if isinstance(self.vllm, dict):
             d["vllm"] = {k: (_num(v) if isinstance(v, float) else v) for k, v in self.vllm.items()}
+        d["memory_vs_bf16"] = self.memory_vs_bf16
+        d["engine_memory_vs_bf16"] = self.engine_memory_vs_bf16
+        from qforensics.whatif.recommend import judged_figures
+
+        d["judged"] = {k: (_num(v) if isinstance(v, float) else v)
+                       for k, v in judged_figures(self).items()}
         return d
 
 
@@ -52,6 +71,7 @@ class WhatIfResult:
     positions: int  # continuation positions compared
     text_tokens: int
     schemes: list[SchemeResult] = field(default_factory=list)
+    recommendation: dict[str, Any] | None = None  # under --target (qforensics.whatif.recommend)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +81,7 @@ class WhatIfResult:
             "reference": {"text": self.ref_text, "ppl": _num(self.ref_ppl),
                           "positions": self.positions, "text_tokens": self.text_tokens},
             "schemes": [s.to_json() for s in self.schemes],
+            "recommendation": self.recommendation,
         }
 
     def format_table(self) -> str:
@@ -70,16 +91,19 @@ class WhatIfResult:
         def num(x: float, fmt: str) -> str:
             return "nan" if math.isnan(x) else ("inf" if math.isinf(x) else format(x, fmt))
 
-        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered")
+        def mem(x: float | None) -> str:
+            return "-" if x is None else pct(x)
+
+        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered", "weights")
         rows = [("reference (unquantized)", "100.0%", "0", num(self.ref_ppl, ".2f"), "100.0%",
-                 "100.0%")]
+                 "100.0%", "100.0%")]
         for s in self.schemes:
             if s.error is not None:
-                rows.append((s.scheme, *["-"] * 5))
+                rows.append((s.scheme, *["-"] * 5, mem(s.memory_vs_bf16)))
                 continue
             rows.append((s.scheme + (" [NaN]" if s.nonfinite else ""), pct(s.top1),
                          num(s.kl, ".4f"), num(s.ppl, ".2f"), pct(s.text_top1),
-                         pct(s.recovered)))
+                         pct(s.recovered), mem(s.memory_vs_bf16)))
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
@@ -87,7 +111,8 @@ class WhatIfResult:
         lines.append("")
         lines.append(f"top-1: teacher-forced over the reference's {self.positions}-token answer; "
                      f"ppl and text top-1: {self.text_tokens} tokens of fixed text; "
-                     "recovered = ppl_ref / ppl")
+                     "recovered = ppl_ref / ppl; weights: the checkpoint's weight bytes as "
+                     "served, % of bf16 (- : no checkpoint format)")
         lines.append(f"salient channels: {self.salient_source}")
         lines.append("these figures: HF fake-quant (qforensics' quantize-dequantize in the "
                      "model's dtype, against the unquantized model as loaded)")
@@ -98,7 +123,8 @@ class WhatIfResult:
                          "compressed-tensors, same dtype; its ct: twin has min/max scales)")
         lines += [f"{s.scheme}: not measured: {s.error}" for s in self.schemes if s.error]
         lines += self._vllm_lines(pct, num)
-        return "\n".join(lines)
+        rec = list((self.recommendation or {}).get("text") or [])  # recommend() wrote it
+        return "\n".join([*lines, *([""] if rec else []), *rec])
 
     def _vllm_lines(self, pct: Any, num: Any) -> list[str]:
         done = [s for s in self.schemes if isinstance(s.vllm, dict) and "ppl" in s.vllm]
@@ -107,17 +133,22 @@ class WhatIfResult:
         if not done:
             return ["", *failed] if failed else []
         head = ("scheme (through vLLM)", "answer top-1", "ppl", "ppl ref", "text top-1",
-                "recovered")
+                "recovered", "weights", "engine RSS")
         rows = [(s.scheme + (" [NaN]" if s.vllm.get("nonfinite") else ""),
                  pct(s.vllm["top1"]), num(s.vllm["ppl"], ".2f"), num(s.vllm["ref_ppl"], ".2f"),
-                 pct(s.vllm["text_top1"]), pct(s.vllm["recovered"])) for s in done]
+                 pct(s.vllm["text_top1"]), pct(s.vllm["recovered"]),
+                 *("-" if x is None else pct(x) for x in (s.memory_vs_bf16,
+                                                          s.engine_memory_vs_bf16)))
+                for s in done]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         out = ["", *["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]]
         out.insert(2, "  ".join("-" * w for w in widths))
         out.append("these figures: vLLM's own kernels on the scheme's checkpoint (AWQ, or "
                    "compressed-tensors written by the library), each against vLLM's "
-                   "unquantized bfloat16 run of the same weights (top-1: same top token)")
+                   "unquantized bfloat16 run of the same weights (top-1: same top token; "
+                   "weights: the served checkpoint's; engine RSS: vLLM's engine process after "
+                   "scoring, weights, KV cache and runtime together, % of serving bf16)")
         out += [f"  {s.scheme}: {s.vllm['path']}" for s in done]
         return out + failed
 

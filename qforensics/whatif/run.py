@@ -31,6 +31,7 @@ from importlib import resources
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.whatif.recommend import Target, parse_target
 from qforensics.whatif.results import SchemeResult, WhatIfResult
 from qforensics.whatif.schemes import (
     TABLE_SCHEMES,
@@ -46,12 +47,14 @@ SERVED = ("awq", "compressed-tensors", "llmcompressor")
 __all__ = [
     "TABLE_SCHEMES",
     "SchemeResult",
+    "Target",
     "WhatIf",
     "WhatIfResult",
     "WhatIfScheme",
     "demo_prompt_ids",
     "load_demo",
     "parse_keep_salient",
+    "parse_target",
     "parse_whatif_scheme",
     "reference_text",
     "run_whatif",
@@ -261,6 +264,7 @@ def run_whatif(
     engine: str = "hf",
     vllm_python: str | None = None,
     llmc_python: str | None = None,
+    target: Target | None = None,
 ) -> WhatIfResult:
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
@@ -274,7 +278,9 @@ def run_whatif(
     (`qforensics.whatif.through_vllm`; ``vllm_python``: the Python that has vLLM), next to the
     HF fake-quant figures, in each result's ``vllm``. ``llmc:`` schemes are calibrated by
     llmcompressor in ``llmc_python`` (`qforensics.whatif.llmc`), each next to its ``ct:`` twin
-    (the same preset with min/max scales), added when not given.
+    (the same preset with min/max scales), added when not given. Each scheme with a checkpoint
+    format gets its weight memory against bf16 (`qforensics.whatif.memory`); ``target`` (a
+    `Target`, see `parse_target`) adds the ``recommendation`` (`qforensics.whatif.recommend`).
     """
     say = progress or (lambda msg: None)
     parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
@@ -283,16 +289,10 @@ def run_whatif(
         raise UsageError("no scheme to run: give --scheme (repeatable) or --table")
     lpy = None
     if any(s.library == "llmcompressor" for s in parsed):
-        from qforensics.whatif.llmc import resolve_llmc_python, twin_ct
+        from qforensics.whatif.llmc import resolve_llmc_python, with_twins
 
         lpy = resolve_llmc_python(llmc_python)  # before loading anything
-        labels, withtwins = {s.label for s in parsed}, []
-        for s in parsed:  # each llmc: row after its min/max ct: twin
-            if s.library == "llmcompressor" and twin_ct(s) not in labels:
-                labels.add(twin_ct(s))
-                withtwins.append(parse_whatif_scheme(twin_ct(s)))
-            withtwins.append(s)
-        parsed = withtwins
+        parsed = with_twins(parsed)
     if engine not in ("hf", "vllm"):
         raise UsageError(f"unknown engine {engine!r}: hf or vllm")
     python = None
@@ -376,22 +376,21 @@ def run_whatif(
         say(f"[{k + 1}/{len(parsed)}] {r.scheme} (HF fake-quant): top-1 {100 * r.top1:.1f}%, "
             f"KL {r.kl:.4f}, ppl {r.ppl:.2f}, recovered {100 * r.recovered:.1f}%"
             + (" (NaN logits)" if r.nonfinite else "") + f" [{r.seconds:.1f}s]")
+    served = list({sc.label: sc for sc in parsed if sc.library in SERVED and (
+        sc.library != "llmcompressor" or sc.label in wi.llmc_folders)}.values())
     if python is not None:
-        from qforensics.whatif.through_vllm import measure_through_vllm
+        from qforensics.whatif.through_vllm import attach_vllm_figures
 
-        served = list({sc.label: sc for sc in parsed if sc.library in SERVED and (
-            sc.library != "llmcompressor" or sc.label in wi.llmc_folders)}.values())
-        figs = measure_through_vllm(model, tokenizer, served, wi.text_ids[0].tolist(),
-                                    wi.ref_full[0].tolist(), wi.n_prompt, python=python,
-                                    progress=say, prebuilt=wi.llmc_folders)
-        for r, sc in zip(result.schemes, parsed):
-            r.vllm = ({"error": f"not calibrated: {r.error}"} if r.error else None) or \
-                figs.get(sc.label) or {
-                "skipped": "vLLM runs published checkpoint formats (awq:, ct:, llmc:); this "
-                           "scheme is measured by the HF path only"}
-            v = r.vllm
-            if "ppl" in v:
-                say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl "
-                    f"{v['ppl']:.2f} (vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
-                    f"{100 * v['recovered']:.1f}%; {v['path']}")
+        attach_vllm_figures(result, parsed, wi, served, python, say)
+    else:
+        from qforensics.whatif.memory import checkpoint_memory
+
+        mem = checkpoint_memory(model, tokenizer, served, prebuilt=wi.llmc_folders, say=say)
+        for r in result.schemes:
+            r.memory = mem.get(r.scheme)
+    if target is not None:
+        from qforensics.whatif.recommend import recommend
+
+        result.recommendation = recommend(result, target, lambda: (
+            (absmax, salient_source) if absmax is not None else _absmax_for(wi, trace_path, say)))
     return result

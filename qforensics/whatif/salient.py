@@ -18,7 +18,7 @@ from qforensics.formats import GEMM_KINDS
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace, open_trace
 
-__all__ = ["TraceAbsmax", "absmax_from_trace"]
+__all__ = ["TraceAbsmax", "absmax_from_trace", "outlier_layers"]
 
 
 
@@ -80,3 +80,27 @@ def absmax_from_trace(trace: Trace | str | os.PathLike[str],
                 out.absmax[name] = np.fmax(prev, a)
             out.records += 1
     return out
+
+
+def outlier_layers(absmax: dict[str, object], layers: int = 3, channels: int = 8
+                   ) -> list[dict[str, object]]:
+    """The ``layers`` Linears whose largest input channel stands out most from their typical
+    one (absmax / median channel absmax, over the finite channels), each with its
+    ``channels`` largest channels, largest first: the ones to keep in higher precision.
+    ``absmax``: {module: per-input-channel absmax} (numpy or torch, [K])."""
+    rows = []
+    for name, a in absmax.items():
+        v = np.asarray(a, dtype=np.float64).reshape(-1)
+        ok = np.isfinite(v)
+        if not ok.any():
+            continue
+        fin = np.where(ok, v, -np.inf)
+        med = float(np.median(v[ok]))
+        top = float(fin.max())
+        ratio = top / med if med > 0 else (0.0 if top == 0 else float(np.finfo(np.float64).max))
+        order = np.argsort(-fin, kind="stable")[:channels]
+        rows.append({"module": str(name), "absmax": top, "times_median": ratio,
+                     "channels": [int(c) for c in order if ok[c]],
+                     "nonfinite_channels": int((~ok).sum())})
+    rows.sort(key=lambda r: (-r["times_median"], r["module"]))
+    return rows[:layers]

@@ -46,8 +46,8 @@ from typing import Any
 from qforensics.errors import QForensicsError, UsageError
 from qforensics.lifeline import child_env
 
-__all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "awq_group", "check_awq_fits",
-           "measure_through_vllm", "resolve_vllm_python", "write_checkpoint"]
+__all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "attach_vllm_figures", "awq_group",
+           "check_awq_fits", "measure_through_vllm", "resolve_vllm_python", "write_checkpoint"]
 
 AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
 DEFAULT_GROUP = 128
@@ -271,12 +271,14 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
     others go on. The unquantized reference failing raises `VllmRunError`. ``prebuilt``:
     {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor)."""
     from qforensics.demo.vllm_model import _save_folder
+    from qforensics.whatif.memory import memory_figures, served_weight_bytes
 
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
         work = Path(tmp)
         base = _base_state(model)
         progress(f"vLLM: writing the bfloat16 checkpoint into {work}")
         ref_dir = _save_folder(work / "ref-bf16", base[0], dict(base[1]), tokenizer)
+        ref_bytes = served_weight_bytes(ref_dir)
         seqs = [list(text_ids), list(answer_seq)]
         progress("vLLM: scoring the unquantized bfloat16 model (one engine start)")
         ref = _score(python, ref_dir, seqs, work, timeout)
@@ -287,6 +289,7 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
             else:
                 progress(f"vLLM: writing the {sc.label} checkpoint")
                 folder, said = write_checkpoint(model, tokenizer, sc, base, work)
+            said = {**said, "memory": memory_figures(served_weight_bytes(folder), ref_bytes)}
             progress(f"vLLM: scoring {sc.label} (one engine start)")
             try:
                 got = _score(python, folder, seqs, work, timeout)
@@ -298,6 +301,26 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
             if sc.label not in (prebuilt or {}):  # a prebuilt one is the caller's (a cache)
                 shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def attach_vllm_figures(result: Any, parsed: list[Any], wi: Any, served: list[Any],
+                        python: str, say: Callable[[str], None]) -> None:
+    """Measure ``served`` through vLLM and put the figures (and each checkpoint's memory) on
+    ``result``'s schemes, in the order of ``parsed``; ``wi``: the run's `WhatIf`."""
+    figs = measure_through_vllm(wi.model, wi.tokenizer, served, wi.text_ids[0].tolist(),
+                                wi.ref_full[0].tolist(), wi.n_prompt, python=python,
+                                progress=say, prebuilt=wi.llmc_folders)
+    for r, sc in zip(result.schemes, parsed):
+        got = figs.get(sc.label)
+        r.memory = got.pop("memory", None) if got else None
+        r.vllm = ({"error": f"not calibrated: {r.error}"} if r.error else None) or got or {
+            "skipped": "vLLM runs published checkpoint formats (awq:, ct:, llmc:); this "
+                       "scheme is measured by the HF path only"}
+        v = r.vllm
+        if "ppl" in v:
+            say(f"{r.scheme} (vLLM): answer top-1 {100 * v['top1']:.1f}%, ppl "
+                f"{v['ppl']:.2f} (vLLM bf16 reference {v['ref_ppl']:.2f}), recovered "
+                f"{100 * v['recovered']:.1f}%; {v['path']}")
 
 
 def _kernel(eng: dict) -> str:
@@ -329,4 +352,15 @@ def _figures(ref: dict, got: dict, n_prompt: int) -> dict[str, Any]:
         "positions": len(s_ans["top1"][lo:]), "text_positions": len(s_text["top1"]),
         "nonfinite": not all(math.isfinite(v) for v in s_text["token_logprobs"]),
         "engine": eng,
+        "engine_memory": _engine_memory(eng, ref.get("engine", {})),
     }
+
+
+def _engine_memory(eng: dict, ref_eng: dict) -> dict[str, Any] | None:
+    """The engine process's resident memory serving the scheme, against serving bfloat16
+    (vllm_serve reads it in vLLM's worker after scoring: weights, KV cache, runtime)."""
+    rss, ref_rss = eng.get("rss_bytes"), ref_eng.get("rss_bytes")
+    if not isinstance(rss, int) or not isinstance(ref_rss, int) or ref_rss <= 0:
+        return None
+    return {"rss_bytes": rss, "bf16_rss_bytes": ref_rss, "vs_bf16": rss / ref_rss,
+            "what": "vLLM engine process VmRSS after scoring (weights, KV cache, runtime)"}
