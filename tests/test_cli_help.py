@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -24,8 +25,8 @@ def test_help_ends_with_an_example(name):
     assert res.exit_code == 0, res.output
     tail = res.output[res.output.rfind("Example"):]
     assert "Example" in res.output and f"qforensics {name}" in tail, res.output
-    readme = open("README.md").read()
-    assert f"qforensics {name}" in readme, f"README does not document {name}"
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    assert f"qforensics {name}" in usage, f"docs/usage.md does not document {name}"
 
 
 def test_version():
