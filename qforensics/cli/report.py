@@ -16,6 +16,7 @@ Example:
     qforensics report trace.h5 -o incident.html
     qforensics report trace.h5 -o incident.html --reference ref.h5
     qforensics report trace.h5 -o incident.html --replay replay.json
+    qforensics report trace.h5 -o incident.html --whatif whatif.json
 """
 
 
@@ -37,11 +38,15 @@ Example:
                    "divergence per module.")
 @click.option("--replay", "replay", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="A result of `qforensics replay --json`: adds its verdict.")
+@click.option("--whatif", "whatif", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="A result of `qforensics whatif --json` (with --target): "
+                                 "adds its table of schemes (quality, memory, speed against "
+                                 "bf16) and recommendation to the Recommendations.")
 def command(trace: Path, output: Path | None, reference: Path | None,
-            replay: Path | None) -> None:
+            replay: Path | None, whatif: Path | None) -> None:
     from qforensics.reports import write_report
 
     out = output if output is not None else trace.with_suffix(".html")
-    result = write_report(trace, out, reference=reference, replay=replay)
+    result = write_report(trace, out, reference=reference, replay=replay, whatif=whatif)
     click.echo(f"wrote {result.path} ({result.bytes / 1024:.0f} KiB)")
     click.echo(result.verdict.line)

@@ -76,8 +76,8 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     Example:
         qforensics whatif trace.h5 --scheme int4-g128 --keep-salient 1%
         qforensics whatif trace.h5 --table --json whatif.json
-        qforensics whatif trace.h5 --scheme ct:W4A16-g64 --scheme ct:W8A8 --target 99%
         qforensics whatif trace.h5 --scheme int4-g128 --json | jq .schemes
+        qforensics whatif trace.h5 --scheme ct:W4A16-g64 --scheme ct:W8A8 --target 99%
         qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
         qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
         qforensics whatif trace.h5 --scheme ct:W4A16 --scheme ct:W8A8 --engine vllm \\

@@ -38,6 +38,7 @@ from qforensics.analyze.quantization import read_quant
 from qforensics.errors import QForensicsError
 from qforensics.reports import facts, narrative, plots, recommendations
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
+from qforensics.reports.whatif_result import WhatIfSummary, load_whatif_result
 from qforensics.trace.reader import Trace, open_trace
 from qforensics.version import __version__
 
@@ -171,7 +172,8 @@ def _divergence_view(diff: DiffFindings | None) -> dict[str, Any] | None:
 
 def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
                   diff: DiffFindings | None = None, replay: ReplaySummary | None = None,
-                  reference_arg: str | None = None) -> dict[str, Any]:
+                  reference_arg: str | None = None,
+                  whatif: WhatIfSummary | None = None) -> dict[str, Any]:
     """Everything the template shows, as plain values (strings unescaped: Jinja escapes)."""
     meta = trace.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
@@ -219,6 +221,7 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
         "figures": figures,
         "recommendations": recs,
         "replay": replay,
+        "whatif": whatif,
         "outliers": findings.outliers,
         "persistent": findings.persistent,
         "unsafe": findings.unsafe,
@@ -271,17 +274,23 @@ def render_report(trace_path: str | os.PathLike[str], *,
                   reference: str | os.PathLike[str] | None = None,
                   replay: str | os.PathLike[str] | ReplaySummary | None = None,
                   findings: Findings | None = None,
-                  diff: DiffFindings | None = None) -> tuple[str, Findings]:
+                  diff: DiffFindings | None = None,
+                  whatif: str | os.PathLike[str] | WhatIfSummary | None = None
+                  ) -> tuple[str, Findings]:
     """The report's HTML and the findings it shows.
 
     `findings` / `diff` skip the analysis when given (e.g. already computed, or built in a
     test). `replay` is a path to a `qforensics replay --json` result or a parsed summary.
-    Raises TraceFormatError for unreadable traces, UsageError for a bad replay result.
+    `whatif`: a `qforensics whatif --json` result (or its parsed summary), shown with the
+    recommendations. Raises TraceFormatError for unreadable traces, UsageError for a bad
+    replay or what-if result.
     """
     path = os.fspath(trace_path)
     ref = os.fspath(reference) if reference is not None else None
     replay_summary = (replay if isinstance(replay, ReplaySummary) or replay is None
                       else load_replay_result(replay))
+    whatif_summary = (whatif if isinstance(whatif, WhatIfSummary) or whatif is None
+                      else load_whatif_result(whatif))
     with open_trace(path) as trace:
         if ref is not None and diff is None:
             with open_trace(ref):
@@ -290,7 +299,7 @@ def render_report(trace_path: str | os.PathLike[str], *,
         if findings is None:
             findings = _analyze(trace, ref, diff)
         ctx = build_context(trace, findings, trace_arg=path, diff=diff,
-                            replay=replay_summary, reference_arg=ref)
+                            replay=replay_summary, reference_arg=ref, whatif=whatif_summary)
     html = _env().get_template(TEMPLATE).render(**ctx)
     return html, findings
 
@@ -299,11 +308,12 @@ def write_report(trace_path: str | os.PathLike[str], out_path: str | os.PathLike
                  reference: str | os.PathLike[str] | None = None,
                  replay: str | os.PathLike[str] | ReplaySummary | None = None,
                  findings: Findings | None = None,
-                 diff: DiffFindings | None = None) -> ReportResult:
+                 diff: DiffFindings | None = None,
+                 whatif: str | os.PathLike[str] | WhatIfSummary | None = None) -> ReportResult:
     """Write the incident report for `trace_path` to `out_path` (HTML, self-contained)."""
     t0 = time.perf_counter()
     html, f = render_report(trace_path, reference=reference, replay=replay, findings=findings,
-                            diff=diff)
+                            diff=diff, whatif=whatif)
     out = Path(out_path)
     try:
         if out.parent and not out.parent.exists():

@@ -86,7 +86,7 @@ def test_a_scheme_not_measured_is_shown_with_its_reason():
                                     error="llmcompressor failed (exit 3): ValueError: boom"))
     table = res.format_table()
     row = next(ln for ln in table.splitlines() if ln.startswith("llmc:SQ-W8A8 "))
-    assert row.split()[1:] == ["-"] * 5
+    assert row.split()[1:] == ["-"] * 6  # five figures and the memory: none measured
     assert "llmc:SQ-W8A8: not measured: llmcompressor failed (exit 3): ValueError: boom" in table
     assert "claim" not in table and "99.4" not in table and "claim" not in res.to_json()
     js = res.to_json()["schemes"][1]
