@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 
 import pytest
-from conftest import ARTIFACTS, HOSTILE_NAMES, HOSTILE_TEXT
+from report_inputs import ARTIFACTS, HOSTILE_NAMES, HOSTILE_TEXT
 
 pytestmark = pytest.mark.browser
 

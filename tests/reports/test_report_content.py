@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import HOSTILE_NAMES, HOSTILE_TEXT
+from report_inputs import HOSTILE_NAMES, HOSTILE_TEXT
 from synth import write_synthetic_trace
 
 from qforensics.analyze.findings import (

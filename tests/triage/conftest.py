@@ -1,10 +1,9 @@
 """Fixtures for the triage tests: a small fleet written with TraceWriter (fleet_synth.py), the
 unreadable files beside it, a dask scheduler and workers started as processes on free ports,
-and headless Chromium (the report tests' fixture)."""
+and headless Chromium (`browser`, tests/conftest.py's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -17,12 +16,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fleet_synth  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("reports_conftest",
-                                               HERE.parent / "reports" / "conftest.py")
-_reports = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_reports)
-browser = _reports.browser  # headless Chromium, console errors collected
 
 
 @pytest.fixture(scope="session")
