@@ -4,9 +4,7 @@ codes only; the analysis lives in qforensics.analyze). No torch import."""
 from __future__ import annotations
 
 import glob
-import math
 import os
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -16,26 +14,10 @@ from qforensics.analyze import analyze_trace, analyze_traces
 from qforensics.analyze.findings import Findings, MultiRankFindings
 from qforensics.analyze.thresholds import Thresholds
 from qforensics.cli.jsonout import JsonCommand, json_option, json_out
+from qforensics.cli.text import WIDTH, figure, wrap
 from qforensics.errors import UsageError
 
-WIDTH = 100
 _D = Thresholds()
-
-
-def _wrap(text: str, indent: str = "  ", sub: str | None = None) -> str:
-    return textwrap.fill(text, WIDTH, initial_indent=indent,
-                         subsequent_indent=sub if sub is not None else indent + "    ",
-                         break_on_hyphens=False, break_long_words=False)
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if abs(x) >= 1e6 or (x != 0 and abs(x) < 1e-3):
-        return f"{x:.3g}"
-    return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.4g}"
 
 
 def threshold_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,37 +90,37 @@ def render(f: Findings) -> list[str]:
         bits.append("dtypes " + ",".join(map(str, env["dtypes"])))
     if env.get("devices"):
         bits.append("devices " + ",".join(map(str, env["devices"])))
-    L.append(_wrap(f"trace {f.trace}: rank {f.rank} of {f.world_size}, {f.n_steps} steps, "
-                   f"{f.n_modules} modules; {f.end.reason}", "", "    "))
+    L.append(wrap(f"trace {f.trace}: rank {f.rank} of {f.world_size}, {f.n_steps} steps, "
+                  f"{f.n_modules} modules; {f.end.reason}", "", "    "))
     if bits:
-        L.append(_wrap("environment: " + "; ".join(bits), "", "    "))
+        L.append(wrap("environment: " + "; ".join(bits), "", "    "))
     oc = env.get("outcome")
     if isinstance(oc, dict) and oc.get("scenario"):
-        L.append(_wrap(f"scenario: {oc.get('scenario')} (weights {oc.get('weights')}, "
-                       f"activations {oc.get('activations')})", "", "    "))
+        L.append(wrap(f"scenario: {oc.get('scenario')} (weights {oc.get('weights')}, "
+                      f"activations {oc.get('activations')})", "", "    "))
 
     fn = f.first_nonfinite
     if fn is not None:
         L += ["", "First non-finite value"]
-        L.append(_wrap(f"step {fn.step}, call {fn.call_index}: {fn.module} ({fn.module_kind}), "
-                       f"{fn.tensor} {fn.slot}: {fn.nan_count:,} NaN, {fn.inf_count:,} Inf of "
-                       f"{fn.numel:,} values"))
+        L.append(wrap(f"step {fn.step}, call {fn.call_index}: {fn.module} ({fn.module_kind}), "
+                      f"{fn.tensor} {fn.slot}: {fn.nan_count:,} NaN, {fn.inf_count:,} Inf of "
+                      f"{fn.numel:,} values"))
         if fn.producer_module is not None:
-            rng = (f"[{_num(fn.input_min)}, {_num(fn.input_max)}], absmax "
-                   f"{_num(fn.input_absmax)}" if fn.input_absmax is not None else "not recorded")
-            L.append(_wrap(f"producer: {fn.module} - its input is finite (range {rng}), its "
-                           "output is not"))
+            rng = (f"[{figure(fn.input_min)}, {figure(fn.input_max)}], absmax "
+                   f"{figure(fn.input_absmax)}" if fn.input_absmax is not None else "not recorded")
+            L.append(wrap(f"producer: {fn.module} - its input is finite (range {rng}), its "
+                          "output is not"))
         else:
-            L.append(_wrap(f"producer: an unhooked op - {fn.producer.description}"))  # type: ignore
+            L.append(wrap(f"producer: an unhooked op - {fn.producer.description}"))  # type: ignore
         sp = fn.spread
-        L.append(_wrap(f"spread: {sp.n_modules} of {sp.n_modules_total} modules and "
-                       f"{sp.n_steps} of {sp.n_steps_after} steps from step {fn.step} on hold "
-                       f"NaN/Inf ({sp.n_records:,} records in step {fn.step}); logits "
-                       f"non-finite in {sp.logits_nonfinite_steps} steps"))
+        L.append(wrap(f"spread: {sp.n_modules} of {sp.n_modules_total} modules and "
+                      f"{sp.n_steps} of {sp.n_steps_after} steps from step {fn.step} on hold "
+                      f"NaN/Inf ({sp.n_records:,} records in step {fn.step}); logits "
+                      f"non-finite in {sp.logits_nonfinite_steps} steps"))
 
     if f.cause is not None:
         L += ["", "Cause"]
-        L.append(_wrap(f.cause.line.removeprefix("cause: ")))
+        L.append(wrap(f.cause.line.removeprefix("cause: ")))
     nl = f.nonfinite_logits
     if nl is not None:
         per = (f"{nl.per_row:,} per row" if nl.per_row is not None else
@@ -146,22 +128,22 @@ def render(f: Findings) -> list[str]:
         ids = (", ".join(map(str, nl.vocab_ids[:12])) + (" ..." if nl.n_vocab_ids > 12 else "")
                if nl.n_vocab_ids < nl.vocab else "all of them")
         L += ["", f"Non-finite logits (step {nl.step})"]
-        L.append(_wrap(f"{nl.nan_count:,} NaN, {nl.inf_count:,} Inf over {nl.rows} row"
-                       f"{'' if nl.rows == 1 else 's'} x "
-                       f"{nl.vocab:,} vocab ids ({per}); vocab ids with no finite logit: "
-                       f"{nl.n_vocab_ids:,} ({ids}); {nl.symptom}"))
+        L.append(wrap(f"{nl.nan_count:,} NaN, {nl.inf_count:,} Inf over {nl.rows} row"
+                      f"{'' if nl.rows == 1 else 's'} x "
+                      f"{nl.vocab:,} vocab ids ({per}); vocab ids with no finite logit: "
+                      f"{nl.n_vocab_ids:,} ({ids}); {nl.symptom}"))
     if f.evidence:
         title = "Evidence" if fn is None else "Evidence besides the failure"
         L += ["", title + " (thresholds and why: --json)"]
         for e in f.evidence:
-            L.append(_wrap(f"{e.source}: {e.line}"))
+            L.append(wrap(f"{e.source}: {e.line}"))
     if f.reference is not None:
         r = f.reference
         L += ["", "Against the reference"]
-        L.append(_wrap(r.line))
+        L.append(wrap(r.line))
         if r.per_layer:
-            L.append(_wrap("error per layer: " + " ".join(
-                f"{x['layer'].rsplit('.', 1)[-1]}:{_num(x['score'])}" for x in r.per_layer)))
+            L.append(wrap("error per layer: " + " ".join(
+                f"{x['layer'].rsplit('.', 1)[-1]}:{figure(x['score'])}" for x in r.per_layer)))
     if f.outliers:
         where = (f"input of {f.first_nonfinite.module}" if fn is not None and
                  fn.producer_module is not None else "module inputs with the largest ratios")
@@ -170,13 +152,13 @@ def render(f: Findings) -> list[str]:
                  f"{'first':>5}  limits / trend")
         prev = None
         for o in f.outliers:
-            tr = " ".join(f"{p.step}:{_num(p.absmax)}" for p in o.trend[-6:])
+            tr = " ".join(f"{p.step}:{figure(p.absmax)}" for p in o.trend[-6:])
             tok = "-" if o.token is None else str(o.token)
             first = "-" if o.first_step is None else str(o.first_step)
             if (fn is None or fn.producer_module is None) and o.module != prev:
                 L.append(f"  {o.module}")
             prev = o.module
-            L.append(f"  {o.channel:>7}  {_num(o.absmax):>10}  {_num(o.ratio_to_median):>9}  "
+            L.append(f"  {o.channel:>7}  {figure(o.absmax):>10}  {figure(o.ratio_to_median):>9}  "
                      f"{tok:>5}  {first:>5}  {','.join(o.limits)}"
                      + (f"; steps {tr}" if len(o.trend) > 1 else ""))
         L.append("  (token: the record's peak token, argmax of its per-token absmax; first: "
@@ -184,27 +166,27 @@ def render(f: Findings) -> list[str]:
     if f.persistent:
         L += ["", f"Persistent outlier dims (step {f.outlier_step})"]
         for p in f.persistent:
-            L.append(_wrap(f"dim {p.dim}: stands out in {p.modules} of {p.modules_checked} "
-                           f"module inputs (max absmax {_num(p.max_absmax)}, "
-                           f"{_num(p.max_ratio)}x median), e.g. {', '.join(p.examples)}"))
+            L.append(wrap(f"dim {p.dim}: stands out in {p.modules} of {p.modules_checked} "
+                          f"module inputs (max absmax {figure(p.max_absmax)}, "
+                          f"{figure(p.max_ratio)}x median), e.g. {', '.join(p.examples)}"))
     if f.unsafe:
         n_mod = f.unsafe[0].n_modules
         L += ["", f"Predicted damage to linear inputs (step {f.damage_step}, {n_mod} modules)"]
         shown = 3
         for u in f.unsafe:
-            L.append(_wrap(u.line))
+            L.append(wrap(u.line))
             for d in u.modules[:shown]:
-                L.append(_wrap(f"{d.module}: {d.line}", "      ", "        "))
+                L.append(wrap(f"{d.module}: {d.line}", "      ", "        "))
     if f.precursors:
         title = "Precursors" if fn is not None else "Silent failure signs"
         L += ["", title]
         for p in f.precursors:
-            L.append(_wrap(f"{p.kind}: {p.line}"))
+            L.append(wrap(f"{p.kind}: {p.line}"))
     if f.snapshots:
         L += ["", "Snapshots (for `qforensics replay`)"]
         for s in f.snapshots:
-            L.append(_wrap(f"call {s.call_index} (step {s.step}, {s.reason}): {s.module}: "
-                           f"{', '.join(s.names)}"))
+            L.append(wrap(f"call {s.call_index} (step {s.step}, {s.reason}): {s.module}: "
+                          f"{', '.join(s.names)}"))
     if f.incidents:
         from collections import Counter
 
@@ -212,21 +194,21 @@ def render(f: Findings) -> list[str]:
         L += ["", f"Runtime guard incidents ({len(f.incidents)}: "
               + ", ".join(f"{a} {n}" for a, n in sorted(counts.items())) + ")"]
         for i in f.incidents[:10]:
-            L.append(_wrap(f"step {i.step}: {i.action} {i.module} ({i.nan_count} NaN, "
-                           f"{i.inf_count} Inf): {i.detail}"))
+            L.append(wrap(f"step {i.step}: {i.action} {i.module} ({i.nan_count} NaN, "
+                          f"{i.inf_count} Inf): {i.detail}"))
         if len(f.incidents) > 10:
             L.append(f"  ... {len(f.incidents) - 10} more (--json lists all)")
     if f.notes:
         L += ["", "Notes"]
         for n in f.notes:
-            L.append(_wrap(n))
+            L.append(wrap(n))
     return L
 
 
 def render_multi(m: MultiRankFindings) -> list[str]:
     L = [m.verdict.line]
     for f in m.ranks:
-        L.append(_wrap(f"rank {f.rank}: {f.verdict.line}", "  ", "      "))
+        L.append(wrap(f"rank {f.rank}: {f.verdict.line}", "  ", "      "))
     for f in m.ranks:
         L += ["", f"== rank {f.rank}: {f.trace} " + "=" * max(0, WIDTH - 14 - len(f.trace))]
         L += render(f)

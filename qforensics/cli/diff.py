@@ -7,8 +7,8 @@ import click
 
 from qforensics.analyze.diff import DEFAULT_JUMP, diff_traces
 from qforensics.analyze.findings import DiffFindings
-from qforensics.cli.analyze import _num, _wrap
 from qforensics.cli.jsonout import JsonCommand, json_option, json_out
+from qforensics.cli.text import figure, wrap
 
 EXAMPLE = """\b
 Example:
@@ -20,20 +20,21 @@ Example:
 
 def render_diff(d: DiffFindings) -> list[str]:
     L = [d.verdict.line,
-         _wrap(f"reference {d.reference} vs suspect {d.suspect}: {d.n_aligned:,} records aligned "
-               f"by (module, step, io, slot) in steps {', '.join(map(str, d.steps_compared))}; "
-               f"{d.n_only_reference:,} only in the reference, {d.n_only_suspect:,} only in the "
-               "suspect", "", "    ")]
+         wrap(f"reference {d.reference} vs suspect {d.suspect}: {d.n_aligned:,} records aligned "
+              f"by (module, step, io, slot) in steps {', '.join(map(str, d.steps_compared))}; "
+              f"{d.n_only_reference:,} only in the reference, {d.n_only_suspect:,} only in the "
+              "suspect", "", "    ")]
     if d.ranked:
         L += ["", "Modules ranked by the divergence they add (output score - input score)"]
         L.append(f"  {'step':>4}  {'call':>6}  {'adds':>7}  {'score':>7}  {'std err':>7}  "
                  f"{'chan div':>8}  {'SQNR dB':>7}  module")
         for r in d.ranked:
-            L.append(f"  {r.step:>4}  {r.call_index:>6}  {_num(r.jump):>7}  {_num(r.score):>7}  "
-                     f"{_num(r.rel_std):>7}  {_num(r.channel_div):>8}  {_num(r.sqnr_db):>7}  "
+            L.append(f"  {r.step:>4}  {r.call_index:>6}  {figure(r.jump):>7}  "
+                     f"{figure(r.score):>7}  {figure(r.rel_std):>7}  {figure(r.channel_div):>8}  "
+                     f"{figure(r.sqnr_db):>7}  "
                      f"{r.module}" + ("  (NaN/Inf)" if r.nonfinite else ""))
     for n in d.notes:
-        L.append(_wrap(f"note: {n}", "", "    "))
+        L.append(wrap(f"note: {n}", "", "    "))
     return L
 
 

@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import click
 
 from qforensics.cli.jsonout import JsonCommand, json_option, json_out
+from qforensics.cli.text import wrap
 from qforensics.triage.groups import Fleet
 
-WIDTH = 100
 
 EXAMPLE = """\b
 Example:
@@ -40,11 +39,6 @@ class _Count:
             click.echo(f"triage: {done}/{total} traces", err=True)
 
 
-def _wrap(text: str, indent: str) -> str:
-    return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
-                         break_on_hyphens=False, break_long_words=False)
-
-
 def render(fleet: Fleet) -> list[str]:
     n_h = sum(len(i.rows) for i in fleet.healthy)
     n_g = sum(len(g.traces) for g in fleet.groups)
@@ -56,20 +50,20 @@ def render(fleet: Fleet) -> list[str]:
         s, rep = g.signature, g.representative
         L += ["", f"#{g.id} {g.status} x{g.count} ({len(g.traces)} traces): "
               f"{s['producer'] or '-'}"]
-        L.append(_wrap(f"cause: {g.cause_text or '-'}; layer: {s['method'] or '-'} / "
-                       f"{s['kernel'] or '-'}; {s['engine']} {s['engine_version']}, torch "
-                       f"{s['torch']}; model {s['model']}", "   "))
+        L.append(wrap(f"cause: {g.cause_text or '-'}; layer: {s['method'] or '-'} / "
+                      f"{s['kernel'] or '-'}; {s['engine']} {s['engine_version']}, torch "
+                      f"{s['torch']}; model {s['model']}", "   ", "     "))
         if g.apart:
-            L.append(_wrap("apart: " + "; ".join(
+            L.append(wrap("apart: " + "; ".join(
                 f"{a['attribute']} {a['value']} ({a['affected']}/{a['of_affected']} affected"
                 + (f", {a['healthy']}/{a['of_healthy']} healthy)" if a["healthy"] is not None
-                   else ")") for a in g.apart), "   "))
-        L.append(_wrap(f"first: {rep['path']} (rank {rep['rank']})", "   "))
+                   else ")") for a in g.apart), "   ", "     "))
+        L.append(wrap(f"first: {rep['path']} (rank {rep['rank']})", "   ", "     "))
     if fleet.unreadable:
         L += ["", "Unreadable"]
         for u in fleet.unreadable:
-            L.append(_wrap(f"{u['path']}: {'internal error: ' if u.get('internal') else ''}"
-                           f"{u['reason']}", "  "))
+            L.append(wrap(f"{u['path']}: {'internal error: ' if u.get('internal') else ''}"
+                          f"{u['reason']}", "  ", "    "))
     return L
 
 
