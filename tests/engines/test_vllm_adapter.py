@@ -18,6 +18,7 @@ from torch import nn
 
 from qforensics.engines import vllm as adapter
 from qforensics.trace.reader import open_trace
+from vllm_runs import sched_output
 
 
 class _Logits(nn.Module):
@@ -89,21 +90,6 @@ def _runner_module(name: str = "fake_model_runner") -> types.ModuleType:
     return mod
 
 
-@pytest.fixture
-def fresh_adapter(monkeypatch):
-    from qforensics import autoattach
-
-    monkeypatch.setattr(adapter, "_state", {"patched": [], "watching": False, "unmapped": []})
-    monkeypatch.setattr(autoattach, "_state", {**autoattach._state, "captures": [],
-                                               "attached": 0, "done": False, "handle": None})
-    yield adapter
-
-
-def _sched(batch, counts, ids, positions, logits_rows):
-    return SimpleNamespace(num_scheduled_tokens=dict(zip(batch, counts)), ids=ids,
-                           positions=positions, logits_rows=logits_rows)
-
-
 def test_runner_is_wrapped_and_rows_map_to_requests(tmp_path, monkeypatch, fresh_adapter):
     monkeypatch.setenv("QFORENSICS_TRACE", str(tmp_path / "t-{rank}.h5"))
     monkeypatch.setenv("QFORENSICS_OPTIONS", "{}")
@@ -120,13 +106,13 @@ def test_runner_is_wrapped_and_rows_map_to_requests(tmp_path, monkeypatch, fresh
         ib.req_ids = ["A", "B"]
         ib.num_computed_tokens_cpu[:2] = [0, 0]
         ib.num_prompt_tokens[:2] = [3, 2]
-        r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+        r.execute_model(sched_output(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
         out1 = r.sample_tokens()
         # step 2: decode of B, then A (batch order changed)
         ib.req_ids = ["B", "A"]
         ib.num_computed_tokens_cpu[:2] = [2, 3]
         ib.num_prompt_tokens[:2] = [2, 3]
-        r.execute_model(_sched(["B", "A"], [1, 1], [11, 12], [2, 3], [0, 1]))
+        r.execute_model(sched_output(["B", "A"], [1, 1], [11, 12], [2, 3], [0, 1]))
         out2 = r.sample_tokens()
     finally:
         cap.close()
@@ -173,7 +159,7 @@ def test_unknown_runner_is_reported_and_generic_hooks_stay(capsys, fresh_adapter
 def test_a_capture_failure_never_breaks_the_engine(tmp_path, monkeypatch, fresh_adapter):
     r, cap = _loaded(tmp_path, monkeypatch, fresh_adapter, "broken_model_runner")
     r.input_batch = None  # the mapping cannot read the batch: capture must degrade, not raise
-    r.execute_model(_sched(["A"], [2], [1, 2], [0, 1], [1]))
+    r.execute_model(sched_output(["A"], [2], [1, 2], [0, 1], [1]))
     out = r.sample_tokens()
     assert out.req_ids == ["A"] and len(out.sampled_token_ids) == 1  # the engine's own result
     cap.close()
@@ -218,14 +204,14 @@ def test_engine_decode_steps_go_to_the_ring_and_a_late_nan_keeps_its_channels(
         ib = r.input_batch
         ib.req_ids = ["A", "B"]
         ib.num_prompt_tokens[:2] = [3, 2]
-        r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+        r.execute_model(sched_output(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
         r.sample_tokens()  # prefill, trace step 1
         for k in range(1, n_decode + 1):  # decode step k is trace step k + 1
             if k == bad_decode:
                 with torch.no_grad():
                     r.model.layers[1].weight[3, :] = float("nan")
             ib.num_computed_tokens_cpu[:2] = [2 + k, 1 + k]
-            r.execute_model(_sched(["A", "B"], [1, 1], [10 + k % 20, 30 + k % 20],
+            r.execute_model(sched_output(["A", "B"], [1, 1], [10 + k % 20, 30 + k % 20],
                                    [2 + k, 1 + k], [0, 1]))
             r.sample_tokens()
     finally:
@@ -271,21 +257,21 @@ def test_a_new_requests_prefill_is_kept_without_tripping_the_growth_trigger(
     try:
         ib.req_ids = ["A"]
         ib.num_prompt_tokens[:1] = [2]
-        r.execute_model(_sched(["A"], [2], [5, 6], [0, 1], [1]))  # step 0: prefill of A
+        r.execute_model(sched_output(["A"], [2], [5, 6], [0, 1], [1]))  # step 0: prefill of A
         r.sample_tokens()
         for k in range(1, 11):  # steps 1-10: A decodes
             ib.num_computed_tokens_cpu[:1] = [1 + k]
-            r.execute_model(_sched(["A"], [1], [10 + k], [1 + k], [0]))
+            r.execute_model(sched_output(["A"], [1], [10 + k], [1 + k], [0]))
             r.sample_tokens()
         ib.req_ids = ["A", "B"]  # step 11: B's prefill (with token 49) beside A's decode
         ib.num_computed_tokens_cpu[:2] = [12, 0]
         ib.num_prompt_tokens[:2] = [2, 3]
-        r.execute_model(_sched(["A", "B"], [1, 3], [21, 7, 49, 8], [12, 0, 1, 2], [0, 3]))
+        r.execute_model(sched_output(["A", "B"], [1, 3], [21, 7, 49, 8], [12, 0, 1, 2], [0, 3]))
         r.sample_tokens()
         for k in range(1, 11):  # steps 12-21: both decode; step 17 reads token 49
             ib.num_computed_tokens_cpu[:2] = [12 + k, 2 + k]
             tok_b = 49 if k == 6 else 30 + k
-            r.execute_model(_sched(["A", "B"], [1, 1], [21 + k, tok_b], [12 + k, 2 + k],
+            r.execute_model(sched_output(["A", "B"], [1, 1], [21 + k, tok_b], [12 + k, 2 + k],
                                    [0, 1]))
             r.sample_tokens()
     finally:
@@ -321,10 +307,10 @@ def _two_steps(r) -> None:
     ib = r.input_batch
     ib.req_ids = ["A", "B"]
     ib.num_prompt_tokens[:2] = [3, 2]
-    r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 8, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+    r.execute_model(sched_output(["A", "B"], [3, 2], [5, 6, 8, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
     r.sample_tokens()
     ib.num_computed_tokens_cpu[:2] = [3, 2]
-    r.execute_model(_sched(["A", "B"], [1, 1], [11, 12], [3, 2], [0, 1]))
+    r.execute_model(sched_output(["A", "B"], [1, 1], [11, 12], [3, 2], [0, 1]))
     r.sample_tokens()
 
 

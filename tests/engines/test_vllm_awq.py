@@ -13,7 +13,7 @@ from qforensics.analyze.analyzer import analyze_trace
 from qforensics.demo import vllm_scenarios as sc
 from qforensics.demo.vllm_checkpoints import AWQ_GROUP, awq_dequantize, awq_quantize
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
 
 
 def test_awq_packing_follows_the_autoawq_gemm_layout():

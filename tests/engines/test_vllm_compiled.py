@@ -14,7 +14,7 @@ import pytest
 
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
 
 pytestmark = pytest.mark.vllm
 TOKENS = 12

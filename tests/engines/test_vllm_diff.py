@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qforensics.analyze.diff import diff_traces
-from tests.engines.conftest import PROMPT_A, run_recorded
+from vllm_runs import PROMPT_A, run_recorded
 
 pytestmark = pytest.mark.vllm
 

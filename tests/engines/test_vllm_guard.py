@@ -28,7 +28,7 @@ from qforensics.analyze.analyzer import analyze_trace
 from qforensics.demo import vllm_scenarios as sc
 from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B
+from vllm_runs import PROMPT_A, PROMPT_B
 
 pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # every run serves the AWQ checkpoint
 

@@ -23,7 +23,7 @@ from torch import nn
 from qforensics.engines import vllm as adapter
 from qforensics.engines import vllm_fallbacks
 from qforensics.trace.reader import open_trace
-from tests.engines.test_vllm_adapter import _sched, fresh_adapter  # noqa: F401 (fixture)
+from vllm_runs import sched_output
 
 K, N, G = 32, 32, 8  # 4 groups: 3 finite scales left in the corrupted column (an odd median)
 BAD_GROUP, BAD_COL = 2, 5
@@ -189,12 +189,12 @@ def _serve(tmp_path, monkeypatch, adapter_mod, name, guard: bool, mode: str = "N
         ib.req_ids = ["A", "B"]  # step 1: prefill of A (3 tokens) and B (2)
         ib.num_computed_tokens_cpu[:2] = [0, 0]
         ib.num_prompt_tokens[:2] = [3, 2]
-        r.execute_model(_sched(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
+        r.execute_model(sched_output(["A", "B"], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [2, 4]))
         out.append(r.logits.clone())
         ib.req_ids = ["B", "A", "C"]  # step 2: decodes of B and A, prefill of C (2)
         ib.num_computed_tokens_cpu[:3] = [2, 3, 0]
         ib.num_prompt_tokens[:3] = [2, 3, 2]
-        r.execute_model(_sched(["B", "A", "C"], [1, 1, 2], [11, 12, 13, 14], [2, 3, 0, 1],
+        r.execute_model(sched_output(["B", "A", "C"], [1, 1, 2], [11, 12, 13, 14], [2, 3, 0, 1],
                                [0, 1, 3]))
         out.append(r.logits.clone())
     finally:

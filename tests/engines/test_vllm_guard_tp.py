@@ -21,8 +21,7 @@ import shutil
 import pytest
 
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
-from tests.engines.test_vllm_tensor_parallel import TP, _binding
+from vllm_runs import PROMPT_A, PROMPT_B, TP, omp_binding, run_recorded
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +38,7 @@ def runs(tmp_path_factory, bf16_model_dir):
     from safetensors.torch import load_file, save_file
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _binding(TP))
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_binding(TP))
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a fixed schedule (test_vllm_identical)
     try:
         bad = tmp_path_factory.mktemp("nan-gate-model")

@@ -18,7 +18,7 @@ import pytest
 
 from qforensics.demo.vllm_scenarios import serve_env
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import run_recorded
+from vllm_runs import run_recorded
 
 pytestmark = pytest.mark.vllm
 

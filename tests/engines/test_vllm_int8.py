@@ -12,7 +12,7 @@ import pytest
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace.moduleinfo import read_module_infos
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
 
 LAYER = "model.layers.11.mlp.down_proj"
 OUTLIER = 1229

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_B
+from vllm_runs import PROMPT_B
 
 pytestmark = pytest.mark.vllm
 

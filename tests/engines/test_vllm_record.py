@@ -9,7 +9,7 @@ import pytest
 
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B
+from vllm_runs import PROMPT_A, PROMPT_B
 
 pytestmark = pytest.mark.vllm
 

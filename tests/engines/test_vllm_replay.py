@@ -20,7 +20,7 @@ from qforensics.replay.judge import judge_numeric
 from qforensics.replay.run import numeric_leg, replay
 from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import Verdict
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
 
 pytestmark = pytest.mark.vllm
 

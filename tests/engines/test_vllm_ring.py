@@ -22,7 +22,7 @@ import pytest
 
 from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B
+from vllm_runs import PROMPT_A, PROMPT_B
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import free_port, recorded_server
+from vllm_runs import free_port, recorded_server
 
 pytestmark = pytest.mark.vllm
 

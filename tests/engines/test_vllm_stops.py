@@ -25,7 +25,7 @@ import pytest
 
 from qforensics.analyze import PASSED, SUSPECT, analyze_trace
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import free_port, recorded_server
+from vllm_runs import free_port, recorded_server, run_recorded
 
 pytestmark = pytest.mark.vllm
 
@@ -203,7 +203,6 @@ def test_healthy_8x400_run_ends_complete_and_passes(tmp_path, bf16_model_dir):
     ended normally (the offline API's exit). It holds what the old rules fired on (here: a
     request that greedily repeats one token, read from the tokens vLLM sampled) and reads
     PASSED (docs/thresholds.md)."""
-    from conftest import run_recorded
 
     run = run_recorded(tmp_path, bf16_model_dir, HEALTHY_PROMPTS, 400, extra=["--eager"])
     (path,) = run["files"]

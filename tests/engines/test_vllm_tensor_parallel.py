@@ -15,22 +15,14 @@ import pytest
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
-from tests.engines.conftest import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, TP, omp_binding, run_recorded
 
-TP = 3
 QKV = "model.layers.0.self_attn.qkv_proj"
-
-
-def _binding(n: int) -> str:
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // n)
-    parts = [cores[(i * per) % len(cores):(i * per) % len(cores) + per] for i in range(n)]
-    return "|".join(",".join(map(str, p)) for p in parts)
 
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory, bf16_model_dir, monkeypatch_module):
-    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", _binding(TP))
+    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_binding(TP))
     return run_recorded(tmp_path_factory.mktemp("vllm-tp"), bf16_model_dir, [PROMPT_A, PROMPT_B],
                         4, serve_args=["--tensor-parallel-size", str(TP),
                                        "--memory-utilization", "0.15"])
@@ -44,7 +36,7 @@ def monkeypatch_module():
 
 
 def test_binding_gives_every_worker_cores():
-    parts = _binding(TP).split("|")
+    parts = omp_binding(TP).split("|")
     assert len(parts) == TP and all(p for p in parts)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines.conftest import run_whatif_vllm
+from vllm_runs import run_whatif_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # awq: through vLLM's AWQ kernel
 

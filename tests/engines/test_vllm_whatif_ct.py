@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.conftest import run_whatif_vllm
+from vllm_runs import run_whatif_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # the run needs a scheme vLLM serves: ct:W4A16
 

@@ -1,0 +1,95 @@
+"""What the vLLM tests share beyond fixtures: the prompts, and runs of the real engine under
+`qforensics record` (a script, a server) or `qforensics whatif --engine vllm`. A module of its own
+(not conftest.py) so that a test imports it by a name no other test folder uses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+# A token of prompt A only; its embedding row is set to NaN in the `nan_row_model` folder.
+PROMPT_A = "The capital of France is"
+PROMPT_B = "Quantization of large language models means"
+NAN_WORD = " France"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recorded_server(tmp: Path, model_dir: Path, port: int) -> tuple[list[str], dict]:
+    """(command, environment) of vLLM's OpenAI-compatible server (eager, loopback) under
+    `qforensics record -o tmp/s-{rank}.h5`, with this checkout first on PYTHONPATH."""
+    import sys
+
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
+           str(tmp / "s-{rank}.h5"), "--", sys.executable, "-m",
+           "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "m", "--enforce-eager", "--max-model-len", "512",
+           "--port", str(port), "--host", "127.0.0.1"]
+    return cmd, serve_env()
+
+
+def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
+                 extra: list[str] | None = None, serve_args: list[str] | None = None,
+                 timeout: float = 900) -> dict:
+    """`qforensics record -o tmp/t-{rank}.h5 [extra] -- python -m qforensics.demo.vllm_serve
+    MODEL ... [serve_args]`. A compiled start under record (a cold Inductor compile: vLLM's
+    cache is off under capture) takes 10-15 minutes on a 2-core machine: give it longer."""
+    from qforensics.demo.vllm_scenarios import record_vllm
+
+    out_json = tmp / "outputs.json"
+    proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
+                       cwd=tmp, extra=extra, timeout=timeout, serve_args=serve_args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
+            "files": sorted(tmp.glob("t-*.h5"))}
+
+
+def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = None) -> dict:
+    """`qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm` with this
+    Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8 answer tokens;
+    asserts exit 0; returns the JSON and the output."""
+    import subprocess
+    import sys
+
+    from qforensics.demo.vllm_scenarios import serve_env
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "qforensics.cli", "whatif",
+           str(repo / "sample_traces" / "fp16-reference.h5")]
+    for s in schemes:
+        cmd += ["--scheme", s]
+    cmd += ["--engine", "vllm", "--text-tokens", "256", "--max-new-tokens", "8", "--json",
+            str(out), *(extra or [])]
+    env = {**serve_env(), "VLLM_CPU_INT4_W4A8": "0"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+TP = 3  # the tensor-parallel tests' ranks
+
+
+def omp_binding(n: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for n ranks: this process's cores split evenly among them."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n)
+    parts = [cores[(i * per) % len(cores):(i * per) % len(cores) + per] for i in range(n)]
+    return "|".join(",".join(map(str, p)) for p in parts)
+
+
+def sched_output(batch, counts, ids, positions, logits_rows):
+    """A stand-in scheduler output for the stand-in runners: requests `batch` with `counts`
+    scheduled tokens each, their token ids, positions and the rows whose logits are sampled."""
+    return SimpleNamespace(num_scheduled_tokens=dict(zip(batch, counts)), ids=ids,
+                           positions=positions, logits_rows=logits_rows)
