@@ -35,13 +35,13 @@ if __name__ == "__main__":
 def build(dst: Path, strategy: str, input_scale: float) -> Path:
     import torch
 
-    from qforensics.demo.vllm_checkpoints import _linear_names
+    from qforensics.demo.vllm_checkpoints import linear_names
     from qforensics.demo.vllm_int8 import w8a8_config
-    from qforensics.demo.vllm_model import _save_folder, base_state
+    from qforensics.demo.vllm_model import base_state, save_model_folder
 
     sd, cfg, tok = base_state()
     out = dict(sd)
-    for name in _linear_names(sd):
+    for name in linear_names(sd):
         w = out.pop(f"{name}.weight").float()
         amax = w.abs().max() if strategy == "tensor" else w.abs().amax(1, keepdim=True)
         s = (amax / FMAX).clamp(min=1e-12)
@@ -50,7 +50,7 @@ def build(dst: Path, strategy: str, input_scale: float) -> Path:
         out[f"{name}.input_scale"] = torch.tensor([input_scale], dtype=torch.float32)
     cfg["quantization_config"] = w8a8_config("float", weight_strategy=strategy,
                                              input_symmetric=True)
-    return _save_folder(dst, out, cfg, tok)
+    return save_model_folder(dst, out, cfg, tok)
 
 
 def serve(model: Path, timeout: float) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from qforensics.demo.model import cache_dir
-from qforensics.demo.vllm_model import _save_folder, base_state
+from qforensics.demo.vllm_model import base_state, save_model_folder
 
 AWQ_GROUP = 64
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -29,7 +29,8 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _linear_names(sd: dict) -> list[str]:
+def linear_names(sd: dict) -> list[str]:
+    """The quantizable Linears of a SmolLM2 state dict (every block's LINEARS), sorted."""
     return sorted(k[: -len(".weight")] for k in sd
                   if k.endswith(".weight") and any(k.endswith(f"{s}.weight") for s in LINEARS))
 
@@ -87,7 +88,7 @@ def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:
     import torch
 
     out = {k: v for k, v in sd.items()}
-    for name in _linear_names(sd):
+    for name in linear_names(sd):
         w = out.pop(f"{name}.weight")
         qw, qz, sc = awq_quantize(w)
         out[f"{name}.qweight"], out[f"{name}.qzeros"], out[f"{name}.scales"] = qw, qz, sc
@@ -97,7 +98,7 @@ def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:
     if corrupt is not None:
         cfg["qforensics_corruption"] = corrupt(out)
     assert all(t.dtype != torch.float32 for t in out.values())
-    return _save_folder(dst, out, cfg, tok)
+    return save_model_folder(dst, out, cfg, tok)
 
 
 def checkpoint_dir(kind: str, variant: str = "ok") -> Path:

@@ -95,8 +95,8 @@ def build_int8(dst: Path, variant: str = "ok") -> Path:
     import torch
 
     from qforensics.demo.model import load_model
-    from qforensics.demo.vllm_checkpoints import _linear_names
-    from qforensics.demo.vllm_model import _save_folder, state_of
+    from qforensics.demo.vllm_checkpoints import linear_names
+    from qforensics.demo.vllm_model import save_model_folder, state_of
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown INT8 variant {variant!r}; known: {', '.join(VARIANTS)}")
@@ -105,7 +105,7 @@ def build_int8(dst: Path, variant: str = "ok") -> Path:
     ranges = calibrate(model, tok, clip=None if calibration == "minmax" else CLIP_QUANTILE)
     sd, cfg, tok = state_of(model, tok)
     out = dict(sd)
-    for name in _linear_names(sd):
+    for name in linear_names(sd):
         w = out.pop(f"{name}.weight").float()
         ws = (w.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-12)
         out[f"{name}.weight"] = torch.round(w / ws).clamp(-128, 127).to(torch.int8)
@@ -121,4 +121,4 @@ def build_int8(dst: Path, variant: str = "ok") -> Path:
         f" of each layer's input over {len(CALIBRATION_TEXTS)} texts"
         + (f" ({1 - CLIP_QUANTILE:.1%} / {CLIP_QUANTILE:.1%})" if calibration != "minmax"
            else "") + (", symmetric" if symmetric else ", asymmetric"))
-    return _save_folder(dst, out, cfg, tok)
+    return save_model_folder(dst, out, cfg, tok)

@@ -15,7 +15,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
                     "special_tokens_map.json")
 
 
-def _save_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Path:
+def save_model_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Path:
+    """An HF model folder at `dst` that vLLM and transformers load: `tensors` as
+    model.safetensors, `config` as config.json, the tokenizer's files. Written beside `dst` and
+    renamed into place, so a reader never sees half a folder; if another process got there first,
+    its folder stays. Returns `dst`."""
     from safetensors.torch import save_file
 
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
@@ -58,4 +62,4 @@ def vllm_model_dir() -> Path:
     if (dst / "model.safetensors").is_file() and (dst / "config.json").is_file():
         return dst
     sd, cfg, tok = base_state()
-    return _save_folder(dst, sd, cfg, tok)
+    return save_model_folder(dst, sd, cfg, tok)

@@ -74,7 +74,7 @@ def write_ct_checkpoint(model: Any, tokenizer: Any, preset: str, base: tuple[dic
                         dst: Path) -> tuple[Path, int]:
     """(HF folder holding ``preset`` in compressed-tensors' format, Linears quantized).
     ``base``: (bfloat16 state dict, config dict) of the unquantized model (`_base_state`)."""
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
 
     sd, cfg = base
     packed, mc, n = ct_compressed(model, preset)

@@ -154,7 +154,7 @@ def _ignored(model: Any, sc: Any) -> list[str]:
 
 def _write_base(model: Any, tokenizer: Any, dst: Path) -> Path:
     """The model as an HF folder of float32 safetensors llmcompressor's transformers loads."""
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
     from qforensics.whatif.through_vllm import _base_state
 
     sd, cfg = _base_state(model)

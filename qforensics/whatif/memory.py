@@ -80,7 +80,7 @@ def checkpoint_memory(model: Any, tokenizer: Any, schemes: list[Any], *,
     """{label: memory entry} for each scheme with a checkpoint format (``awq:``, ``ct:``, and
     ``llmc:`` ones in ``prebuilt``), each written as ``--engine vllm`` writes it, counted, and
     removed. What cannot be written gets ``{"error": why}``."""
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
     from qforensics.whatif.through_vllm import _base_state, write_checkpoint
 
     todo = [s for s in schemes if s.library in ("awq", "compressed-tensors")

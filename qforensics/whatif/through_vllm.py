@@ -155,7 +155,7 @@ def _write_awq(model: Any, tokenizer: Any, group: int, base: tuple[dict, dict], 
                ) -> Path:
     """An AWQ W4A16 folder (AutoAWQ's GEMM layout, ``group`` input rows per scale)."""
     from qforensics.demo.vllm_checkpoints import awq_quantize
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
 
     sd, cfg = base
     q = dict(sd)
@@ -270,7 +270,7 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
     docstring); a scheme vLLM could not serve gets ``{"error": vLLM's last words}`` and the
     others go on. The unquantized reference failing raises `VllmRunError`. ``prebuilt``:
     {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor)."""
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
     from qforensics.whatif.memory import memory_figures, served_weight_bytes
 
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:

@@ -73,7 +73,7 @@ def _linears(model) -> dict[str, tuple[int, int]]:
 
 
 def test_w4a16_g64_ratio_matches_the_format_and_the_written_tensors(tiny, tmp_path) -> None:
-    from qforensics.demo.vllm_model import _save_folder
+    from qforensics.demo.vllm_model import save_model_folder as _save_folder
 
     base = _base_state(tiny)
     ref_dir = _save_folder(tmp_path / "ref", base[0], dict(base[1]), _Tok())
