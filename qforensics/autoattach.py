@@ -25,6 +25,7 @@ import os
 import sys
 from typing import Any
 
+from qforensics.hooks.recordenv import on_engine_attach, options_from_env
 from qforensics.importwatch import AfterImport
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def install() -> None:
     if _state["installed"]:
         return
     _state["installed"] = True
+    on_engine_attach(adopt)
     try:  # vLLM: attach where its worker builds the model (engines/vllm.py)
         from qforensics.engines import vllm as _vllm
 
@@ -56,27 +58,6 @@ def install() -> None:
         prev(tp, value, tb)
 
     sys.excepthook = excepthook
-
-
-def _options() -> dict[str, Any]:
-    raw = os.environ.get("QFORENSICS_OPTIONS") or "{}"
-    try:
-        opts = json.loads(raw)
-    except json.JSONDecodeError:
-        sys.stderr.write("qforensics: QFORENSICS_OPTIONS is not JSON; using defaults\n")
-        opts = {}
-    opts = opts if isinstance(opts, dict) else {}
-    if "max_bytes" not in opts:  # the option wins over the environment variable
-        from qforensics.trace.budgetopts import max_bytes_from_env
-
-        try:
-            env = max_bytes_from_env()
-        except ValueError as exc:
-            sys.stderr.write(f"qforensics: {exc}; using the default budget\n")
-        else:
-            if env is not None:
-                opts["max_bytes"] = env or None
-    return opts
 
 
 def _on_torch() -> None:
@@ -112,7 +93,7 @@ def _global_pre_hook(module: Any, args: Any) -> None:
         if n:
             root, ext = os.path.splitext(path)
             path = f"{root}-m{n}{ext or '.h5'}"
-        cap = Capture(module, path, **_options())
+        cap = Capture(module, path, **options_from_env())
         cap.attach()
         _state["attached"] = n + 1
         _state["captures"].append(cap)

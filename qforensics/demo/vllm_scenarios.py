@@ -69,7 +69,7 @@ NOT_RUN = {
 def cannot_run(sc: VllmScenario) -> str | None:
     """Why this CPU's vLLM kernels cannot serve the scenario (None: they can)."""
     if sc.kind == "awq":
-        from qforensics.vllm_cpu import w4a16_runs
+        from qforensics.engines.vllm_cpu import w4a16_runs
 
         ok, why = w4a16_runs()
         return None if ok else why

@@ -319,15 +319,15 @@ def _enum_name(v: Any) -> str:
 
 
 def _attach(runner: Any) -> None:
-    from qforensics import autoattach
     from qforensics.engines.vllm_capture import VllmCapture
+    from qforensics.hooks.recordenv import engine_attached, options_from_env
 
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     path = os.environ.get("QFORENSICS_TRACE")
     if not path:
         return
     engine = describe_engine(runner, model)
-    opts = autoattach._options()
+    opts = options_from_env()
     meta = dict(opts.pop("metadata", None) or {})
     meta["engine"] = engine
     src = model_source(runner)
@@ -338,7 +338,7 @@ def _attach(runner: Any) -> None:
     cap.attach()
     with _lock:
         _captures[id(runner)] = cap
-    autoattach.adopt(cap)
+    engine_attached(cap)  # record's bootstrap seals it at exit with its own
     _seal_at_process_exit(cap)
     if os.environ.get("QFORENSICS_GUARD"):  # record --guard: the guard inside vLLM
         from qforensics.engines.vllm_guard import install_guard

@@ -33,7 +33,7 @@ def _wna16_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, d
     ok, why = vllm_available()
     if not ok:
         return False, why
-    from qforensics.vllm_cpu import w4a16_runs
+    from qforensics.engines.vllm_cpu import w4a16_runs
 
     ok, why = w4a16_runs()  # the Python wrapper exists in every build; the kernel may not
     return (True, "vllm._custom_ops.cpu_gemm_wna16") if ok else (False, why)

