@@ -161,7 +161,9 @@ def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf
     try:
         answers, got, t = _traffic(port, 400)
         before = len(got)  # every one of these tokens came from a step submitted before now
-        time.sleep(2.5)  # > flush interval (1 s) plus a step
+        # the point of the wait: what SIGKILL must keep is every step older than the flush
+        # interval (1 s), by the writer's own clock; 2.5 s is that interval plus a step
+        time.sleep(2.5)
         assert t.is_alive(), "the request ended before the kill: not mid-decode"
         streamed = len(got)
         os.killpg(proc.pid, signal.SIGKILL)

@@ -138,9 +138,14 @@ import torch
 import qforensics
 from test_flight_recorder import Drifting, decode
 m = Drifting()
-qforensics.capture(m, sys.argv[1], flush_interval=0.05, ring_steps=16).attach()
+cap = qforensics.capture(m, sys.argv[1], flush_interval=0.05, ring_steps=16)
+cap.attach()
 decode(m, 100)
-time.sleep(1.0)  # several flush intervals
+# no close: wait (polling, 30 s at most) until the writer's own schedule has put every step on
+# disk, as it does within a flush interval, then die without a word
+deadline = time.monotonic() + 30
+while cap._writer.steps_written < 100 and time.monotonic() < deadline:
+    time.sleep(0.01)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
