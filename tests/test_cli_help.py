@@ -29,9 +29,12 @@ def test_help_ends_with_an_example(name):
     assert f"qforensics {name}" in usage, f"docs/usage.md does not document {name}"
 
 
-def test_version():
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
     res = CliRunner().invoke(main, ["--version"])
-    assert res.exit_code == 0 and "qforensics" in res.output
+    assert res.exit_code == 0
+    assert res.output == f"qforensics, version {version('qforensics')}\n"
 
 
 def test_import_does_not_load_torch():
