@@ -2,6 +2,8 @@
 
     python bench/trace_budget.py                      # vLLM SmolLM2 steps, 20 a second, 1 hour
     python bench/trace_budget.py --seconds 600 --max-mib 256
+    python bench/trace_budget.py --seconds 60 --max-mib 24 --fail-at 20 --channels 25344 \
+        --ring-chunk 4096                             # CI (tests/bench), seconds
 
 Each step is a batch shaped like one captured vLLM decode step of SmolLM2 with 8 requests (as in
 bench/writer_cost.py: 300 records, 253,440 channel values for the ring, 8 token rows; about 63 KB
@@ -58,17 +60,22 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=20, help="engine steps a second")
     ap.add_argument("--max-mib", type=float, default=1024.0, help="the budget (default 1 GiB)")
     ap.add_argument("--fail-at", type=int, default=100, help="the step planted non-finite")
+    ap.add_argument("--channels", type=int, default=253_440,
+                    help="channel values a step keeps in the ring (smaller: a smaller ring and "
+                         "pinned windows, so that a small budget holds them; tests/bench)")
+    ap.add_argument("--ring-chunk", type=int, default=65536,
+                    help="channel values a ring chunk holds (the writer's budget estimate)")
     a = ap.parse_args()
     n = int(a.seconds * a.rate)
     budget = int(a.max_mib * (1 << 20))
-    proto = [make_batch(i, 300, 253_440, 8) for i in range(4)]
+    proto = [make_batch(i, 300, a.channels, 8) for i in range(4)]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "hour.h5"
         mods = [{"name": f"model.layers.{i}.proj", "kind": "linear"} for i in range(N_MOD)]
         w = TraceWriter(path, modules=mods + [{"name": "", "kind": "root"}],
                         environment={"bench": "trace_budget"}, capture_options={
                             "trigger_window": 8, "snapshot_budget": 64 << 20},
-                        ring_slots=16, ring_chunk=65536, max_bytes=budget)
+                        ring_slots=16, ring_chunk=a.ring_chunk, max_bytes=budget)
         sizes: list[tuple[int, int]] = []
         t0 = time.perf_counter()
         for s in range(n):

@@ -3,6 +3,7 @@ separate processes (`dask scheduler`, then `dask worker` x 1 and x 2 on localhos
 
     python bench/triage_fleet.py                 # writes the fleet once into /tmp (~1.5 GB)
     python bench/triage_fleet.py --traces 2000 --regenerate --dir /data/fleet
+    python bench/triage_fleet.py --tiny --dir DIR   # CI (tests/bench): 30 traces, seconds
 
 The fleet (written once, as Dask tasks, then reused):
   - the committed real captures of SmolLM2-135M (sample_traces/, ten scenarios) copied onto
@@ -47,9 +48,14 @@ REAL_REPLICAS = 4
 T0 = 1.79e9
 
 
-def plan(d: Path, n: int) -> list[Spec]:
-    """The synthetic traces: incidents (what triage must find) and healthy runs."""
+def plan(d: Path, n: int, per_kind: int | None = None) -> list[Spec]:
+    """The synthetic traces: incidents (what triage must find) and healthy runs; `per_kind`
+    caps the traces (TP: runs) of each incident kind."""
     rng = np.random.default_rng(28)
+
+    def count(full: int) -> int:
+        return full if per_kind is None else min(full, per_kind)
+
     shapes = list(fleet_synth.SHAPES)
     out: list[Spec] = []
 
@@ -59,24 +65,24 @@ def plan(d: Path, n: int) -> list[Spec]:
         kw.setdefault("host", f"replica-{len(out) % 64}")
         out.append(Spec(str(d / "synthetic" / name), **kw))
 
-    for i in range(24):  # one bad HF checkpoint, served on 24 replicas
+    for i in range(count(24)):  # one bad HF checkpoint, served on 24 replicas
         add(f"hf-ckpt7-{i}.h5", incident="weight_nan", layer=3, row=100, model="/models/ckpt7",
             t0=T0 + 3600 + 60 * i)
-    for i in range(40):  # FP8 activations blow up on long prompts under vLLM 0.11.1
+    for i in range(count(40)):  # FP8 activations blow up on long prompts under vLLM 0.11.1
         add(f"vllm-fp8-{i}.h5", engine="vllm", version="0.11.1", incident="fp8_outlier",
             layer=5, channel=1234, prompt=int(rng.integers(600, 2000)), t0=T0 + 7200 + 30 * i)
-    for i in range(15):  # TP=2 runs: rank 0 loaded a NaN weight_scale
+    for i in range(count(15)):  # TP=2 runs: rank 0 loaded a NaN weight_scale
         for r in range(2):
             add(f"tp/run{i:02d}-{r}.h5", engine="vllm", version="0.11.0",
                 incident="scale_nan", layer=4, row=33, world=2, rank=r, host=f"tp-node-{i}",
                 t0=T0 + 1800 + 40 * i)
-    for i in range(20):  # float16 overflow after the torch 2.9 upgrade
+    for i in range(count(20)):  # float16 overflow after the torch 2.9 upgrade
         add(f"hf-fp16-{i}.h5", incident="fp16_overflow", layer=2, torch="2.9.0+cu128",
             t0=T0 + 9000 + 20 * i)
-    for i in range(12):
+    for i in range(count(12)):
         add(f"hf-gap-{i}.h5", incident="gap", layer=6, t0=T0 + 500 + 10 * i,
             shape="llama-160m")
-    for i in range(10):
+    for i in range(count(10)):
         add(f"hf-zero-{i}.h5", incident="zero_weights", layer=8, model="/models/int4-rtn",
             t0=T0 + 12000 + 10 * i)
     i = 0
@@ -90,12 +96,13 @@ def plan(d: Path, n: int) -> list[Spec]:
     return out
 
 
-def write_fleet(d: Path, n_synthetic: int) -> list[Spec]:
+def write_fleet(d: Path, n_synthetic: int, per_kind: int | None = None,
+                replicas: int = REAL_REPLICAS) -> list[Spec]:
     from dask.distributed import Client, LocalCluster, progress  # noqa: F401
 
     if d.exists():
         shutil.rmtree(d)
-    specs = plan(d, n_synthetic)
+    specs = plan(d, n_synthetic, per_kind)
     for s in specs:
         Path(s.path).parent.mkdir(parents=True, exist_ok=True)
     real = d / "real"
@@ -103,7 +110,7 @@ def write_fleet(d: Path, n_synthetic: int) -> list[Spec]:
     for p in sorted(SAMPLES.glob("*.h5")):
         with open_trace(p) as t:
             env = dict(t.meta["environment"])
-        for r in range(REAL_REPLICAS):
+        for r in range(replicas):
             dst = real / f"{p.stem}-replica{r}.h5"
             shutil.copyfile(p, dst)
             set_meta(dst, "environment", {**env, "host": f"smol-replica-{r}"})
@@ -240,9 +247,16 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/qforensics-fleet-bench"))
     ap.add_argument("--regenerate", action="store_true")
     ap.add_argument("--skip", choices=["local", "processes"], action="append", default=[])
+    ap.add_argument("--tiny", action="store_true",
+                    help="30 traces (2 of each incident kind, 1 copy of each sample), rewritten "
+                         "each run: the benchmark's CI mode (tests/bench)")
     a = ap.parse_args()
+    per_kind, replicas = (2, 1) if a.tiny else (None, REAL_REPLICAS)
+    if a.tiny:
+        a.traces, a.regenerate = 30, True
     if a.regenerate or not (a.dir / "plan.json").is_file():
-        specs = write_fleet(a.dir, a.traces - len(list(SAMPLES.glob("*.h5"))) * REAL_REPLICAS)
+        specs = write_fleet(a.dir, a.traces - len(list(SAMPLES.glob("*.h5"))) * replicas,
+                            per_kind, replicas)
     else:
         specs = load_plan(a.dir)
     n = sum(1 for _ in a.dir.rglob("*.h5"))

@@ -1,0 +1,81 @@
+"""The benchmarks of triage, reports, the hooks' host cost and the guard's fallbacks, in their
+tiny modes (no real model; seconds each, triage_fleet.py about half a minute). Expectations come
+from what each script builds, not from a previous run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_runs import NUM, REPO, figures, run_bench
+
+SAMPLES = sorted((REPO / "sample_traces").glob("*.h5"))
+
+
+def test_triage_fleet_tiny_writes_a_few_dozen_traces_and_finds_the_incidents(tmp_path):
+    fleet = tmp_path / "fleet"
+    out = run_bench("triage_fleet.py", "--tiny", "--dir", str(fleet), "--skip", "processes",
+                    cwd=tmp_path, timeout=300)
+    # --tiny: 30 traces, of which one copy of each committed sample, the rest synthetic (2 of
+    # each of the 6 incident kinds, TP runs as 2 ranks); plus 4 unreadable files
+    synthetic = sorted((fleet / "synthetic").rglob("*.h5"))
+    real = sorted((fleet / "real").glob("*.h5"))
+    assert len(real) == len(SAMPLES) and len(synthetic) == 30 - len(SAMPLES)
+    assert len(list((fleet / "corrupt").glob("*.h5"))) == 4
+    assert f"fleet: {30 + 4} trace files" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("local cluster"))
+    (n, wall, rate) = figures(rf"{NUM} traces in {NUM} s = {NUM} traces/s", line)
+    assert n == 34 and wall > 0 and rate == pytest.approx(n / wall, rel=0.05, abs=0.06)
+    assert "groups as built: yes" in line and "4 unreadable" in line
+    doc = json.loads((tmp_path / "fleet-out" / "local" / "stdout.json").read_text())
+    real_groups = [g for g in doc["groups"] if all("/real/" in p for p in g["traces"])]
+    synth_groups = [g for g in doc["groups"] if all("/synthetic/" in p for p in g["traces"])]
+    assert len(synth_groups) == 6 and len(real_groups) == 6  # 2 FAILED + 4 SUSPECT samples
+    assert len(doc["unreadable"]) == 4
+
+
+def test_report_speed_times_one_sample(tmp_path):
+    trace = REPO / "sample_traces" / "fp8-e4m3-nosat-act.h5"
+    out = run_bench("report_speed.py", str(trace), cwd=tmp_path, timeout=120)
+    (imp,) = figures(rf"import qforensics.reports: {NUM} s", out)
+    (inproc, cli, cpu, kib) = figures(
+        rf"{trace.name}\s+write_report\s+{NUM} s\s+cli\s+{NUM} s \(cpu {NUM} s\)\s+{NUM} KiB"
+        r"\s+FAILED\s+ok", out)  # the sample whose FP8 activations overflow: FAILED
+    assert min(imp, inproc, cli, cpu) > 0 and kib > 10
+    (slowest,) = figures(rf"slowest cli run: {NUM} s", out)
+    assert slowest == cli
+
+
+@pytest.mark.parametrize("args", [("--steps", "3"), ("--vllm", "--steps", "2")],
+                         ids=["hf", "vllm-shapes"])
+def test_hook_cost_prints_every_variant(tmp_path, args):
+    out = run_bench("hook_cost.py", *args, cwd=tmp_path, timeout=120)
+    rows = "8 token row(s), torch.bfloat16" if "--vllm" in args else "1 token row(s), torch.float32"
+    assert out.startswith(rows)
+    for name in ("bare", "take", "take+reduce", "plan take", "plan take+reduce"):
+        (cpu, wall) = figures(rf"(?m)^{name.replace('+', '[+]')}\s+{NUM} ms CPU,\s+{NUM} ms wall",
+                              out)
+        assert cpu > 0 and wall > 0, name
+
+
+def test_guard_fallbacks_sizes_each_layout(tmp_path):
+    out = run_bench("guard_fallbacks.py", "--repeats", "1", "--tokens", "4", cwd=tmp_path,
+                    timeout=180)
+    k, n = 1536, 576  # the script's SmolLM2 down_proj
+    dense = k * n * 4 / 2**20  # the dequantized weight, float32 activations
+    int4 = k * n / 2 / 2**20  # 4-bit values, before scales and zeros
+    for layout, lo, hi in (("AWQ GEMM", int4, 1.1 * int4), ("GPTQ", int4, 1.1 * int4),
+                           ("compressed-tensors pack-quantized", int4, 1.1 * int4),
+                           ("FP8", 2 * int4, 2.1 * int4)):
+        (deq, packed, dense_mib, call) = figures(
+            rf"(?m)^{layout}\s+{NUM} ms\s+{NUM} MiB\s+{NUM} MiB\s+{NUM} ms", out)
+        assert deq > 0 and call > 0, layout
+        assert lo <= packed <= hi, (layout, packed)
+        assert dense_mib == round(dense, 2), layout
+
+
+def test_param_health_cost_ratio_is_its_two_times(tmp_path):
+    out = run_bench("param_health_cost.py", cwd=tmp_path, timeout=120)
+    (counts, full, ratio) = figures(
+        rf"counts only {NUM} ms, with levels and dominance {NUM} ms, ratio {NUM}", out)
+    assert counts > 0 and full > 0 and abs(ratio - full / counts) < 0.01 + 0.01 * ratio
