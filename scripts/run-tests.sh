@@ -21,6 +21,12 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev
 fi
 bash scripts/install.sh
+# One fresh cache folder for every pytest run below (tests/conftest.py points each cache
+# variable into it): nothing is read from ~/.cache, and what one run builds (the model's
+# conversion, vLLM checkpoints, calibrations) the next one reuses. Removed at the end.
+QF_TEST_CACHE_HOME=$(mktemp -d -t qf-test-caches-XXXXXX)
+export QF_TEST_CACHE_HOME
+trap 'rm -rf "$QF_TEST_CACHE_HOME"' EXIT
 PY=${PYTHON:-python3}
 $PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" "$@"
 # llmcompressor (GPTQ, SmoothQuant) runs in a venv of its own (it pins another transformers);

@@ -1,7 +1,8 @@
 """Session-wide set-up for every test folder.
 
 - Every cache directory the tests could touch points into one temporary folder, created when
-  pytest starts and removed when it ends: no test reads or writes ~/.cache (or ~/.triton,
+  pytest starts and removed when it ends (or, under scripts/run-tests.sh, one folder for all of
+  its pytest runs, QF_TEST_CACHE_HOME, removed when the script ends): no test reads or writes ~/.cache (or ~/.triton,
   /tmp/torchinductor_$USER), so a run sees what a fresh clone on a fresh machine sees. The
   variables are set in `pytest_configure`, before any test module is imported (some libraries,
   huggingface_hub among them, read theirs at import) and before any fixture starts a subprocess
@@ -44,11 +45,29 @@ CACHE_VARS = {
 _state: dict = {}
 
 
+def _shared_home() -> Path | None:
+    """The cache folder scripts/run-tests.sh made for all of its pytest runs
+    (QF_TEST_CACHE_HOME): one fresh folder per test run, not per pytest process, so that the
+    model's conversion, the vLLM checkpoints and llmcompressor's calibrations are paid once. It
+    must be this user's own folder that nobody else can write: the C pieces load from it."""
+    raw = os.environ.get("QF_TEST_CACHE_HOME")
+    if not raw:
+        return None
+    home = Path(raw)
+    st = home.stat()  # a missing folder is an error of the caller: fail loudly
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or not home.is_dir():
+        raise pytest.UsageError(f"QF_TEST_CACHE_HOME={raw}: not a folder of this user that "
+                                "only this user can write")
+    return home
+
+
 def pytest_configure(config) -> None:
     if _state:  # configured once per process
         return
-    home = Path(tempfile.mkdtemp(prefix="qf-test-caches-"))
+    shared = _shared_home()
+    home = shared or Path(tempfile.mkdtemp(prefix="qf-test-caches-"))
     _state["home"] = home
+    _state["own"] = shared is None
     _state["saved"] = {k: os.environ.get(k) for k in CACHE_VARS}
     for var, sub in CACHE_VARS.items():
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -57,12 +76,13 @@ def pytest_configure(config) -> None:
 
 def pytest_unconfigure(config) -> None:
     home = _state.pop("home", None)
+    own = _state.pop("own", True)
     for var, old in _state.pop("saved", {}).items():
         if old is None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = old
-    if home is not None:
+    if home is not None and own:  # a shared one is removed by the script that made it
         shutil.rmtree(home, ignore_errors=True)
 
 
