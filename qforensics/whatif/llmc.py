@@ -14,7 +14,7 @@ Every Linear but lm_head is quantized, except (as for ``ct:``) those whose in_fe
 group size does not divide. The calibration data is ``qforensics/data/calibration.txt``, a text
 written for this purpose and distinct from the evaluation text (``perplexity.txt``): up to
 `SAMPLES` consecutive windows of `SEQ_LEN` tokens. llmcompressor saves a compressed-tensors
-checkpoint (``save_compressed=True``); it is kept in the cache (``$QFORENSICS_CACHE/llmc``),
+checkpoint (``save_compressed=True``); it is kept in the cache (``llmc/`` under the cache root, qforensics/cachedir.py),
 keyed by the model's weights, the scheme, the calibration text and the llmcompressor version, so
 a second run does not calibrate again.
 
