@@ -62,8 +62,10 @@ def render(fleet: Fleet) -> list[str]:
     if fleet.unreadable:
         L += ["", "Unreadable"]
         for u in fleet.unreadable:
+            why = u["reason"]  # the reader's reasons begin with the path: said once
+            why = why[len(u["path"]) + 2:] if why.startswith(f"{u['path']}: ") else why
             L.append(wrap(f"{u['path']}: {'internal error: ' if u.get('internal') else ''}"
-                          f"{u['reason']}", "  ", "    "))
+                          f"{why}", "  ", "    "))
     return L
 
 

@@ -104,6 +104,9 @@ def test_triage_lists_a_fifo_as_unreadable_and_goes_on(tmp_path):
     assert set(bad) == {str(fleet / "b.h5"), str(lone)}
     assert all("FIFO" in r for r in bad.values()) and not any(u["internal"]
                                                               for u in doc["unreadable"])
+    # the text report names each unreadable path once, then why
+    text = res.stdout.split("Unreadable", 1)[1]
+    assert all(text.count(p + ":") == 1 for p in bad), text
 
 
 def test_scan_never_opens_a_fifo_inside_a_model_folder(tmp_path):
