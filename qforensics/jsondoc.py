@@ -35,7 +35,7 @@ SCHEMAS = {  # every document qforensics writes: name -> version (where it is de
     "qforensics.scan": "1.0",  # scan --json: docs/scan.md
     "qforensics.triage": "1.0",  # triage --json: docs/triage.md
     "qforensics.replay": "3.0",  # replay --json, read by report --replay: docs/replay.md
-    "qforensics.whatif": "1.0",  # whatif --json: docs/whatif.md
+    "qforensics.whatif": "1.1",  # whatif --json: docs/whatif.md
 }
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 

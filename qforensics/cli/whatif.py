@@ -60,10 +60,14 @@ from qforensics.jsondoc import document
                    "when none does, the closest is named with the Linears it would need in "
                    "bf16 (from the trace's recorded input ranges). Figures through vLLM count "
                    "where a scheme was served.")
+@click.option("--speed-rounds", default=3, show_default=True, type=click.IntRange(0, 100),
+              help="With --engine vllm: timed rounds per scheme (8 prompts x 64 tokens, 16 "
+                   "new tokens), interleaved with the bf16 engine's, for decode and prefill "
+                   "tokens/s as a ratio to bf16 (the median over rounds); 0: no speed figures.")
 def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, table: bool,
             model_spec: str | None, json_path: str | None, max_new_tokens: int,
             text_tokens: int | None, engine: str, vllm_python: str | None,
-            llmc_python: str | None, target: str | None) -> None:
+            llmc_python: str | None, target: str | None, speed_rounds: int) -> None:
     """Rerun TRACE's prompt on the traced model under other quantization schemes.
 
     Compares each scheme with the unquantized reference: top-1 agreement (teacher-forced over
@@ -129,7 +133,7 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
     result = run_whatif(trace, parsed, max_new_tokens=max_new_tokens, text_tokens=text_tokens,
                         model_spec=model_spec, progress=lambda msg: click.echo(msg, err=True),
                         engine=engine, vllm_python=vllm_python, llmc_python=llmc_python,
-                        target=goal)
+                        target=goal, speed_rounds=speed_rounds)
     out.text(result.format_table())
     out.write(document("qforensics.whatif", result.to_json()))
     if all(s.error is not None for s in result.schemes):

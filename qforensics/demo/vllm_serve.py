@@ -15,6 +15,12 @@ which quant method and CPU kernel path (W4A8 or W4A16) vLLM's linears use and th
 process's resident memory (read in vLLM's worker through ``LLM.apply_model``, for which it sets
 VLLM_ALLOW_INSECURE_SERIALIZATION=1: pickle between vLLM's own local processes).
 
+With ``--serve`` (after ``--score-ids``) it stays up and times rounds for whatif's speed
+figures (qforensics/whatif/speed.py): each line on stdin is a JSON object ``{"prompts": [token-id
+lists], "max_tokens": N, "out": PATH}``; it serves the prompts greedily with exactly N new tokens
+each (``ignore_eos``) and writes ``{"seconds": ..., "tokens": [...]}`` to PATH; ``quit`` or the
+end of stdin ends it. Prefix caching is off in this mode, so that every round prefills in full.
+
 With ``--bare-hook`` (a baseline for bench/vllm_overhead.py) every vLLM linear layer gets what a
 user would write by hand instead of a tool: one forward pre-hook keeping its input's per-channel
 absmax on the device, installed in vLLM's worker through ``LLM.apply_model`` (same pickle note).
@@ -48,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                          "gpu_memory_utilization; vLLM refuses to start when less is free)")
     ap.add_argument("--score-ids", metavar="FILE",
                     help="score these token-id lists (JSON) with prompt logprobs instead")
+    ap.add_argument("--serve", action="store_true",
+                    help="with --score-ids: then time rounds read from stdin (whatif's speed)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM's default mode: torch.compile (and CUDA graphs on a GPU) instead "
@@ -66,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=not a.compiled, max_model_len=a.max_model_len,
               seed=0, tensor_parallel_size=a.tensor_parallel_size,
               pipeline_parallel_size=a.pipeline_parallel_size,
-              gpu_memory_utilization=a.memory_utilization)
+              gpu_memory_utilization=a.memory_utilization,
+              **({"enable_prefix_caching": False} if a.serve else {}))
     if a.score_ids:
-        return _score(llm, a)
+        rc = _score(llm, a)
+        return _serve_rounds(llm) if a.serve and rc == 0 else rc
     hooked = None
     if a.bare_hook:
         from qforensics.demo import vllm_serve as me  # by package name (see _describe)
@@ -116,9 +126,35 @@ def _score(llm: object, a: argparse.Namespace) -> int:
     res = {"scores": scores, "seconds": time.perf_counter() - t0, "pid": os.getpid(),
            "engine": _describe(llm)}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f)
+        _write_json(a.out, res)
     return 0
+
+
+def _write_json(path: str, obj: object) -> None:
+    """Write, then rename: a reader polling for ``path`` never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _serve_rounds(llm: object) -> int:
+    """Timed rounds from stdin until ``quit`` or its end (see the module docstring)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    while True:
+        line = sys.stdin.readline()
+        if not line or line.strip() == "quit":
+            return 0
+        cmd = json.loads(line)
+        params = SamplingParams(max_tokens=int(cmd["max_tokens"]), temperature=0.0,
+                                ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+                   for ids in cmd["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+        seconds = time.perf_counter() - t0
+        _write_json(str(cmd["out"]), {"seconds": seconds, "tokens": [
+            len(o.outputs[0].token_ids) for o in outs]})
 
 
 def _layer_kernels(model: object) -> dict:

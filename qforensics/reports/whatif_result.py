@@ -26,6 +26,7 @@ WHATIF_SCHEMA = "qforensics.whatif"  # its version: qforensics.jsondoc.SCHEMAS
 MAX_BYTES = 16 << 20
 MAX_SCHEMES = 64
 MAX_STR = 300
+RISK_LEVELS = ("high", "elevated", "low", "none", "unknown")  # qforensics.whatif.risk.LEVELS
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class WhatIfRow:
     top1: str
     weights: str  # % of bf16, "-" without a checkpoint format
     engine: str  # vLLM engine RSS, % of bf16
-    speed: str  # decode tokens/s, % of bf16
+    speed: str  # decode tokens/s through vLLM as a ratio to bf16 ("1.52x")
+    prefill: str  # prefill tokens/s, the same
+    risk: str = "-"  # what the trace predicts for it (qforensics.whatif.risk): its level
     chosen: bool = False
     error: str | None = None
 
@@ -63,6 +66,11 @@ def _pct(v: Any) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
 
 
+def _times(v: Any) -> str:
+    x = read_float(v)
+    return "-" if x is None or not math.isfinite(x) else f"{x:.2f}x"
+
+
 def _row(raw: Any, where: str, chosen: str | None) -> WhatIfRow:
     if not isinstance(raw, dict) or not isinstance(raw.get("scheme"), str):
         raise UsageError(f"{where}: each scheme must be an object with a 'scheme' string")
@@ -74,8 +82,15 @@ def _row(raw: Any, where: str, chosen: str | None) -> WhatIfRow:
         text_top1=_pct(judged.get("text_top1", raw.get("text_top1"))),
         top1=_pct(judged.get("top1", raw.get("top1"))),
         weights=_pct(raw.get("memory_vs_bf16")), engine=_pct(raw.get("engine_memory_vs_bf16")),
-        speed=_pct(raw.get("decode_speed_vs_bf16")), chosen=raw["scheme"] == chosen,
+        speed=_times(raw.get("decode_speed_vs_bf16")),
+        prefill=_times(raw.get("prefill_speed_vs_bf16")), risk=_risk(raw.get("risk")),
+        chosen=raw["scheme"] == chosen,
         error=_cap(err) if isinstance(err, str) else None)
+
+
+def _risk(v: Any) -> str:
+    level = v.get("level") if isinstance(v, dict) else None
+    return level if level in RISK_LEVELS else "-"
 
 
 def parse_whatif_result(doc: Any, source: str = "<whatif result>") -> WhatIfSummary:

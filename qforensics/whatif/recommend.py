@@ -154,11 +154,12 @@ def recommendation_lines(rec: dict[str, Any] | None) -> list[str]:
     words = f"target {t['words']}"
     if rec["scheme"] is not None:
         c = next(c for c in rec["candidates"] if c["scheme"] == rec["scheme"])
-        mem = c["memory_vs_bf16"]
+        mem, fast = c["memory_vs_bf16"], c["decode_speed_vs_bf16"]
         return [f"recommendation ({words}): {rec['scheme']}: {100 * c['value']:.1f}% "
                 f"({c['from']})" + (f", weights {100 * mem:.1f}% of bf16" if mem is not None
                                     else ", no memory figure") +
-                f"; meets it: {', '.join(rec['meets'])}"]
+                (f", decode {fast:.2f}x bf16" if fast is not None and math.isfinite(fast)
+                 else "") + f"; meets it: {', '.join(rec['meets'])}"]
     cl = rec["closest"]
     if cl is None:
         return [f"recommendation ({words}): none: no scheme was measured"]

@@ -7,11 +7,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qforensics.jsondoc import jsonable
+from qforensics.whatif.risk import risk_lines
+from qforensics.whatif.speed import speed_lines
+
 __all__ = ["SchemeResult", "WhatIfResult"]
-
-
-def _num(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else float(x)
 
 
 @dataclass
@@ -33,7 +33,10 @@ class SchemeResult:
     library: dict[str, Any] | None = None  # what the library said (llmc: its llmc.json)
     # the checkpoint's weight bytes against bf16 (qforensics.whatif.memory), None: no format
     memory: dict[str, Any] | None = None
-    decode_speed_vs_bf16: float | None = None  # not measured yet
+    # decode / prefill tokens/s through vLLM against bf16, interleaved (qforensics.whatif.speed)
+    decode_speed_vs_bf16: float | None = None
+    prefill_speed_vs_bf16: float | None = None
+    risk: dict[str, Any] | None = None  # the trace's evidence (qforensics.whatif.risk)
 
     @property
     def memory_vs_bf16(self) -> float | None:
@@ -46,19 +49,16 @@ class SchemeResult:
         return float(e["vs_bf16"]) if isinstance(e, dict) else None
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("top1", "kl", "ppl", "text_top1", "recovered"):
-            d[k] = _num(d[k])
-        d["path"] = "HF fake-quant (the model's dtype, against the model as loaded)"
-        if isinstance(self.vllm, dict):
-            d["vllm"] = {k: (_num(v) if isinstance(v, float) else v) for k, v in self.vllm.items()}
-        d["memory_vs_bf16"] = self.memory_vs_bf16
-        d["engine_memory_vs_bf16"] = self.engine_memory_vs_bf16
+        """The scheme as the JSON holds it: non-finite figures as "nan" / "inf" (jsondoc's
+        one policy), None (null) where a figure was not measured at all."""
         from qforensics.whatif.recommend import judged_figures
 
-        d["judged"] = {k: (_num(v) if isinstance(v, float) else v)
-                       for k, v in judged_figures(self).items()}
-        return d
+        d = asdict(self)
+        d["path"] = "HF fake-quant (the model's dtype, against the model as loaded)"
+        d["memory_vs_bf16"] = self.memory_vs_bf16
+        d["engine_memory_vs_bf16"] = self.engine_memory_vs_bf16
+        d["judged"] = judged_figures(self)
+        return jsonable(d)
 
 
 @dataclass
@@ -74,15 +74,15 @@ class WhatIfResult:
     recommendation: dict[str, Any] | None = None  # under --target (qforensics.whatif.recommend)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        return jsonable({
             "trace": self.trace,
             "prompt_source": self.prompt_source,
             "salient_source": self.salient_source,
-            "reference": {"text": self.ref_text, "ppl": _num(self.ref_ppl),
+            "reference": {"text": self.ref_text, "ppl": self.ref_ppl,
                           "positions": self.positions, "text_tokens": self.text_tokens},
             "schemes": [s.to_json() for s in self.schemes],
             "recommendation": self.recommendation,
-        }
+        })
 
     def format_table(self) -> str:
         def pct(x: float) -> str:
@@ -94,16 +94,20 @@ class WhatIfResult:
         def mem(x: float | None) -> str:
             return "-" if x is None else pct(x)
 
-        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered", "weights")
+        def risk(s: SchemeResult) -> str:
+            return str(s.risk["level"]) if isinstance(s.risk, dict) else "-"
+
+        head = ("scheme", "top-1", "mean KL", "ppl", "text top-1", "recovered", "weights",
+                "risk")
         rows = [("reference (unquantized)", "100.0%", "0", num(self.ref_ppl, ".2f"), "100.0%",
-                 "100.0%", "100.0%")]
+                 "100.0%", "100.0%", "")]
         for s in self.schemes:
             if s.error is not None:
-                rows.append((s.scheme, *["-"] * 5, mem(s.memory_vs_bf16)))
+                rows.append((s.scheme, *["-"] * 5, mem(s.memory_vs_bf16), risk(s)))
                 continue
             rows.append((s.scheme + (" [NaN]" if s.nonfinite else ""), pct(s.top1),
                          num(s.kl, ".4f"), num(s.ppl, ".2f"), pct(s.text_top1),
-                         pct(s.recovered), mem(s.memory_vs_bf16)))
+                         pct(s.recovered), mem(s.memory_vs_bf16), risk(s)))
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
@@ -114,6 +118,7 @@ class WhatIfResult:
                      "recovered = ppl_ref / ppl; weights: the checkpoint's weight bytes as "
                      "served, % of bf16 (- : no checkpoint format)")
         lines.append(f"salient channels: {self.salient_source}")
+        lines += risk_lines(self.schemes)
         lines.append("these figures: HF fake-quant (qforensics' quantize-dequantize in the "
                      "model's dtype, against the unquantized model as loaded)")
         if any(s.scheme.startswith("ct:") for s in self.schemes):
@@ -133,12 +138,14 @@ class WhatIfResult:
         if not done:
             return ["", *failed] if failed else []
         head = ("scheme (through vLLM)", "answer top-1", "ppl", "ppl ref", "text top-1",
-                "recovered", "weights", "engine RSS")
+                "recovered", "weights", "engine RSS", "decode", "prefill")
         rows = [(s.scheme + (" [NaN]" if s.vllm.get("nonfinite") else ""),
                  pct(s.vllm["top1"]), num(s.vllm["ppl"], ".2f"), num(s.vllm["ref_ppl"], ".2f"),
                  pct(s.vllm["text_top1"]), pct(s.vllm["recovered"]),
                  *("-" if x is None else pct(x) for x in (s.memory_vs_bf16,
-                                                          s.engine_memory_vs_bf16)))
+                                                          s.engine_memory_vs_bf16)),
+                 *("-" if x is None else num(x, ".2f") + "x"
+                   for x in (s.decode_speed_vs_bf16, s.prefill_speed_vs_bf16)))
                 for s in done]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         out = ["", *["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -150,7 +157,7 @@ class WhatIfResult:
                    "weights: the served checkpoint's; engine RSS: vLLM's engine process after "
                    "scoring, weights, KV cache and runtime together, % of serving bf16)")
         out += [f"  {s.scheme}: {s.vllm['path']}" for s in done]
-        return out + failed
+        return out + speed_lines(done) + failed
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -44,21 +44,9 @@ log = logging.getLogger(__name__)
 # schemes --engine vllm serves (whatif.through_vllm)
 SERVED = ("awq", "compressed-tensors", "llmcompressor")
 
-__all__ = [
-    "TABLE_SCHEMES",
-    "SchemeResult",
-    "Target",
-    "WhatIf",
-    "WhatIfResult",
-    "WhatIfScheme",
-    "demo_prompt_ids",
-    "load_demo",
-    "parse_keep_salient",
-    "parse_target",
-    "parse_whatif_scheme",
-    "reference_text",
-    "run_whatif",
-]
+__all__ = ["TABLE_SCHEMES", "SchemeResult", "Target", "WhatIf", "WhatIfResult", "WhatIfScheme",
+           "demo_prompt_ids", "load_demo", "parse_keep_salient", "parse_target",
+           "parse_whatif_scheme", "reference_text", "run_whatif"]
 
 TEXT_RESOURCE = "perplexity.txt"
 
@@ -265,6 +253,7 @@ def run_whatif(
     vllm_python: str | None = None,
     llmc_python: str | None = None,
     target: Target | None = None,
+    speed_rounds: int = 3,
 ) -> WhatIfResult:
     """Rerun the trace's prompt under each scheme and compare with the unquantized reference.
 
@@ -281,6 +270,8 @@ def run_whatif(
     (the same preset with min/max scales), added when not given. Each scheme with a checkpoint
     format gets its weight memory against bf16 (`qforensics.whatif.memory`); ``target`` (a
     `Target`, see `parse_target`) adds the ``recommendation`` (`qforensics.whatif.recommend`).
+    Through vLLM, ``speed_rounds`` timed rounds per scheme give its speed against bf16
+    (`qforensics.whatif.speed`; 0: none); every scheme gets the trace's ``risk``.
     """
     say = progress or (lambda msg: None)
     parsed = [s if isinstance(s, WhatIfScheme) else parse_whatif_scheme(s, keep_salient)
@@ -381,13 +372,16 @@ def run_whatif(
     if python is not None:
         from qforensics.whatif.through_vllm import attach_vllm_figures
 
-        attach_vllm_figures(result, parsed, wi, served, python, say)
+        attach_vllm_figures(result, parsed, wi, served, python, say, speed_rounds)
     else:
         from qforensics.whatif.memory import checkpoint_memory
 
         mem = checkpoint_memory(model, tokenizer, served, prebuilt=wi.llmc_folders, say=say)
         for r in result.schemes:
             r.memory = mem.get(r.scheme)
+    from qforensics.whatif.risk import attach_risk
+
+    attach_risk(result, parsed, trace_path)  # what the trace predicts for each scheme
     if target is not None:
         from qforensics.whatif.recommend import recommend
 

@@ -30,32 +30,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from qforensics.errors import QForensicsError, UsageError
-from qforensics.lifeline import child_env
+from qforensics.errors import UsageError
+from qforensics.whatif.speed import SpeedPlan, SpeedTimer
+from qforensics.whatif.vllm_engine import ServedEngine, VllmRunError, wait_group
 
 __all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "attach_vllm_figures", "awq_group",
-           "check_awq_fits", "measure_through_vllm", "resolve_vllm_python", "write_checkpoint"]
+           "check_awq_fits", "measure_through_vllm", "resolve_vllm_python", "wait_group",
+           "write_checkpoint"]
 
 AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
 DEFAULT_GROUP = 128
 _SKIP = ("lm_head",)
-
-
-class VllmRunError(QForensicsError):
-    """vLLM could not serve a what-if checkpoint (exit 2, with vLLM's last words)."""
 
 
 def awq_group(spec: str) -> int | None:
@@ -185,50 +180,7 @@ def write_checkpoint(model: Any, tokenizer: Any, scheme: Any, base: tuple[dict, 
     raise UsageError(f"{scheme.label}: vLLM serves published checkpoint formats (awq:, ct:)")
 
 
-# -- serving -------------------------------------------------------------------------------------
-def wait_group(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Wait for a process started with start_new_session=True, then kill its whole group
-    (children that outlive it: vLLM's workers). Its exit code, or None on timeout."""
-    try:
-        rc: int | None = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return rc
-
-
-def _score(python: str, folder: Path, seqs: list[list[int]], work: Path, timeout: float
-           ) -> dict:
-    ids = work / f"{folder.name}.ids.json"
-    out = work / f"{folder.name}.scores.json"
-    ids.write_text(json.dumps(seqs))
-    from qforensics.demo.vllm_scenarios import serve_env
-
-    env = child_env(serve_env())  # it ends if this process is killed (qforensics/lifeline.py)
-    cmd = [python, "-m", "qforensics.demo.vllm_serve", str(folder), "--score-ids", str(ids),
-           "--out", str(out), "--max-model-len", str(max(256, max(map(len, seqs)) + 8))]
-    log = work / f"{folder.name}.log.txt"  # vLLM logs (its workers' too) go to stdout
-    # its own session, output to a file: vLLM's worker processes outlive an engine that died
-    # and would hold a pipe open; the whole group is killed once the engine process is done
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        rc = wait_group(proc, timeout)
-    if rc is None:
-        raise VllmRunError(f"vLLM did not finish scoring {folder.name} within {timeout:.0f} s")
-    if rc != 0 or not out.is_file():
-        why = root_cause(log.read_text(errors="replace"))
-        if "execute_model timed out" in why:  # a forward slower than vLLM's RPC limit
-            why += (f" (one forward took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
-                    f"{env.get('VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS', '300')} s, vLLM's limit "
-                    "per engine step: this scheme's kernel is too slow on this CPU for the "
-                    "scored text; a larger value lets a slow step finish)")
-        raise VllmRunError(f"vLLM could not serve {folder.name} (exit {rc}): {why}")
-    return json.loads(out.read_text())
-
+# -- serving (qforensics.whatif.vllm_engine) --------------------------------------------------
 
 _LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \S+ \S+ \[[^\]]*\] ?")
 _RAISED = re.compile(r"^(?:[\w.]+(?:Error|Exception)|Exception): ")
@@ -264,24 +216,30 @@ def _agree(a: list[int], b: list[int]) -> float:
 def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_ids: list[int],
                          answer_seq: list[int], n_prompt: int, *, python: str,
                          progress: Callable[[str], None] = lambda m: None,
-                         timeout: float = 1800, prebuilt: dict[str, Path] | None = None
-                         ) -> dict[str, dict[str, Any]]:
+                         timeout: float = 1800, prebuilt: dict[str, Path] | None = None,
+                         plan: SpeedPlan | None = SpeedPlan()) -> dict[str, dict[str, Any]]:
     """{scheme label: vLLM figures} for each ``awq:`` / ``ct:`` scheme (see the module
     docstring); a scheme vLLM could not serve gets ``{"error": vLLM's last words}`` and the
     others go on. The unquantized reference failing raises `VllmRunError`. ``prebuilt``:
-    {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor)."""
+    {label: checkpoint folder} served as it is (llmc: schemes, written by llmcompressor).
+    ``plan``: the speed rounds, interleaved with the bf16 engine's (`qforensics.whatif.speed`;
+    None: no speed figures)."""
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
     from qforensics.whatif.memory import memory_figures, served_weight_bytes
 
-    with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp, \
+            contextlib.ExitStack() as stack:
         work = Path(tmp)
         base = _base_state(model)
         progress(f"vLLM: writing the bfloat16 checkpoint into {work}")
         ref_dir = _save_folder(work / "ref-bf16", base[0], dict(base[1]), tokenizer)
         ref_bytes = served_weight_bytes(ref_dir)
         seqs = [list(text_ids), list(answer_seq)]
-        progress("vLLM: scoring the unquantized bfloat16 model (one engine start)")
-        ref = _score(python, ref_dir, seqs, work, timeout)
+        progress("vLLM: scoring the unquantized bfloat16 model (one engine start, kept up "
+                 "for the speed rounds)")
+        bf16 = stack.enter_context(ServedEngine(python, ref_dir, seqs, work))
+        ref = bf16.scores(timeout)
+        timer = SpeedTimer(bf16, text_ids, plan, progress)
         out: dict[str, dict[str, Any]] = {}
         for sc in schemes:
             if sc.label in (prebuilt or {}):
@@ -292,27 +250,35 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
             said = {**said, "memory": memory_figures(served_weight_bytes(folder), ref_bytes)}
             progress(f"vLLM: scoring {sc.label} (one engine start)")
             try:
-                got = _score(python, folder, seqs, work, timeout)
+                with ServedEngine(python, folder, seqs, work) as eng:
+                    got = eng.scores(timeout)
+                    speed = timer.time(sc.label, eng)
             except VllmRunError as exc:
                 out[sc.label] = {"error": str(exc), **said}
                 progress(f"{sc.label} (vLLM): not measured: {exc}")
                 continue
-            out[sc.label] = {**_figures(ref, got, n_prompt), **said}
+            out[sc.label] = {**_figures(ref, got, n_prompt), **said, "speed": speed}
             if sc.label not in (prebuilt or {}):  # a prebuilt one is the caller's (a cache)
                 shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
 def attach_vllm_figures(result: Any, parsed: list[Any], wi: Any, served: list[Any],
-                        python: str, say: Callable[[str], None]) -> None:
+                        python: str, say: Callable[[str], None], speed_rounds: int = 3) -> None:
     """Measure ``served`` through vLLM and put the figures (and each checkpoint's memory) on
-    ``result``'s schemes, in the order of ``parsed``; ``wi``: the run's `WhatIf`."""
+    ``result``'s schemes, in the order of ``parsed``; ``wi``: the run's `WhatIf`;
+    ``speed_rounds``: timed rounds against bf16 per scheme (0: no speed figures)."""
     figs = measure_through_vllm(wi.model, wi.tokenizer, served, wi.text_ids[0].tolist(),
                                 wi.ref_full[0].tolist(), wi.n_prompt, python=python,
-                                progress=say, prebuilt=wi.llmc_folders)
+                                progress=say, prebuilt=wi.llmc_folders,
+                                plan=SpeedPlan(rounds=speed_rounds) if speed_rounds else None)
     for r, sc in zip(result.schemes, parsed):
         got = figs.get(sc.label)
         r.memory = got.pop("memory", None) if got else None
+        sp = got.get("speed") if got else None
+        if isinstance(sp, dict) and "decode_vs_bf16" in sp:  # qforensics.whatif.speed
+            r.decode_speed_vs_bf16, r.prefill_speed_vs_bf16 = (sp["decode_vs_bf16"],
+                                                               sp["prefill_vs_bf16"])
         r.vllm = ({"error": f"not calibrated: {r.error}"} if r.error else None) or got or {
             "skipped": "vLLM runs published checkpoint formats (awq:, ct:, llmc:); this "
                        "scheme is measured by the HF path only"}

@@ -151,3 +151,49 @@ def test_recommendation_follows_the_vllm_figures(result) -> None:
         if c["scheme"] in served:
             assert c["from"] == "vLLM" and c["value"] == served[c["scheme"]]["vllm"]["recovered"]
     assert "recommendation (target recovered perplexity" in stdout
+
+
+# -- speed: decode and prefill tokens/s against bf16, interleaved in the same run ----------------
+def _rates(times: list[list[float]], plan: dict) -> tuple[list[float], list[float]]:
+    """(decode, prefill) tokens/s per round from the raw seconds of its two calls, by the
+    definitions in docs/whatif.md (worked out here, not by qforensics.whatif.speed)."""
+    b, p, n = plan["batch"], plan["prompt_tokens"], plan["new_tokens"]
+    return ([b * (n - 1) / (dec - pre) for pre, dec in times], [b * p / pre for pre, _ in times])
+
+
+def test_speed_is_measured_against_bf16_in_interleaved_rounds(result) -> None:
+    import statistics
+
+    doc, stdout = result["json"], result["stdout"]
+    served = [s for s in doc["schemes"] if "ppl" in s["vllm"]]
+    assert {s["scheme"] for s in served} == {"ct:W4A16", "ct:W8A8", "ct:W4A16-g64"}
+    for s in served:
+        sp = s["vllm"]["speed"]
+        plan = sp["plan"]
+        assert (plan["batch"], plan["prompt_tokens"], plan["new_tokens"], plan["rounds"]) == \
+            (8, 64, 16, 3) and sp["rounds"] == 3
+        times = sp["times_s"]
+        assert len(times["bf16"]) == len(times["scheme"]) == 3
+        (bd, bp), (sd, spf) = _rates(times["bf16"], plan), _rates(times["scheme"], plan)
+        want_dec = statistics.median(x / y for x, y in zip(sd, bd))
+        want_pre = statistics.median(x / y for x, y in zip(spf, bp))
+        assert s["decode_speed_vs_bf16"] == pytest.approx(want_dec, rel=1e-9) == \
+            sp["decode_vs_bf16"]
+        assert s["prefill_speed_vs_bf16"] == pytest.approx(want_pre, rel=1e-9) == \
+            sp["prefill_vs_bf16"]
+        assert 0.05 < want_dec < 20 and 0.05 < want_pre < 20, (s["scheme"], sp)
+        # a few seconds per engine: the rounds are short
+        assert sum(map(sum, times["scheme"])) < 60, times
+    w8 = _scheme(result, "ct:W8A16")  # not served: no speed
+    assert w8["decode_speed_vs_bf16"] is None and w8["prefill_speed_vs_bf16"] is None
+    assert "decode" in stdout and "prefill" in stdout and "median of 3 rounds" in stdout
+    assert "does not carry to another" in stdout
+
+
+def test_each_scheme_carries_the_traces_risk(result) -> None:
+    for s in result["json"]["schemes"]:
+        assert s["risk"]["level"] in ("high", "elevated", "low", "none", "unknown"), s["risk"]
+    # the demo's down_proj inputs hold channels thousands of times their median (analyze's
+    # outliers): 4-bit weights on them are at risk, whatever the engine
+    assert _scheme(result, "ct:W4A16-g64")["risk"]["level"] == "elevated"
+    assert "risk: what the trace predicts" in result["stdout"]

@@ -25,6 +25,9 @@ def _doc(target: str = "99%") -> dict:
                             (HOSTILE, 0.999, None)):
         s = SchemeResult(label, None, None, 1.0, 0.01, 10.0 / rec, 0.9, rec, False, "", 1.0)
         s.memory = None if mem is None else {"vs_bf16": mem}
+        if label == "ct:W8A8":  # through vLLM: speed against bf16, and the trace's risk
+            s.decode_speed_vs_bf16, s.prefill_speed_vs_bf16 = 1.5, 0.75
+            s.risk = {"level": "low", "line": "salient input channels"}
         res.schemes.append(s)
     res.recommendation = recommend(res, parse_target(target))
     return document("qforensics.whatif", res.to_json())  # as `qforensics whatif --json`
@@ -46,6 +49,7 @@ def test_recommendations_show_the_whatif_table(trace, tmp_path) -> None:
         in html
     row = html.split("<code>ct:W8A8</code>", 1)[1].split("</tr>", 1)[0]
     assert "(recommended)" in row and "99.5%" in row and "56.0%" in row
+    assert "1.50x" in row and "0.75x" in row and "<td>low</td>" in row
     assert HOSTILE not in html and "&lt;script&gt;window.__pwned=5" in html
     none = tmp_path / "none.json"
     none.write_text(dumps(_doc("99.95%")))
