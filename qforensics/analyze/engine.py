@@ -196,7 +196,7 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
                   and (first_bad_step is None or b.step > first_bad_step)]
     if nonfinite_steps is not None and steps is not None:
         st = steps
-        bad = (st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
+        bad = schema.nonfinite_steps(st)
         known = set(int(x) for x in st["step"][bad]) | set(run.hits)
         known = {x for x in known if len(sr.at(x))}
         # a step where the writer found a request's first NaN/Inf (/engine/hits) is known too

@@ -206,8 +206,7 @@ class BudgetWriter:
         """Requests whose logits row held NaN/Inf (an engine's root record, slot 1)."""
         out = np.zeros(len(b.steps), np.int64)
         s = b.steps
-        if not ((s["logits_nan"] > 0) | (s["logits_inf"] > 0) | (s["n_nonfinite_records"] > 0)
-                ).any() or self._root < 0:
+        if not schema.nonfinite_steps(s).any() or self._root < 0:
             return out
         r = b.records
         sel = np.nonzero((r["module_id"] == self._root) & (r["io"] == schema.IO_OUTPUT)

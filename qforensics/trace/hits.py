@@ -73,8 +73,7 @@ def earliest_bad(recs: Any, keep: np.ndarray, tok: np.ndarray, tok_base: int,
 
 def _nonfinite(s: np.ndarray) -> bool:
     """A one-step batch's step row says NaN/Inf (in a record or in the logits)."""
-    return bool(len(s) == 1 and (s["n_nonfinite_records"][0] > 0 or s["logits_nan"][0] > 0
-                                 or s["logits_inf"][0] > 0))
+    return bool(len(s) == 1 and schema.nonfinite_steps(s)[0])
 
 
 def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.ndarray:
