@@ -34,8 +34,12 @@ def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **optio
     the last ring_steps steps (default 16, in memory and in a fixed-size circular region of the
     file) and of every step that crosses a trigger plus the trigger_window steps before it
     (default 8; at most trigger_limit=32 triggered steps; triggers: non-finite values, GEMM-input
-    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (hard cap on
-    the file, default 4 GiB, None: no cap; recorded in /limits when reached), channel_io ("all" | "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
+    or logits absmax growing past outlier_growth=4 x the recent median)), max_bytes (the file's
+    byte budget for a run of any length, default 1 GiB (`record` and the vLLM plugin also read
+    QFORENSICS_MAX_BYTES); near it, old
+    steps' summaries are consolidated into coarser blocks, never dropped, while the ring and
+    the pinned first failure keep their detail; 0 or None: no budget), channel_io ("all" |
+    "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
     snapshot_tile_rows (weight rows kept around the first bad output, default 256),
     outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
     (bytes held before an early reduction, default 256 MiB), metadata (dict recorded in the
