@@ -3,7 +3,7 @@ vLLM linear layer, built once on its first trip, from what vLLM holds after load
 
 - `VllmCpuW4A16`: the AWQ/GPTQ layers vLLM's CPU W4A16 kernel runs (``CPUWNA16LinearKernel``,
   ``use_w4a8`` False) hold ``qweight`` repacked at load into [N/16, 2K]; replay's
-  ``vllm-cpu-w4a16`` layout adapter (qforensics.replay.layouts) undoes the repack.
+  ``vllm-cpu-w4a16`` layout (qforensics.layouts.vllm_cpu) undoes the repack.
 - `VllmMethodProbe`: any other vLLM linear (the W4A8 blocked layout on AMX CPUs, Marlin, FP8,
   unquantized): the layer's own quantization method on an identity input,
   ``quant_method.apply(layer, I_K, bias=None)`` = W^T (one K x K x N GEMM, once).
@@ -28,6 +28,7 @@ from torch import nn
 
 from qforensics.guard.fallbacks import Fallback, dense_linear
 from qforensics.guard.policy import GuardPolicy
+from qforensics.layouts import LAYOUTS
 
 __all__ = ["VLLM_FALLBACKS", "VllmCpuW4A16", "VllmLinearFallback", "VllmMethodProbe",
            "is_vllm_linear", "local_output", "parallel_kind"]
@@ -151,9 +152,8 @@ class VllmCpuW4A16(VllmLinearFallback):
         tensors, meta = cls._tensors(module, shapes_only=True)
         if tensors is None:
             return False, "it has no qweight / scales"
-        from qforensics.replay.layouts import LAYOUTS
-
-        return LAYOUTS["vllm-cpu-w4a16"].can_take(tensors, meta)
+        why = LAYOUTS["vllm-cpu-w4a16"].can_take(tensors, meta)
+        return (not why), why
 
     @staticmethod
     def _tensors(module: nn.Module, shapes_only: bool = False
@@ -181,8 +181,6 @@ class VllmCpuW4A16(VllmLinearFallback):
         return out, meta
 
     def dequantize(self) -> torch.Tensor:
-        from qforensics.replay.layouts import LAYOUTS
-
         tensors, meta = self._tensors(self.module)
         sc = tensors["scales"]  # [K/G, N] float32 (a copy)
         bad = ~np.isfinite(sc)

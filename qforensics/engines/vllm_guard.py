@@ -19,7 +19,7 @@ what vLLM changes:
   sampler never sees NaN.
 - **Fallbacks through vLLM's layers** (``VLLM_FALLBACKS``, tried before the generic ones): the
   AWQ/GPTQ layers vLLM's CPU W4A16 kernel holds (repacked at load) are dequantized with replay's
-  ``vllm-cpu-w4a16`` layout adapter (qforensics.replay.layouts), which undoes the repack; any
+  ``vllm-cpu-w4a16`` layout (qforensics.layouts.vllm_cpu), which undoes the repack; any
   other vLLM linear (the W4A8 blocked layout on AMX CPUs, Marlin, FP8, unquantized) is
   dequantized through its own quantization method, ``quant_method.apply(layer, I)`` on an
   identity input (one GEMM of K x K x N, once). Either way once, on the layer's first trip, to

@@ -112,7 +112,10 @@ def build_bundle(
         layout = layouts.choose_layout(tensors, lmeta)
     except layouts.LayoutError as exc:
         raise ReplayError(f"cannot replay this snapshot: {exc}") from exc
-    w_kn = layout.weight_kn(tensors, lmeta)
+    try:
+        w_kn = layout.weight_kn(tensors, lmeta)
+    except layouts.LayoutError as exc:
+        raise ReplayError(f"cannot replay this snapshot: {exc}") from exc
     n = int(w_kn.shape[1])
     span = _span(snapshot, "weight_rows") or _span(snapshot, "weight_cols")
     col0, n_full = (span[0], span[2]) if span else (0, n)

@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 
 from qforensics.errors import QForensicsError, ReplayError
-from qforensics.replay import awq, layouts
+from qforensics.layouts import awq
+from qforensics.replay import layouts
 from qforensics.trace import validate
 
 FORMAT_NAME = "qforensics-replay-bundle"
@@ -208,8 +209,8 @@ def validate_bundle(bundle: Bundle) -> None:
     x = bundle.tensors.get("x")
     if x is None or x.ndim != 2 or x.shape != (m, k):
         raise ReplayError(f"{where}: /tensors/x must be [M={m}, K={k}], got {None if x is None else x.shape}")
-    ok, why = bundle.layout.can_take(bundle.tensors, meta)
-    if not ok:
+    why = bundle.layout.can_take(bundle.tensors, meta)
+    if why:
         raise ReplayError(f"{where}: the tensors contradict the meta: {why}")
     try:
         w_n = bundle.layout.weight_kn(bundle.tensors, meta).shape[1]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.errors import ReplayError
-from qforensics.replay.awq import REVERSE
+from qforensics.layouts.bits import AWQ_REVERSE as REVERSE
 from qforensics.replay.records import AccessRecord
 
 TILE_M, TILE_N, TILE_K, THREADS = 8, 64, 32, 256

@@ -37,13 +37,12 @@ from typing import Any
 import numpy as np
 
 from qforensics.jsondoc import write as write_json
-from qforensics.replay import awq
+from qforensics.layouts import awq
 from qforensics.replay.build import build_bundle, build_bundle_from_trace
 from qforensics.replay.bundle import Bundle
-from qforensics.replay.fp8bits import FP8_MAX
+from qforensics.layouts.fp8 import FP8_MAX, encode_fp8, quantize_fp8
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.kernel import build_kernel, detect_arch, run_project_kernel
-from qforensics.replay.layouts import encode_fp8, quantize_fp8
 from qforensics.replay.run import sanitizer_leg
 from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import Verdict, inconclusive

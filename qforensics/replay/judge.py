@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.replay.bundle import Bundle
-from qforensics.replay.layouts import FP8_MAX
+from qforensics.layouts.fp8 import FP8_MAX
 from qforensics.replay.torch_kernels import tolerance
 from qforensics.replay.verdict import ReplayResult, Verdict
 

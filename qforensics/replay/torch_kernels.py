@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from qforensics.replay.fp8bits import FP8_MAX
-from qforensics.replay.layouts import LAYOUTS, Layout, choose_layout, quantize_fp8
+from qforensics.layouts.fp8 import FP8_MAX, quantize_fp8
+from qforensics.layouts.registry import int4_parts
+from qforensics.replay.layouts import LAYOUTS, Layout, choose_layout
 
 INT4_LAYOUTS = ("awq-gemm", "gptq", "ct-pack-quantized")
 
@@ -115,29 +116,11 @@ def _fake_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
 # -- torch int4 (tinygemm) ------------------------------------------------------------------
 
 def _int4_qzs(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(q [K, N], z [G, N], s [G, N], group size) with W[k, n] = (q - z[g(k)]) * s[g(k)],
-    rebuilt from the layout's own fields."""
-    from qforensics.replay import awq
-    from qforensics.replay.layouts import unpack_sequential
-
+    """(q [K, N], z [G, N], s [G, N], group size) with W[k, n] = (q - z[g(k)]) * s[g(k)]."""
     k = int(meta["K"])
     g = int(meta.get("group_size") or k)
-    g = k if g == -1 else g
-    if layout.name == "awq-gemm":
-        q = awq.unpack_int4(t["qweight"]).astype(np.float64)  # [K, N]
-        z = awq.unpack_int4(t["qzeros"]).astype(np.float64)
-        s = t["scales"].astype(np.float64)
-    elif layout.name == "gptq":
-        q = unpack_sequential(t["qweight"], 0).astype(np.float64)
-        z = unpack_sequential(t["qzeros"], 1).astype(np.float64) + (1.0 if meta.get("zero_plus_one", True) else 0.0)
-        s = t["scales"].astype(np.float64)
-    else:  # ct-pack-quantized: signed values stored +8, scales [N, K/G]
-        q = unpack_sequential(t["weight_packed"], 1).T.astype(np.float64)
-        s = t["weight_scale"].astype(np.float64).T
-        zp = t.get("weight_zero_point")
-        z = (np.full_like(s, 8.0) if zp is None
-             else unpack_sequential(zp, 0)[: q.shape[1]].T.astype(np.float64))
-    return q, z, s, g
+    q, z, s = int4_parts(layout.name, t, meta)
+    return q, z, s, (k if g == -1 else g)
 
 
 def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -14,7 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from qforensics.replay import awq
+from qforensics.layouts import awq
+from qforensics.layouts.bits import pack_awq
 from qforensics.replay.build import build_bundle
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.run import numeric_leg, replay
@@ -28,8 +29,8 @@ pytestmark = pytest.mark.vllm
 def make_awq(m: int, n: int, k: int, g: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"input.0": rng.standard_normal((m, k)).astype(np.float32),
-            "qweight": awq.pack_int4(rng.integers(0, 16, (k, n))),
-            "qzeros": awq.pack_int4(rng.integers(0, 16, (k // g, n))),
+            "qweight": pack_awq(rng.integers(0, 16, (k, n))),
+            "qzeros": pack_awq(rng.integers(0, 16, (k // g, n))),
             "scales": (rng.random((k // g, n)) * 0.01 + 0.001).astype(np.float32)}
 
 

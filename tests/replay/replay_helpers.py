@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from qforensics.replay import awq
+from qforensics.layouts.bits import pack_awq
 
 
 def make_awq(m: int, n: int, k: int, group_size: int, *, groups: int | None = None, seed: int = 0,
@@ -17,8 +17,8 @@ def make_awq(m: int, n: int, k: int, group_size: int, *, groups: int | None = No
     groups = groups if groups is not None else k // group_size
     return {
         "input.0": rng.standard_normal((*lead, m, k) if lead else (m, k)).astype(np.float16),
-        "qweight": awq.pack_int4(rng.integers(0, 16, (k, n))),
-        "qzeros": awq.pack_int4(rng.integers(0, 16, (groups, n))),
+        "qweight": pack_awq(rng.integers(0, 16, (k, n))),
+        "qzeros": pack_awq(rng.integers(0, 16, (groups, n))),
         "scales": (rng.random((groups, n)) * 0.01 + 0.001).astype(np.float16),
     }
 

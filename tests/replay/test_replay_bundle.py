@@ -10,19 +10,20 @@ import pytest
 from replay_helpers import FakeTrace, fake_opener, make_awq
 
 from qforensics.errors import ReplayError
-from qforensics.replay import awq
+from qforensics.layouts import awq
+from qforensics.layouts.bits import AWQ_ORDER, pack_awq, unpack_awq
 from qforensics.replay.build import build_bundle, build_bundle_from_trace, choose_call
 from qforensics.replay.bundle import FORMAT_NAME, kernel_tensors, read_bundle
 
 
 def test_awq_pack_roundtrip_and_nibble_order():
     vals = np.arange(16, dtype=np.int64).reshape(2, 8) % 16
-    words = awq.pack_int4(vals)
+    words = pack_awq(vals)
     assert words.dtype == np.int32 and words.shape == (2, 1)
     # column 8c+j lives in nibble REVERSE[j]; nibble i holds column ORDER[i]
     w0 = int(words[0, 0]) & 0xFFFFFFFF
-    assert [(w0 >> (4 * i)) & 0xF for i in range(8)] == [int(vals[0, o]) for o in awq.ORDER]
-    np.testing.assert_array_equal(awq.unpack_int4(words), vals)
+    assert [(w0 >> (4 * i)) & 0xF for i in range(8)] == [int(vals[0, o]) for o in AWQ_ORDER]
+    np.testing.assert_array_equal(unpack_awq(words), vals)
 
 
 def test_small_awq_snapshot_roundtrip_and_reference(tmp_path):
@@ -86,8 +87,8 @@ def test_group_index_out_of_range_is_refused_with_the_row(tmp_path):
     g[5] = 1  # in range: kept, and the reference honours it
     b = build_bundle(snap, {"group_size": 64}, tmp_path / "g.h5")
     np.testing.assert_array_equal(read_bundle(tmp_path / "g.h5").tensors["g_idx"], g)
-    q = awq.unpack_int4(snap["qweight"]).astype(np.float64)
-    z = awq.unpack_int4(snap["qzeros"]).astype(np.float64)
+    q = unpack_awq(snap["qweight"]).astype(np.float64)
+    z = unpack_awq(snap["qzeros"]).astype(np.float64)
     w5 = (q[5] - z[1]) * snap["scales"][1].astype(np.float64)  # row 5 now reads group 1
     np.testing.assert_allclose(b.reference, snap["input.0"].astype(np.float64) @ np.vstack(
         [(q[k] - z[g[k]]) * snap["scales"][g[k]].astype(np.float64) if k != 5 else w5 for k in range(128)]))

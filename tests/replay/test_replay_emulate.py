@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 from replay_helpers import make_awq
 
-from qforensics.replay import awq
+from qforensics.layouts import awq
 from qforensics.replay.emulate import (
     KERNEL_SOURCE,
     SITES,
