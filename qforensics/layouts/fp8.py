@@ -22,7 +22,7 @@ import numpy as np
 from qforensics.formats import E4M3_MAX, E5M2_MAX
 from qforensics.layouts.bits import LayoutError
 
-__all__ = ["FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "block_of", "decode_bf16", "decode_fp8",
+__all__ = ["E8M0_DECODE", "FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "SAFETENSORS_NAMES", "block_of", "decode_bf16", "decode_fp8",
            "dequantize_fp8", "encode_fp8", "expand_scale", "quantize_fp8", "scale_kind"]
 
 # the names the code and the trace use for the FP8 element formats (torch's dtype names)
@@ -31,6 +31,8 @@ FP8_MAX = {"float8_e4m3fn": E4M3_MAX, "float8_e5m2": E5M2_MAX}
 _ALL_CODES = np.arange(256, dtype=np.uint8)
 FP8_DECODE = {name: _ALL_CODES.view(dt).astype(np.float64) for name, dt in FP8_DTYPES.items()}
 E8M0_DECODE = _ALL_CODES.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+# the same formats under the names safetensors headers use
+SAFETENSORS_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def _table(dtype: str) -> np.ndarray:

@@ -3,7 +3,7 @@
 Each float format knows its raw unsigned-integer view, a bit mask that flags non-finite values
 without decoding (`(raw & nonfinite_mask) == nonfinite_value`), its smallest normal magnitude
 (below it a nonzero value is subnormal) and a vectorized decoder. FP8 formats decode through a
-256-entry lookup table, so no ml_dtypes or torch is needed.
+256-entry lookup table from qforensics.layouts.fp8; no torch is needed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from qforensics.formats import BF16_MAX, E4M3_MAX, E5M2_MAX, FP16_MAX
+from qforensics.layouts.fp8 import E8M0_DECODE, FP8_DECODE, SAFETENSORS_NAMES, decode_bf16
 
 __all__ = [
     "FloatFormat",
@@ -26,45 +27,10 @@ __all__ = [
 ]
 
 
-def _build_e4m3_table() -> np.ndarray:
-    """float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN, max 448."""
-    b = np.arange(256, dtype=np.int64)
-    sign = np.where(b >> 7, -1.0, 1.0)
-    exp = (b >> 3) & 0xF
-    man = (b & 0x7).astype(np.float64)
-    normal = (1.0 + man / 8.0) * np.exp2(exp - 7.0)
-    subnormal = (man / 8.0) * 2.0**-6
-    value = sign * np.where(exp == 0, subnormal, normal)
-    value[(exp == 0xF) & ((b & 0x7) == 0x7)] = np.nan
-    return value.astype(np.float32)
-
-
-def _build_e5m2_table() -> np.ndarray:
-    """float8_e5m2: bias 15, IEEE-like: exponent 31 is inf (mantissa 0) or NaN."""
-    b = np.arange(256, dtype=np.int64)
-    sign = np.where(b >> 7, -1.0, 1.0)
-    exp = (b >> 2) & 0x1F
-    man = (b & 0x3).astype(np.float64)
-    normal = (1.0 + man / 4.0) * np.exp2(exp - 15.0)
-    subnormal = (man / 4.0) * 2.0**-14
-    value = sign * np.where(exp == 0, subnormal, normal)
-    top = exp == 0x1F
-    value[top & ((b & 0x3) == 0)] = sign[top & ((b & 0x3) == 0)] * np.inf
-    value[top & ((b & 0x3) != 0)] = np.nan
-    return value.astype(np.float32)
-
-
-def _build_e8m0_table() -> np.ndarray:
-    """float8_e8m0fnu (MX block scales): 2**(b - 127); 0xFF is NaN; no sign, no zero."""
-    b = np.arange(256, dtype=np.float64)
-    value = np.exp2(b - 127.0)
-    value[255] = np.nan
-    return value.astype(np.float32)
-
-
-E4M3_TABLE = _build_e4m3_table()
-E5M2_TABLE = _build_e5m2_table()
-E8M0_TABLE = _build_e8m0_table()
+# float32 values of every FP8 bit pattern, from qforensics.layouts.fp8 (the one decoder)
+E4M3_TABLE = FP8_DECODE[SAFETENSORS_NAMES["F8_E4M3"]].astype(np.float32)
+E5M2_TABLE = FP8_DECODE[SAFETENSORS_NAMES["F8_E5M2"]].astype(np.float32)
+E8M0_TABLE = E8M0_DECODE.astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -113,7 +79,7 @@ def _decode_f16(r: np.ndarray) -> np.ndarray:
 
 
 def _decode_bf16(r: np.ndarray) -> np.ndarray:
-    return (r.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return decode_bf16(r)
 
 
 def _decode_e4m3(r: np.ndarray) -> np.ndarray:

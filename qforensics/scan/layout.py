@@ -27,6 +27,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from qforensics.errors import ScanError
+from qforensics.layouts import gptq
+from qforensics.layouts.bits import unpack_bits
+from qforensics.layouts.detect import packed_method
 from qforensics.scan.findings import CHECKS, Finding, Skipped
 from qforensics.scan.safetensors_file import SafetensorsFile, TensorEntry
 
@@ -202,11 +205,9 @@ class _Checker:
         ngroups, n_out = sc.entry.shape
         method = cfg.method if cfg.method in ("awq", "gptq") else None
         if method is None:
-            if gi is not None or cols == n_out:
-                method = "gptq"
-            elif cols * pf == n_out:
-                method = "awq"
-            else:
+            found = "gptq" if gi is not None else packed_method((rows, cols), (ngroups, n_out), bits)
+            method = {"awq-gemm": "awq", "gptq": "gptq"}.get(found or "")
+            if method is None:
                 self.add(qw, name, "shape",
                          f"qweight {list(qw.entry.shape)} fits neither AWQ [K, N/{pf}] nor GPTQ "
                          f"[K/{pf}, N] for scales {list(sc.entry.shape)} (N = {n_out})")
@@ -280,13 +281,11 @@ class _Checker:
 
     def _gptq_zeros(self, qz: Located, bits: int, pf: int) -> None:
         mask = (1 << bits) - 1
-        words = qz.file.read_all(qz.entry).view(np.uint32)
-        shifts = (np.arange(pf, dtype=np.uint32) * np.uint32(bits))
-        nibbles = (words[..., None] >> shifts) & np.uint32(mask)  # [K/G, N/pf, pf]
+        nibbles = unpack_bits(qz.file.read_all(qz.entry).view(np.int32), bits, axis=-1)  # [K/G, N]
         v1 = self.config.checkpoint_format in (None, "gptq")
         name = qz.entry.name
         if self.config.sym:
-            expect = (1 << (bits - 1)) - (1 if v1 else 0)
+            expect = gptq.sym_zero(bits, v2=not v1)
             bad = nibbles != expect
             if bad.any():
                 count, i, v = _first(bad, nibbles)
