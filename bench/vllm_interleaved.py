@@ -102,7 +102,7 @@ def _child(a: argparse.Namespace) -> int:
         print(f"pair {i + 1}/{a.pairs}: plain {res['plain'][-1]:.3f} s, captured "
               f"{res['captured'][-1]:.3f} s", file=sys.stderr, flush=True)
     if a.profile:  # over the captured calls only (the plain ones run without hooks)
-        res["profile"] = {"steps": calls.get("VllmCapture._on_root_pre", 0),
+        res["profile"] = {"steps": calls.get("VllmAdapter.step_began", 0),
                           "ns": dict(spent), "calls": dict(calls)}
     Path(a.child).write_text(json.dumps(res))
     return 0

@@ -4,8 +4,8 @@ vLLM runs the model in worker processes started with `spawn`; they inherit the e
 the bootstrap `sitecustomize` runs in each of them. There, this module waits for vLLM's model
 runner module to be imported and wraps three methods of its runner classes:
 
-- `load_model`: once the model is built, a `VllmCapture` attaches to it, with `{rank}` taken
-  from vLLM's data/tensor/pipeline-parallel rank (one file per worker, never shared);
+- `load_model`: once the model is built, a capture with `VllmAdapter` attaches to it, with
+  `{rank}` taken from vLLM's data/tensor/pipeline-parallel rank (one file per worker, never shared);
 - `execute_model`: the scheduler output of the forward being run. A model forward outside it is
   a warm-up / profile / dummy run and its step is flagged `warmup`;
 - `sample_tokens` (and `execute_model` when it returns the output itself): each request's
@@ -146,7 +146,7 @@ def _wrap_execute(fn: Callable) -> Callable:
             out = fn(self, scheduler_output, *args, **kwargs)
         finally:
             _current.pop(key, None)
-        cap.on_runner_output(out)
+        cap.adapter.on_runner_output(out)
         return out
     return execute_model
 
@@ -157,7 +157,7 @@ def _wrap_sample(fn: Callable) -> Callable:
         out = fn(self, *args, **kwargs)
         cap = _captures.get(id(self))
         if cap is not None:
-            cap.on_runner_output(out)
+            cap.adapter.on_runner_output(out)
         return out
     return sample_tokens
 
@@ -319,7 +319,7 @@ def _enum_name(v: Any) -> str:
 
 
 def _attach(runner: Any) -> None:
-    from qforensics.engines.vllm_capture import VllmCapture
+    from qforensics.engines.vllm_capture import vllm_capture
     from qforensics.hooks.recordenv import engine_attached, options_from_env
 
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
@@ -333,8 +333,8 @@ def _attach(runner: Any) -> None:
     src = model_source(runner)
     if src:  # vLLM's `model=` argument: what `whatif` reruns by default
         meta.setdefault("model_path", src)
-    cap = VllmCapture(model, path, runner=runner, rank=engine["rank"],
-                      world_size=engine["ranks"], metadata=meta, **opts)
+    cap = vllm_capture(model, path, runner=runner, rank=engine["rank"],
+                       world_size=engine["ranks"], metadata=meta, **opts)
     cap.attach()
     with _lock:
         _captures[id(runner)] = cap

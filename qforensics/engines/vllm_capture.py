@@ -1,4 +1,5 @@
-"""`VllmCapture`: the capture session on a model that vLLM's model runner owns.
+"""`VllmAdapter`: what a step, a request and the logits are when vLLM's model runner owns the
+model; the capture core (hooks/session.py) talks to it only through hooks/adapter.py.
 
 Differences from a plain HF capture: the model's forward returns hidden states, so a step does
 not end there; it ends when the model's `logits_processor` returns the logits (recorded as the
@@ -20,10 +21,10 @@ from torch import nn
 
 from qforensics.formats import KIND_LINEAR
 from qforensics.hooks import reduce
+from qforensics.hooks.adapter import AdapterCalls, EngineAdapter, ModuleRow
 from qforensics.hooks.session import Capture
 from qforensics.engines import vllm as adapter
 from qforensics.trace import schema
-from qforensics.trace.writer import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -31,29 +32,23 @@ ROW_FLAGS_LOGITS = schema.ENGINE_ROW_FLAG_SLOTS["logits"]
 ROW_FLAGS_HIDDEN = schema.ENGINE_ROW_FLAG_SLOTS["hidden"]
 
 
-def _engine_batch(**tables: np.ndarray) -> StepBatch:
-    return StepBatch(
-        steps=np.zeros(0, schema.step_dtype()), records=np.zeros(0, schema.record_dtype()),
-        chan_min=np.zeros(0), chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
-        input_ids=np.zeros(0, np.int64), engine={k: v for k, v in tables.items() if len(v)})
+def vllm_capture(model: nn.Module, path: Any, *, runner: Any, **options: Any) -> Capture:
+    """A capture session on the model that `runner` (vLLM's GPU/CPU model runner) owns."""
+    return Capture(model, path, adapter=VllmAdapter(runner), **options)
 
 
-class VllmCapture(Capture):
-    def __init__(self, model: nn.Module, path: Any, *, runner: Any, **options: Any) -> None:
-        super().__init__(model, path, **options)
+class VllmAdapter(EngineAdapter):
+    logits_from_root = False  # the model returns hidden states; the logits processor, logits
+
+    def __init__(self, runner: Any) -> None:
         self._runner = weakref.ref(runner)
         # vLLM compiles the model (its default): the layers get compiled mode's torch-op
-        # hooks (hooks/graphmode.py), traced into vLLM's graph; the C hooks folded into the
-        # layers' forwards only where nothing compiles them
-        compiled = not adapter.compile_off(runner)
-        if options.get("compiled") is None:
-            self._graph_mode = compiled
-        self._wrap_forward = self._wrap_forward and not compiled
+        # hooks (hooks/graphmode.py), traced into vLLM's graph
+        self._compiled = not adapter.compile_off(runner)
         self._tok_rows = adapter.max_batch_tokens(runner)
+        self._session: "weakref.ref[AdapterCalls] | None" = None
         self._req_index: dict[str, int] = {}
-        self._step_reqs: list[int] = []  # request index per logits row of the open step
         self._logits_step = -1
-        self._logits_reqs: list[int] = []
         self._hidden: torch.Tensor | None = None
         # what the open step is, for the flight recorder: decode steps carry one row per
         # request, so "more than one token" does not mean prefill here
@@ -61,99 +56,84 @@ class VllmCapture(Capture):
         self._step_warmup = False
         self._lm_id: int | None = None
 
-    def _adapter_modules(self, chosen: list) -> list:
+    def compiled(self) -> bool:
+        return self._compiled
+
+    def token_rows(self) -> int:
+        return self._tok_rows
+
+    def extra_modules(self, model: nn.Module, chosen: list[ModuleRow]) -> list[ModuleRow]:
         """vLLM's lm_head: its logits processor applies it (quant_method.apply), never its
         forward, so no hook sees it; the logits' call is recorded as lm_head's (input: the
         hidden states, output: the logits), so that analyze can name it, and the embedding it
         is tied to (SmolLM2), as the producer of non-finite logits."""
-        lm = getattr(self.model, "lm_head", None)
+        lm = getattr(model, "lm_head", None)
         if not isinstance(lm, nn.Module) or any(m is lm for _, m, _ in chosen):
             return []
         return [("lm_head", lm, KIND_LINEAR)]
 
-    def attach(self) -> None:
-        super().attach()
-        lm = getattr(self.model, "lm_head", None)
-        self._lm_id = next((i for i, m in enumerate(self._modules) if m is lm and i < len(
-            self._modules) - 1), None) if isinstance(lm, nn.Module) else None
-        lp = getattr(self.model, "logits_processor", None)
+    def attach(self, session: AdapterCalls) -> None:
+        self._session = weakref.ref(session)
+        model = session.model  # type: ignore[attr-defined]
+        lm = getattr(model, "lm_head", None)
+        self._lm_id = session.module_id(lm) if isinstance(lm, nn.Module) else None
+        lp = getattr(model, "logits_processor", None)
         if isinstance(lp, nn.Module):
-            self._handles.append(lp.register_forward_hook(self._on_logits, always_call=True))
+            session.hook_output(lp, self.on_logits)
         else:
-            adapter._note_unmapped(f"{type(self.model).__name__} has no logits_processor: "
+            adapter._note_unmapped(f"{type(model).__name__} has no logits_processor: "
                                    "the logits are not recorded")
 
     # -- step boundaries -------------------------------------------------------------------------
-    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        before = self.step
-        super()._on_root_pre(module, args, kwargs)
-        if self._degraded or self.step == before:
-            return  # a re-entrant call of the root: the same step
-        try:
-            self._engine_step(args, kwargs)
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _graph_tok_rows(self) -> int:
-        return self._tok_rows
-
-    def _on_root_post(self, root_id: int, module: nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None:
+    def root_returned(self, session: AdapterCalls, output: Any) -> None:
         # hidden states, not logits: the step goes on until the logits processor returns
-        if self._root_depth == 1 and self._in_step:
-            self._graph_reserve()  # compiled mode: the layers' calls, before the logits'
-        self._root_depth = max(0, self._root_depth - 1)
-        if self._root_depth == 0 and isinstance(output, torch.Tensor):
+        if isinstance(output, torch.Tensor):
             self._hidden = output
 
-    def _on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._degraded or not self._in_step:
+    def on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
+        cap = self._session() if self._session is not None else None
+        if cap is None or not cap.recording or not cap.in_step:
             return  # the sampler's warm-up computes logits without a model forward
         try:
             if isinstance(output, torch.Tensor):
-                root_id = len(self._names) - 1
+                root_id = cap.root_id
                 hidden = args[1] if len(args) > 1 else None
                 if self._lm_id is not None and isinstance(hidden, torch.Tensor):
-                    ci = self._next_call  # lm_head's call: hidden states in, logits out
-                    self._pending.take(ci, self._lm_id, schema.IO_INPUT, 0, hidden)
-                    self._pending.take(ci, self._lm_id, schema.IO_OUTPUT, 0, output)
-                    self._next_call += 1
-                ci = self._next_call
-                self._pending.take(ci, root_id, schema.IO_OUTPUT, 0, output)
+                    ci = cap.new_call()  # lm_head's call: hidden states in, logits out
+                    cap.take(ci, self._lm_id, schema.IO_INPUT, 0, hidden)
+                    cap.take(ci, self._lm_id, schema.IO_OUTPUT, 0, output)
+                ci = cap.new_call()
+                cap.take(ci, root_id, schema.IO_OUTPUT, 0, output)
                 # Which rows are non-finite, as [rows, 1] 0/1 tensors whose per-token absmax
                 # the batched reduction stores (no extra sync): slot ROW_FLAGS_LOGITS per
                 # logits row (one per request), slot ROW_FLAGS_HIDDEN per token row.
                 for slot, t in ((ROW_FLAGS_LOGITS, output), (ROW_FLAGS_HIDDEN, self._hidden)):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
                             and t.numel():
-                        self._pending.take(ci, root_id, schema.IO_OUTPUT, slot,
-                                           reduce.nonfinite_rows(t))
-                self._next_call += 1
-                if output.is_floating_point() and output.numel():
-                    self._logits = output
+                        cap.take(ci, root_id, schema.IO_OUTPUT, slot, reduce.nonfinite_rows(t))
+                cap.set_logits(output)
             self._hidden = None
-            self._logits_step = self.step
-            self._logits_reqs = self._step_reqs
-            self._end_step(complete=True)
+            self._logits_step = cap.step
+            cap.end_step(complete=True)
         except Exception as exc:
-            self._degrade(exc)
+            cap.degrade(exc)
 
     # -- engine meaning --------------------------------------------------------------------------
-    def _engine_step(self, args: tuple, kwargs: dict) -> None:
+    def step_began(self, session: AdapterCalls, args: tuple, kwargs: dict) -> None:
         runner = self._runner()
         sched = adapter._current.get(id(runner)) if runner is not None else None
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor):
             ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
         n_rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() else 0
+        step = session.step
         st = np.zeros(1, schema.engine_dtype("steps"))
-        st["step"] = self.step
+        st["step"] = step
         st["n_rows"] = n_rows
-        self._step_reqs = []
         self._step_prefill, self._step_warmup = None, sched is None
         if sched is None:
             st["warmup"] = 1
-            self._writer_submit(_engine_batch(steps=st))
+            session.submit_engine(steps=st)
             return
         req_ids, prompt, req, pos, phase = adapter.runner_rows(runner, sched)
         self._step_prefill = bool((np.asarray(phase) == 0).any())
@@ -171,23 +151,23 @@ class VllmCapture(Capture):
             new["request"] = [f[0] for f in fresh]
             new["request_id"] = [f[1].encode("utf-8", "replace")[:64] for f in fresh]
             new["prompt_tokens"] = [f[2] for f in fresh]
-            new["first_step"] = self.step
+            new["first_step"] = step
         rows = np.zeros(len(req), schema.engine_dtype("rows"))
-        rows["step"] = self.step
+        rows["step"] = step
         rows["row"] = np.arange(len(req))
         rows["request"] = idx[req] if len(req) else 0
         rows["position"] = pos
         rows["phase"] = phase
         st["n_requests"] = len(req_ids)
-        self._step_reqs = [int(j) for j in idx]
-        self._writer_submit(_engine_batch(steps=st, rows=rows, requests=new))
+        session.submit_engine(steps=st, rows=rows, requests=new)
 
-    def _step_kind(self) -> dict[str, Any]:
+    def step_kind(self) -> dict[str, Any]:
         return {"prefill": self._step_prefill, "warmup": self._step_warmup}
 
     def on_runner_output(self, out: Any) -> None:
         """The runner's output of the last step: record each request's sampled token(s)."""
-        if self._degraded or out is None:
+        cap = self._session() if self._session is not None else None
+        if cap is None or not cap.recording or out is None:
             return
         try:
             if not hasattr(out, "sampled_token_ids") and hasattr(out, "get_output"):
@@ -207,7 +187,7 @@ class VllmCapture(Capture):
             if rows:
                 arr = np.zeros(len(rows), schema.engine_dtype("sampled"))
                 arr["step"], arr["request"], arr["token"] = zip(*rows)
-                self._writer_submit(_engine_batch(sampled=arr))
+                cap.submit_engine(sampled=arr)
         except Exception as exc:
             log.warning("qforensics: vLLM sampled tokens not recorded (%s)", exc)
 
@@ -218,13 +198,9 @@ class VllmCapture(Capture):
 
         def get_output() -> Any:
             res = orig()
-            cap = me()
-            if cap is not None:
-                cap.on_runner_output(res)
+            this = me()
+            if this is not None:
+                this.on_runner_output(res)
             return res
 
         out.get_output = get_output
-
-    def _writer_submit(self, batch: StepBatch) -> None:
-        if self._writer is not None:
-            self._writer.submit(batch)

@@ -18,6 +18,7 @@ from torch import nn
 from qforensics.trace import schema
 
 if TYPE_CHECKING:
+    from qforensics.hooks.adapter import EngineAdapter
     from qforensics.hooks.pending import PendingStep
 
 HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
@@ -52,6 +53,7 @@ class CallHooks:
     _logits: torch.Tensor | None
     _budget: int
     _step_lock: Any
+    adapter: "EngineAdapter"
 
     if TYPE_CHECKING:  # provided by the session (hooks/session.py) and StepEnd
         def _begin_step(self, ids: torch.Tensor | None) -> None: ...
@@ -77,6 +79,7 @@ class CallHooks:
                 ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
             self._begin_step(ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point()
                              else None)
+            self.adapter.step_began(self, args, kwargs)  # type: ignore[arg-type]
         except Exception as exc:
             self._degrade(exc)
 
@@ -96,6 +99,11 @@ class CallHooks:
         try:
             self._root_depth = max(0, self._root_depth - 1)
             if self._root_depth > 0:
+                return
+            if not self.adapter.logits_from_root:  # the adapter ends the step (its logits)
+                if self._in_step:
+                    self._graph_reserve()  # compiled mode: the layers' calls, before the logits'
+                    self.adapter.root_returned(self, output)  # type: ignore[arg-type]
                 return
             if not self._in_step:
                 self._begin_step(None)

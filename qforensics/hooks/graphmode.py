@@ -24,6 +24,7 @@ from torch import nn
 from qforensics.hooks import graphstats
 
 if TYPE_CHECKING:
+    from qforensics.hooks.adapter import EngineAdapter
     from qforensics.hooks.pending import PendingStep
 
 log = logging.getLogger("qforensics.hooks.capture")
@@ -53,10 +54,7 @@ class GraphMode:
     _handles: list[Any]
     step: int
     options: dict[str, Any]
-
-    def _graph_tok_rows(self) -> int:
-        """Token rows a step may have at most (an engine adapter knows its batch limit)."""
-        return 8192
+    adapter: "EngineAdapter"
 
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
                       max_outputs: int) -> int:
@@ -78,7 +76,7 @@ class GraphMode:
         blocks = [k == "block" for _, _, k in mods]
         self._gs = graphstats.GraphStats(
             entries=graphstats.max_entries(blocks, max_inputs, max_outputs),
-            tok_rows=self._graph_tok_rows(), device=device, channel_limit=limit,
+            tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"])
         for (mid, m, k), bound in zip(mods, bounds):
             hook = graphstats.make_hook(self._gs, mid, k == "block", bound, max_inputs,

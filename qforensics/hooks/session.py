@@ -33,6 +33,7 @@ from qforensics.errors import CaptureError
 from qforensics.trace.budgetopts import DEFAULT_MAX_BYTES
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
 from qforensics.hooks import fast_take, fused, registry
+from qforensics.hooks.adapter import AdapterCalls, EngineAdapter
 from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
 from qforensics.hooks.graphmode import GraphMode, is_compiled
 from qforensics.hooks.environment import describe_environment, rank_and_world
@@ -48,8 +49,9 @@ from qforensics.trace.writer import StepBatch, TraceWriter
 log = logging.getLogger("qforensics.hooks.capture")
 
 
-class Capture(CallHooks, StepEnd, GraphMode):
-    """A capture session on one model. Create with `qforensics.capture(...)`."""
+class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
+    """A capture session on one model. Create with `qforensics.capture(...)`; an engine passes
+    its `adapter` (hooks/adapter.py)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class Capture(CallHooks, StepEnd, GraphMode):
         rank: int | None = None,
         world_size: int | None = None,
         compiled: bool | None = None,
+        adapter: EngineAdapter | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
@@ -119,9 +122,12 @@ class Capture(CallHooks, StepEnd, GraphMode):
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
             "compiled": "auto" if compiled is None else bool(compiled),
         }
-        # compiled mode (hooks/graphmode.py): torch-op hooks traced into the graph; an engine
-        # adapter may set it before attach
-        self._graph_mode = compiled if compiled is not None else is_compiled(model)
+        self.adapter = adapter if adapter is not None else EngineAdapter()
+        engine_compiles = self.adapter.compiled()
+        # compiled mode (hooks/graphmode.py): torch-op hooks traced into the graph
+        if compiled is None:
+            compiled = engine_compiles if engine_compiles is not None else is_compiled(model)
+        self._graph_mode = bool(compiled)
         self._gs = None
         self._graph_why: str | None = None
         self._graph_step = -1
@@ -132,9 +138,10 @@ class Capture(CallHooks, StepEnd, GraphMode):
         self._metadata = dict(metadata or {})
         self._handles: list[Any] = []
         # the C hooks folded into the modules' forwards (hooks/fast_take.py wrap_forward) rather
-        # than registered as torch hooks; an engine adapter turns it off where torch.compile or
-        # graphs would trace the modules
-        self._wrap_forward = os.environ.get("QFORENSICS_HOOK_PATH", "auto") != "torch"
+        # than registered as torch hooks; never where the engine's torch.compile or graphs
+        # would trace the modules
+        self._wrap_forward = (os.environ.get("QFORENSICS_HOOK_PATH", "auto") != "torch"
+                              and not engine_compiles)
         self._hook_path = "torch"
         self._writer: TraceWriter | None = None
         self._attached = False
@@ -190,7 +197,7 @@ class Capture(CallHooks, StepEnd, GraphMode):
             )
         try:
             chosen = select_modules(self.model, self._module_spec)
-            extra = self._adapter_modules(chosen)
+            extra = self.adapter.extra_modules(self.model, chosen)
             if extra and chosen and chosen[-1][2] == "root":  # before the root, which is last
                 chosen = chosen[:-1] + extra + chosen[-1:]
             self._unhooked = {id(m) for _, m, _ in extra}
@@ -229,31 +236,11 @@ class Capture(CallHooks, StepEnd, GraphMode):
             )
             root_id = len(chosen) - 1
             if self._graph_mode:
-                self._attach_graph_session(chosen, root_id)
-                return
-            # the hooks in C (hooks/fast_take.c) when the extension is already built: they do
-            # _on_call's work while a step runs on its plan and call _on_call otherwise
-            cursor = self._pending.ensure_cursor()
-            c_hook = fast_take.TAKER.hook_type if cursor is not None else None
-            self._c_hooks = c_hook is not None
-            wrapped = 0
-            for mid, (name, mod, kind) in enumerate(chosen):
-                if kind == "root" or id(mod) in self._unhooked:
-                    continue
-                hook: Any = partial(self._on_call, mid, kind == "block")
-                if c_hook is not None:
-                    hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
-                                  MAX_INPUTS, MAX_OUTPUTS)
-                    # folded into the module's forward: torch's call path without hooks
-                    handle = fast_take.wrap_forward(mod, hook) if self._wrap_forward else None
-                    if handle is not None:
-                        self._handles.append(handle)
-                        wrapped += 1
-                        continue
-                self._handles.append(mod.register_forward_hook(
-                    hook, with_kwargs=True, always_call=True))
-            self._hook_path = "forward" if wrapped else "torch"
-            self._attach_root(root_id)
+                self._attach_graph_session(chosen)
+            else:
+                self._attach_eager(chosen)
+            self.adapter.attach(self)
+            self._attach_root(root_id, outside_graph=self._graph_mode)
         except BaseException:
             self._remove_hooks()
             self._graph_close()
@@ -262,14 +249,37 @@ class Capture(CallHooks, StepEnd, GraphMode):
                 self._writer.close({"state": "error", "error": "attach failed"})
             raise
 
-    def _attach_graph_session(self, chosen: list, root_id: int) -> None:
+    def _attach_eager(self, chosen: list) -> None:
+        """Eager mode: the hooks in C (hooks/fast_take.c) when the extension is already built:
+        they do _on_call's work while a step runs on its plan and call _on_call otherwise."""
+        cursor = self._pending.ensure_cursor()
+        c_hook = fast_take.TAKER.hook_type if cursor is not None else None
+        self._c_hooks = c_hook is not None
+        wrapped = 0
+        for mid, (name, mod, kind) in enumerate(chosen):
+            if kind == "root" or id(mod) in self._unhooked:
+                continue
+            hook: Any = partial(self._on_call, mid, kind == "block")
+            if c_hook is not None:
+                hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
+                              MAX_INPUTS, MAX_OUTPUTS)
+                # folded into the module's forward: torch's call path without hooks
+                handle = fast_take.wrap_forward(mod, hook) if self._wrap_forward else None
+                if handle is not None:
+                    self._handles.append(handle)
+                    wrapped += 1
+                    continue
+            self._handles.append(mod.register_forward_hook(
+                hook, with_kwargs=True, always_call=True))
+        self._hook_path = "forward" if wrapped else "torch"
+
+    def _attach_graph_session(self, chosen: list) -> None:
         """Compiled mode: graph hooks on the layers; the root's hooks run outside the graph
         (torch.compile of the whole model breaks the graph there, before and after the
         model's own code)."""
         self._c_hooks = False
         self._attach_graph(chosen, MAX_INPUTS, MAX_OUTPUTS)
         self._hook_path = "graph" if self._gs is not None else "none"
-        self._attach_root(root_id, outside_graph=True)
 
     def _attach_root(self, root_id: int, outside_graph: bool = False) -> None:
         pre: Any = self._on_root_pre
@@ -282,13 +292,6 @@ class Capture(CallHooks, StepEnd, GraphMode):
         self._attached = True
         self._sink = register_sink(self.model, self.record_incident)  # guard incidents
         registry.register_exit(self)
-
-    def _adapter_modules(self, chosen: list[tuple[str, nn.Module, str]]
-                         ) -> list[tuple[str, nn.Module, str]]:
-        """Modules an engine adapter records itself instead of through a hook (vLLM's lm_head,
-        which its logits processor applies without calling its forward): listed in the trace
-        like the hooked ones, with their parameter evidence; none for a plain model."""
-        return []
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:

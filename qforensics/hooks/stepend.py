@@ -22,6 +22,7 @@ from qforensics.trace import schema
 log = logging.getLogger("qforensics.hooks.capture")
 
 if TYPE_CHECKING:
+    from qforensics.hooks.adapter import EngineAdapter
     from qforensics.hooks.pending import PendingStep
     from qforensics.hooks.recorder import FlightRecorder
     from qforensics.hooks.snapshots import Snapshots
@@ -44,6 +45,7 @@ class StepEnd:
     _next_call: int
     options: dict[str, Any]
     step: int
+    adapter: "EngineAdapter"
 
     def _reduce_pending(self, final: bool = False, complete: bool = True) -> None:
         """Finish the device side of what the hooks took (see hooks/pending.py) and bring it
@@ -164,11 +166,6 @@ class StepEnd:
     if TYPE_CHECKING:  # hooks/graphmode.py (a mixin of the session, like this one)
         def _graph_part(self) -> dict[str, Any] | None: ...
 
-    def _step_kind(self) -> dict[str, Any]:
-        """What an engine adapter knows about the step for the flight recorder (prefill,
-        warmup); nothing for a plain model."""
-        return {}
-
     def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
         assert self._writer is not None and self._snaps is not None
         snaps, data = self._snaps.take()
@@ -181,5 +178,5 @@ class StepEnd:
             snaps=snaps, data=data, incidents=incidents,
             channel_dtype=self.options["channel_dtype"])
         if self._recorder is not None:
-            self._recorder.apply(batch, **self._step_kind())
+            self._recorder.apply(batch, **self.adapter.step_kind())
         self._writer.submit(batch)

@@ -48,10 +48,10 @@ def _record(path, name, io):
 
 def _session(kind):
     if kind == "vllm":
-        from qforensics.engines.vllm_capture import VllmCapture
+        from qforensics.engines.vllm_capture import vllm_capture
 
         runner = _Runner()
-        return lambda model, path: VllmCapture(model, path, runner=runner)
+        return lambda model, path: vllm_capture(model, path, runner=runner)
     return Capture
 
 
