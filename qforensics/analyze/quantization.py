@@ -1,6 +1,7 @@
 """Quantization of each hooked module, as capture recorded it in the module's info JSON (the
-`quant` key: format, target, bits). Trace content is untrusted: the JSON is parsed with the
-validator's bounds and every field is type-checked and capped. No torch import."""
+`quant` key: format, target, bits), and its weight layout as qforensics.layouts.detect names it
+from the recorded tensors. Trace content is untrusted: the JSON is parsed with the validator's
+bounds and every field is type-checked and capped. No torch import."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qforensics.errors import TraceFormatError
+from qforensics.trace.moduleinfo import module_layout
 from qforensics.trace.reader import Trace
 from qforensics.trace.validate import parse_json
 
@@ -33,12 +35,14 @@ class ModuleQuant:
     format: str  # e.g. "fp8-e4m3-nosat", "int4-per-tensor"
     target: str  # "activations" | "weights" | ""
     bits: int | None
+    layout: str = ""  # the weight layout, by qforensics.layouts.detect ("awq-gemm", "fp8", ...)
 
 
 def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
     """module name -> its quantization (from the `quant` key of the module's info JSON)."""
     out: dict[str, ModuleQuant] = {}
-    for name, raw in zip(trace.module_names, trace.module_columns["info"]):
+    cols = trace.module_columns
+    for name, mtype, raw in zip(trace.module_names, cols["type"], cols["info"]):
         info = module_info_dict(raw)
         q = info.get("quant") if info else None
         if not isinstance(q, dict):
@@ -48,5 +52,5 @@ def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
             continue
         target = q.get("target") if isinstance(q.get("target"), str) else ""
         bits = q.get("bits") if isinstance(q.get("bits"), int) else None
-        out[name] = ModuleQuant(fmt[:80], target[:40], bits)
+        out[name] = ModuleQuant(fmt[:80], target[:40], bits, module_layout(mtype, info))
     return out

@@ -90,8 +90,8 @@ def detect(params: Mapping[str, Any], module_type: str = "", *, method: str | No
     if "qweight" in p:
         if "WQLinear" in mt or (method or "").lower() == "awq":
             return Detected("awq-gemm", f"layer class {mt}" if "WQLinear" in mt else "the config says awq")
-        if (method or "").lower() == "gptq" or "QuantLinear" in mt:
-            return Detected("gptq", "the config says gptq" if method else f"layer class {mt}")
+        if (method or "").lower() == "gptq":
+            return Detected("gptq", "the config says gptq")
         if "scales" in p:
             got = packed_method(p["qweight"][1], p["scales"][1], bits or 4, "g_idx" in p)
             if got:

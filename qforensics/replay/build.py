@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.errors import QForensicsError, ReplayError
+from qforensics.layouts.detect import detect
 from qforensics.replay import layouts
 from qforensics.replay.bundle import (
     _FLOAT,
@@ -245,14 +246,21 @@ def layout_meta(mtype: str | None, info: dict[str, Any], snapshot_names: set[str
     if mtype == "FakeQuantLinear":
         meta.update(layout="qforensics-fakequant", fake_quant=quant.get("format"), kernel="qforensics-fakequant",
                     library="qforensics (fixture: the project's own fake-quant layer)")
-    elif wdt.startswith("float8"):
+        return _dtype_facts(meta, wdt, engine)
+    found = detect({n: params.get(n) or {} for n in set(params) | snapshot_names}, mtype or "").name
+    if found == "fp8":
         meta.update(layout=meta.get("layout") or "fp8", weight_dtype=wdt, kernel="torch-scaled-mm")
-    elif "qweight" in snapshot_names and mtype and "WQLinear" in mtype:
+    elif found == "awq-gemm" and "qweight" in snapshot_names and mtype and "WQLinear" in mtype:
         meta.update(layout=meta.get("layout") or "awq-gemm", library="autoawq", kernel=f"autoawq:{mtype}")
-    elif "weight_packed" in snapshot_names:
+    elif found == "ct-pack-quantized" and "weight_packed" in snapshot_names:
         meta.update(layout=meta.get("layout") or "ct-pack-quantized", library="compressed-tensors")
-    elif mtype in ("Linear", "NonDynamicallyQuantizableLinear") and "weight" in snapshot_names:
+    elif found in ("dense", "") and mtype in ("Linear", "NonDynamicallyQuantizableLinear") and "weight" in snapshot_names:
         meta.update(layout="dense", kernel="torch-linear", library="torch")
+    return _dtype_facts(meta, wdt, engine)
+
+
+def _dtype_facts(meta: dict[str, Any], wdt: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """The compute dtype (a float weight's) and the engine's own kernel name, when stated."""
     if wdt in ("float32", "float16", "bfloat16"):
         meta["compute_dtype"] = wdt
     if engine.get("kernel"):

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qforensics.layouts.detect import FORMATS, detect
 from qforensics.trace.reader import Trace
 
-__all__ = ["BadIndex", "GroupLevels", "ModuleInfos", "ParamHealth", "StaticInput",
+__all__ = ["BadIndex", "GroupLevels", "ModuleInfos", "ParamHealth", "StaticInput", "module_layout",
            "read_module_infos", "read_module_quant"]
 
 _MAX_NAME = 200
@@ -116,6 +117,8 @@ class ModuleInfos:
     health: list[ParamHealth] = field(default_factory=list)
     static_inputs: dict[str, StaticInput] = field(default_factory=dict)
     quant: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # module -> its weight layout, named by qforensics.layouts.detect (one spelling per format)
+    layouts: dict[str, str] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
     invalid: int = 0  # info values dropped as malformed
     # modules described (their health) but never hooked: the token embedding (root's info)
@@ -213,6 +216,19 @@ def _quant(q: Any) -> dict[str, Any] | None:
             if isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 200)}
 
 
+def module_layout(module_type: str, info: dict[str, Any]) -> str:
+    """The layout of a module from its info JSON (its tensors' dtypes and shapes, its class, the
+    engine's statement), named by the one detector; "" when unknown. Capture's `quant.format`
+    is not used: it calls every non-AutoAWQ ``qweight`` layer "gptq" (vLLM's AWQ layers too)."""
+    params = info.get("params")
+    params = {str(k)[:_MAX_NAME]: v for k, v in list(params.items())[:64]} if isinstance(params, dict) else {}
+    engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
+    q = info.get("quant") if isinstance(info.get("quant"), dict) else {}
+    layout = engine.get("layout") if engine.get("layout") in FORMATS else None
+    bits = q.get("bits") if isinstance(q.get("bits"), int) and not isinstance(q.get("bits"), bool) else None
+    return detect(params, _name(module_type), engine_layout=layout, bits=bits if bits in (2, 4, 8) else None).name
+
+
 def read_module_quant(trace: Trace) -> dict[str, dict[str, Any]]:
     """Only the `quant` of each module's info (validated as in `read_module_infos`), for
     callers that need nothing else: the parameter health is not parsed."""
@@ -235,7 +251,7 @@ def read_module_infos(trace: Trace) -> ModuleInfos:
     """Parse and validate every module's info JSON once."""
     out = ModuleInfos()
     cols = trace.module_columns
-    for name, kind, raw in zip(cols["name"], cols["kind"], cols["info"]):
+    for name, mtype, kind, raw in zip(cols["name"], cols["type"], cols["kind"], cols["info"]):
         name = _name(name)
         try:
             info = json.loads(raw) if raw else {}
@@ -262,6 +278,10 @@ def read_module_infos(trace: Trace) -> ModuleInfos:
         q = _quant(info.get("quant"))
         if q is not None:
             out.quant[name] = q
+        if isinstance(info.get("params"), dict) and info["params"]:
+            layout = module_layout(mtype, info)
+            if layout:
+                out.layouts[name] = layout
         emb = info.get("embedding") if kind == "root" else None
         if isinstance(emb, dict) and isinstance(emb.get("health"), dict) and emb.get("name"):
             ename = _name(emb["name"])

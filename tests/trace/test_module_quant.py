@@ -30,3 +30,30 @@ def test_quant_alone_matches_the_full_parse(tmp_path):
         assert q == read_module_infos(t).quant
         names = t.module_names.tolist()
     assert q[names[2]] == {"bits": 4} and names[1] not in q and names[3] not in q
+
+
+def test_layouts_are_named_by_the_one_detector(tmp_path):
+    """Each module's weight layout comes from its recorded tensors (dtype, shape), in the
+    detector's spelling; capture's "gptq" for a non-AutoAWQ qweight layer is not trusted."""
+    from qforensics.analyze.quantization import read_quant
+    from qforensics.layouts import FORMATS
+
+    p = tmp_path / "t.h5"
+    shutil.copyfile(SAMPLES / "fp8-e4m3-nosat-act.h5", p)
+    awq = {"qweight": {"dtype": "int32", "shape": [64, 2]}, "qzeros": {"dtype": "int32", "shape": [2, 2]},
+           "scales": {"dtype": "float16", "shape": [2, 16]}}
+    fp8 = {"weight": {"dtype": "float8_e4m3fn", "shape": [16, 64]}, "weight_scale": {"dtype": "float32", "shape": []}}
+    with h5py.File(p, "r+") as f:
+        info = f["modules/info"][:]
+        info[1] = json.dumps({"params": awq, "quant": {"format": "gptq", "bits": 4}})
+        info[2] = json.dumps({"params": fp8, "quant": {"format": "fp8-e4m3", "bits": 8}})
+        info[3] = json.dumps({"params": {"weight": {"dtype": "float16", "shape": [4, 4]}}})
+        f["modules/info"][:] = info
+    with open_trace(p) as t:
+        infos = read_module_infos(t)
+        quant = read_quant(t)
+        names = t.module_names.tolist()
+    assert [infos.layouts.get(n) for n in names[1:4]] == ["awq-gemm", "fp8", "dense"]
+    assert set(infos.layouts.values()) <= set(FORMATS)
+    assert quant[names[1]].layout == "awq-gemm" and quant[names[2]].layout == "fp8"
+    assert quant[names[2]].format == "fp8-e4m3"  # capture's words stay as recorded
