@@ -23,7 +23,7 @@ from qforensics.analyze.outliers import ChannelRow
 from qforensics.analyze.thresholds import Thresholds
 from qforensics.formats import FORMAT_LIMITS, FP8_MIN_SUBNORMAL, symmetric_qmax
 
-__all__ = ["SCHEMES", "predict_damage", "rank_unsafe"]
+__all__ = ["SCHEMES", "per_tensor_zeroed", "predict_damage", "rank_unsafe"]
 
 QMAX = {b: float(symmetric_qmax(b)) for b in (4, 8)}
 GROUPS = (32, 64, 128)
@@ -58,6 +58,13 @@ def _line(scheme: str, scale: float, scale_min: float, zeroed: int, total: int,
     return text
 
 
+def per_tensor_zeroed(A: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a (modules x channels) absmax matrix: the per-tensor INT`bits` scale and the
+    channels whose absmax is below half of it (every value rounds to 0)."""
+    s = A.max(axis=1) / QMAX[bits]
+    return s, (A < s[:, None] / 2).sum(1)
+
+
 def predict_damage(rows: list[ChannelRow], th: Thresholds) -> list[SchemeDamage]:
     """Every scheme x every module row; one numpy pass per input width and scheme."""
     by_width: dict[int, list[ChannelRow]] = {}
@@ -78,9 +85,8 @@ def predict_damage(rows: list[ChannelRow], th: Thresholds) -> list[SchemeDamage]
         tok_max = np.where(no_tok, amax, tok_max)
         results: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for bits, q in QMAX.items():
-            s = amax / q
-            results.append((f"int{bits}-per-tensor", s, s, (A < s[:, None] / 2).sum(1),
-                            np.zeros(M, np.int64)))
+            s, zeroed = per_tensor_zeroed(A, bits)
+            results.append((f"int{bits}-per-tensor", s, s, zeroed, np.zeros(M, np.int64)))
             smin, smax = tok_min / q, tok_max / q
             results.append((f"int{bits}-per-token", smax, smin, (A < smin[:, None] / 2).sum(1),
                             np.zeros(M, np.int64)))

@@ -18,8 +18,9 @@ from qforensics.trace import schema
 from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth, StaticInput
 from qforensics.trace.reader import Trace
 
-__all__ = ["activation_scheme_evidence", "collect_evidence", "flag_parameters", "output_evidence",
-           "parameter_evidence", "static_range_evidence", "summarize_parameters"]
+__all__ = ["PARAM_FLAGS", "activation_scheme_evidence", "collect_evidence", "flag_parameters",
+           "output_evidence", "param_flag", "parameter_evidence", "static_range_evidence",
+           "summarize_parameters"]
 
 _CAP = 16
 
@@ -36,28 +37,44 @@ def _corrupt(h: ParamHealth) -> bool:
     return bool(h.nan or h.inf or (h.is_scale and h.zero) or h.zero_point_out_of_range)
 
 
+# why a parameter is listed, worst first (`param_flag`)
+PARAM_FLAGS = ("nonfinite", "zero_scales", "zero_points", "mostly_zero", "few_levels",
+               "dominated", "unreadable")
+
+
+def param_flag(h: ParamHealth, th: Thresholds) -> str | None:
+    """The worst of PARAM_FLAGS that holds for one parameter, None when nothing does."""
+    if h.nan or h.inf:
+        return "nonfinite"
+    if h.is_scale and h.zero:
+        return "zero_scales"
+    if h.zero_point_out_of_range:
+        return "zero_points"
+    if h.zero_share > th.param_zero_share:
+        return "mostly_zero"
+    if h.levels and h.levels.levels_median <= th.param_levels:
+        return "few_levels"
+    if h.levels and h.levels.dominated_share >= th.param_dominated:
+        return "dominated"
+    return "unreadable" if h.error else None
+
+
 def flag_parameters(infos: ModuleInfos, th: Thresholds) -> list[ParamHealth]:
     """Parameters worth showing, worst first: non-finite values, zero scales, zero points out of
     range, then weights that are mostly zeros, hold few levels per group, or whose group scales
-    one weight dominates."""
-    def key(h: ParamHealth) -> tuple:
-        if h.nan or h.inf:
-            return (0, -(h.nan + h.inf))
-        if h.is_scale and h.zero:
-            return (1, -h.zero)
-        if h.zero_point_out_of_range:
-            return (2, -h.zero_point_out_of_range)
-        if h.zero_share > th.param_zero_share:
-            return (3, -h.zero_share)
-        if h.levels and h.levels.levels_median <= th.param_levels:
-            return (4, h.levels.levels_median)
-        if h.levels and h.levels.dominated_share >= th.param_dominated:
-            return (5, -h.levels.dominated_share)
-        if h.error:
-            return (6, 0)
-        return (9, 0)
-    flagged = [(key(h), h) for h in infos.health]
-    flagged = [kv for kv in flagged if kv[0][0] < 9]
+    one weight dominates (`param_flag`); within a flag, the largest count or share first."""
+    order = {
+        "nonfinite": lambda h: -(h.nan + h.inf), "zero_scales": lambda h: -h.zero,
+        "zero_points": lambda h: -h.zero_point_out_of_range,
+        "mostly_zero": lambda h: -h.zero_share,
+        "few_levels": lambda h: h.levels.levels_median,
+        "dominated": lambda h: -h.levels.dominated_share, "unreadable": lambda h: 0,
+    }
+    flagged = []
+    for h in infos.health:
+        flag = param_flag(h, th)
+        if flag is not None:
+            flagged.append(((PARAM_FLAGS.index(flag), order[flag](h)), h))
     flagged.sort(key=lambda kv: (kv[0], kv[1].module, kv[1].param))
     return [h for _, h in flagged]
 

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qforensics.analyze.findings import FirstNonfinite
 from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 
-__all__ = ["MAX_HEATMAP_COLS", "MAX_HEATMAP_ROWS", "Grid", "Heatmap", "bin_heatmap", "read_grid"]
+__all__ = ["MAX_HEATMAP_COLS", "MAX_HEATMAP_ROWS", "Grid", "Heatmap", "bin_heatmap", "heatmap_of",
+           "read_grid"]
 
 MAX_HEATMAP_ROWS = 200
 MAX_HEATMAP_COLS = 200
@@ -82,6 +84,7 @@ class Heatmap:
     col_starts: np.ndarray  # first step index of each column
     n_modules: int
     n_steps: int
+    mark: tuple[int, int] | None = None  # (row, column) of the first non-finite record
 
     @property
     def binned(self) -> bool:
@@ -97,9 +100,11 @@ def _bins(n: int, limit: int) -> np.ndarray:
 
 
 def bin_heatmap(values: np.ndarray, bad: np.ndarray, labels: list[str],
-                max_rows: int = MAX_HEATMAP_ROWS, max_cols: int = MAX_HEATMAP_COLS) -> Heatmap:
+                max_rows: int = MAX_HEATMAP_ROWS, max_cols: int = MAX_HEATMAP_COLS,
+                mark: tuple[int, int] | None = None) -> Heatmap:
     """Reduce a (modules x steps) grid to at most max_rows x max_cols by taking each bin's max
-    (NaN-aware) and OR of the non-finite flags."""
+    (NaN-aware) and OR of the non-finite flags. `mark` (module row, step column of the grid)
+    becomes the cell of the bin holding it."""
     n_mod, n_steps = values.shape
     rs, cs = _bins(n_mod, max_rows), _bins(n_steps, max_cols)
     v, b = values, bad
@@ -113,4 +118,23 @@ def bin_heatmap(values: np.ndarray, bad: np.ndarray, labels: list[str],
         v = np.maximum.reduceat(filled, cs, axis=1)
         v = np.where(np.isneginf(v), np.nan, v)
         b = np.logical_or.reduceat(b, cs, axis=1)
-    return Heatmap(v, b, [labels[i] for i in rs], rs, cs, n_mod, n_steps)
+    cell = None
+    if mark is not None and 0 <= mark[0] < n_mod and 0 <= mark[1] < n_steps:
+        cell = (int(np.searchsorted(rs, mark[0], side="right") - 1),
+                int(np.searchsorted(cs, mark[1], side="right") - 1))
+    return Heatmap(v, b, [labels[i] for i in rs], rs, cs, n_mod, n_steps, cell)
+
+
+def heatmap_of(trace: Trace, first: FirstNonfinite | None) -> Heatmap | None:
+    """The trace's module-by-step grid, binned for display, with the cell of the first
+    non-finite record (`Findings.first_nonfinite`) marked."""
+    grid = read_grid(trace)
+    if grid is None:
+        return None
+    mark = None
+    if first is not None:
+        rows = [i for i, n in enumerate(grid.labels) if n == first.module]
+        cols = np.nonzero(grid.steps == first.step)[0]
+        if rows and len(cols):
+            mark = (rows[0], int(cols[0]))
+    return bin_heatmap(grid.values, grid.bad, grid.labels, mark=mark)

@@ -27,6 +27,7 @@ __all__ = [
     "find_outlier_channels",
     "find_persistent_outliers",
     "load_step_channels",
+    "standing_out",
     "top_ratio_rows",
 ]
 
@@ -165,14 +166,29 @@ def _trend(trace: Trace, index: RecordIndex, row: ChannelRow, channels: np.ndarr
     return pts, first
 
 
+def _ranked(a: np.ndarray, lim: np.ndarray) -> np.ndarray:
+    """Channels past any limit, largest absmax first."""
+    hot = np.nonzero(lim.any(axis=1))[0]
+    return hot[np.argsort(-a[hot], kind="stable")]
+
+
+def standing_out(absmax: np.ndarray, th: Thresholds) -> np.ndarray:
+    """Channels of one record's absmax (as `channel_absmax` gives it) that stand out by any
+    limit (ratio to the median channel, absolute, a format's overflow), largest first."""
+    a = np.asarray(absmax, np.float64)
+    if not a.size:
+        return np.zeros(0, np.int64)
+    med = max(float(np.median(a)), _TINY)
+    return _ranked(a, _limits(a, a / med, th))
+
+
 def outliers_of_row(trace: Trace, row: ChannelRow, th: Thresholds, index: RecordIndex | None,
                     limit: int) -> list[OutlierChannel]:
     a, r = row.absmax, row.ratio
     lim = _limits(a, r, th)
-    hot = np.nonzero(lim.any(axis=1))[0]
+    hot = _ranked(a, lim)[:limit]
     if not len(hot):
         return []
-    hot = hot[np.argsort(-a[hot], kind="stable")][:limit]
     token = None
     if row.tokens is not None and len(row.tokens):
         t = np.where(np.isfinite(row.tokens), row.tokens, -np.inf)

@@ -51,6 +51,16 @@ class Thresholds:
                              f"{', '.join(sorted(names))}")
         return cls(**{k: v for k, v in kw.items() if v is not None})
 
+    @classmethod
+    def recorded(cls, d: dict[str, Any] | None) -> Thresholds:
+        """The thresholds a findings document records (`Findings.thresholds`); defaults for any
+        it lacks or records badly."""
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in (d or {}).items() if k in names})
+        except (UsageError, TypeError):
+            return cls()
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
