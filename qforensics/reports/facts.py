@@ -1,10 +1,9 @@
-"""Facts the report reads from a trace beyond the analyzer's findings: parameter health (modules'
-info JSON), the generated text (meta outcome), the environment and the per-channel input range of
-the responsible module. (Quantization per module and the module-by-step grid are analysis:
-qforensics.analyze.quantization and qforensics.analyze.grid.)
+"""The report's tables and texts from the analysis: parameter health (`Findings.parameters`,
+in words), the generated text (meta outcome) and the environment, and number formatting. What
+the figures show is analysis too (qforensics.analyze.views); nothing here reads a trace.
 
-Every value here comes from an untrusted file: JSON is parsed defensively, types are checked,
-strings are capped, and nothing is marked safe for HTML (the template escapes). No torch import.
+Every value here comes from an untrusted file: metadata is type-checked, strings are capped, and
+nothing is marked safe for HTML (the template escapes). No torch import.
 """
 
 from __future__ import annotations
@@ -14,30 +13,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from qforensics.analyze.evidence import param_flag
 from qforensics.analyze.findings import Findings
-from qforensics.analyze.quantization import module_info_dict
-from qforensics.errors import TraceFormatError
-from qforensics.trace import schema
-from qforensics.trace.reader import Trace
+from qforensics.analyze.thresholds import Thresholds
 
 __all__ = [
-    "ChannelView",
     "Health",
     "HealthRow",
     "Outcome",
     "environment_rows",
     "fmt_num",
     "health_from_findings",
-    "read_channels",
     "read_outcome",
     "text_value",
 ]
 
 MAX_TEXT = 20000
 MAX_FIELD = 400
-ZERO_FRACTION_FLAG = 0.5  # a parameter with more than this share of exact zeros is flagged
 
 
 def fmt_num(v: Any, digits: int = 3) -> str:
@@ -76,10 +68,6 @@ def text_value(v: Any, limit: int = MAX_FIELD) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def _module_info(raw: str) -> dict[str, Any] | None:
-    return module_info_dict(raw)
-
-
 # -- parameter health ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HealthRow:
@@ -108,20 +96,21 @@ class Health:
     rows_total: int = 0  # flagged rows before the cap
 
 
-def _problem(h: Any, th: dict[str, Any]) -> str:
-    if h.nan or h.inf:
+def _problem(h: Any, flag: str | None) -> str:
+    """Words for the analysis's reason to list a parameter (`analyze.evidence.param_flag`)."""
+    if flag == "nonfinite":
         where = f" from {h.first_nonfinite.words()}" if h.first_nonfinite else ""
         return ("NaN/Inf scales" if h.is_scale else "NaN/Inf values") + where
-    if h.is_scale and h.zero:
+    if flag == "zero_scales":
         return "zero scales (every value in their group dequantizes to 0)"
-    if h.zero_point_out_of_range:
+    if flag == "zero_points":
         return f"{h.zero_point_out_of_range} zero points out of range"
-    if h.zero_share > float(th.get("param_zero_share", ZERO_FRACTION_FLAG)):
+    if flag == "mostly_zero":
         return f"{h.zero_share:.1%} exact zeros"
-    if h.levels and h.levels.levels_median <= float(th.get("param_levels", 3)):
+    if flag == "few_levels":
         return (f"{h.levels.levels_median:g} distinct values per group of "
                 f"{h.levels.group_size} (median)")
-    if h.levels:
+    if flag == "dominated":
         return f"{h.levels.dominated_share:.0%} of groups scaled by one weight"
     return "not checked: " + text_value(h.error or "", 160)
 
@@ -133,8 +122,9 @@ def health_from_findings(findings: Findings, limit: int = 25) -> Health:
                with_nonfinite=int(summ.get("nonfinite", 0)),
                mostly_zero=int(summ.get("mostly_zero", 0)),
                unreadable=int(summ.get("unreadable", 0)))
+    th = Thresholds.recorded(findings.thresholds)
     rows = [HealthRow(p.module, p.param, p.numel, p.nan, p.inf, p.zero, p.subnormal,
-                      _problem(p, findings.thresholds)) for p in findings.parameters]
+                      _problem(p, param_flag(p, th))) for p in findings.parameters]
     h.rows_total = len(rows)
     h.rows = rows[:limit]
     return h
@@ -226,64 +216,3 @@ def environment_rows(meta: dict[str, Any]) -> list[tuple[str, str]]:
         else:
             rows.append((str(k)[:80], text_value(v)))
     return rows
-
-
-# -- per-channel view of the responsible module ----------------------------------------------------
-@dataclass(frozen=True)
-class ChannelView:
-    module: str
-    step: int
-    call_index: int
-    why: str  # "producer" | "outlier" | "largest input"
-    absmax: np.ndarray
-    labelled: list[tuple[int, float]]
-
-
-def _row_for(trace: Trace, step: int, call_index: int | None, module: str) -> int | None:
-    recs = trace.record_table(step)
-    sel = (recs["io"] == schema.IO_INPUT) & (recs["slot"] == 0)
-    by_module = sel & (recs["module"] == module)
-    hit = sel & (recs["call_index"] == call_index) if call_index is not None and call_index >= 0 \
-        else by_module
-    if not hit.any():
-        hit = by_module
-    if not hit.any():
-        return None
-    return int(recs["row"][np.argmax(hit)])
-
-
-def read_channels(trace: Trace, findings: Findings) -> ChannelView | None:
-    """Per-channel absmax of the producer's input (else of the top outlier's module)."""
-    fn = findings.first_nonfinite
-    target: tuple[str, int, int | None, str] | None = None
-    if fn is not None and fn.producer_module is not None:
-        target = (fn.producer_module, fn.step, fn.call_index, "producer")
-    elif findings.outliers:
-        o = max(findings.outliers, key=lambda o: (o.absmax if math.isfinite(o.absmax) else -1))
-        target = (o.module, o.step, o.call_index, "outlier")
-    if target is None:
-        return None
-    module, step, call, why = target
-    try:
-        row = _row_for(trace, step, call, module)
-        if row is None:
-            return None
-        rng = trace.channel_ranges(row)
-    except TraceFormatError:
-        return None
-    if rng is None:
-        return None
-    cmin, cmax = rng
-    absmax = np.maximum(np.abs(cmin.astype(np.float64)), np.abs(cmax.astype(np.float64)))
-    mine = [o for o in findings.outliers if o.module == module and o.step == step
-            and o.io == schema.IO_INPUT]
-    labelled = [(int(o.channel), float(o.absmax)) for o in
-                sorted(mine, key=lambda o: -o.absmax if math.isfinite(o.absmax) else 0)]
-    if not labelled:
-        fin = np.where(np.isfinite(absmax), absmax, -1)
-        top = np.argsort(fin)[::-1][:3]
-        med = float(np.median(fin[fin >= 0])) if (fin >= 0).any() else 0.0
-        ratio = float(findings.thresholds.get("ratio", 20.0) or 20.0)
-        labelled = [(int(i), float(absmax[i])) for i in top if med > 0 and fin[i] >= ratio * med]
-    return ChannelView(module, step, int(call) if call is not None else -1, why, absmax,
-                       labelled)

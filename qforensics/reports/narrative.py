@@ -19,7 +19,7 @@ from qforensics.analyze.findings import (
     UnsafeModules,
 )
 from qforensics.analyze.quantization import ModuleQuant
-from qforensics.formats import FORMAT_LIMITS
+from qforensics.analyze.views import format_limit
 from qforensics.reports.facts import Health, Outcome, fmt_num
 
 __all__ = [
@@ -46,16 +46,6 @@ def _n(v: object) -> Segment:
 
 def _t(s: str) -> Segment:
     return Segment(s)
-
-
-def format_limit(fmt: str | None) -> tuple[str, float]:
-    """(display name, largest finite value) of the format a scheme name refers to."""
-    f = (fmt or "").lower()
-    if "e5m2" in f:
-        return "FP8 e5m2", FORMAT_LIMITS["fp8-e5m2"]
-    if f.startswith("fp16") or f == "float16":
-        return "FP16", FORMAT_LIMITS["fp16"]
-    return "FP8 e4m3", FORMAT_LIMITS["fp8-e4m3"]
 
 
 def active_scheme(quant: dict[str, ModuleQuant], outcome: Outcome, target: str) -> str | None:

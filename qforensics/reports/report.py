@@ -1,9 +1,10 @@
 """Findings -> one self-contained HTML incident report.
 
-`write_report(trace, out)` analyzes the trace (or takes findings you pass), reads the few
-things the findings do not carry (logits per step, the module-by-step absmax grid, the
-responsible module's per-channel range, module health, environment, generated text), renders
-the figures as PNG data URIs and fills `templates/report.html.j2` with Jinja2 autoescaping on.
+`write_report(trace, out)` has the analysis analyze the trace (or takes findings you pass) and
+read what the findings do not carry (`analyze.views`: logits per step, the module-by-step
+absmax grid, the responsible module's per-channel range, the metadata), renders the figures
+with matplotlib as PNG data URIs and fills `templates/report.html.j2` with Jinja2 autoescaping
+on. Nothing here reads the trace or decides what stands out.
 
 The page loads nothing: no network, no external scripts, styles or fonts. A Content-Security-
 Policy meta tag allows only inline styles, data: images and the one inline script of this
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import numpy as np
 from markupsafe import Markup
 
 from qforensics.analyze.findings import (
@@ -33,13 +32,12 @@ from qforensics.analyze.findings import (
     Findings,
     Verdict,
 )
-from qforensics.analyze.grid import bin_heatmap, read_grid
-from qforensics.analyze.quantization import read_quant
+from qforensics.analyze.quantization import ModuleQuant
+from qforensics.analyze.views import ReportView, open_report_view
 from qforensics.errors import QForensicsError
 from qforensics.reports import facts, narrative, plots, recommendations
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
 from qforensics.reports.whatif_result import WhatIfSummary, load_whatif_result
-from qforensics.trace.reader import Trace, open_trace
 from qforensics.version import __version__
 
 __all__ = ["CSP_SCRIPT", "ReportResult", "content_security_policy", "render_report", "write_report"]
@@ -95,95 +93,27 @@ def _status_class(status: str) -> str:
     return {FAILED: "failed", SUSPECT: "suspect", PASSED: "passed"}.get(status, "suspect")
 
 
-def _logits_figure(trace: Trace, findings: Findings) -> plots.Figure | None:
-    steps = trace.step_table
-    if steps.empty or not (steps["has_logits"] > 0).any():
-        return None
-    st = steps.take(steps["has_logits"] > 0)
-    nonfinite = (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
-    first_bad = findings.first_nonfinite.step if findings.first_nonfinite is not None else None
-    if first_bad is None:
-        bad_calls = steps["step"][steps["first_nonfinite_call"] >= 0]
-        if len(bad_calls):
-            first_bad = int(bad_calls[0])
-        elif nonfinite.any():
-            first_bad = int(st["step"][np.argmax(nonfinite)])
-    return plots.plot_logits(st["step"], st["logits_min"].astype(np.float64),
-                             st["logits_max"].astype(np.float64),
-                             st["logits_mean"].astype(np.float64), nonfinite, first_bad)
-
-
-def _heatmap_figure(trace: Trace, findings: Findings) -> plots.Figure | None:
-    grid = read_grid(trace)
-    if grid is None:
-        return None
-    hm = bin_heatmap(grid.values, grid.bad, grid.labels)
-    mark = None
-    fn = findings.first_nonfinite
-    if fn is not None:
-        names = grid.labels
-        rows = [i for i, n in enumerate(names) if n == fn.module]
-        cols = np.nonzero(grid.steps == fn.step)[0]
-        if rows and len(cols):
-            mark = (rows[0], int(cols[0]))
-    return plots.plot_heatmap(hm, mark)
-
-
-def _channels_figure(view: facts.ChannelView | None, quant: dict[str, facts.ModuleQuant]
-                     ) -> plots.Figure | None:
-    if view is None:
-        return None
-    q = quant.get(view.module)
-    limit = narrative.format_limit(q.format if q else None)
-    fin = view.absmax[np.isfinite(view.absmax)]
-    half = float(fin.max()) / 7.0 / 2.0 if fin.size else None
-    who = {"producer": "producer", "outlier": "largest outlier"}.get(view.why, view.why)
-    title = (f"Input channels of {view.module} ({who}), step {view.step}"
-             + (f", call {view.call_index}" if view.call_index >= 0 else ""))
-    return plots.plot_channels(view.absmax, title, view.labelled, limit, half)
-
-
-def _divergence_view(diff: DiffFindings | None) -> dict[str, Any] | None:
+def _divergence_view(diff: DiffFindings | None, view: ReportView) -> dict[str, Any] | None:
     if diff is None:
         return None
-    per: dict[str, dict[str, Any]] = {}
-    for d in diff.ranked:
-        cur = per.get(d.module)
-        score = d.score if math.isfinite(d.score) else float("inf")
-        if cur is None:
-            per[d.module] = {"call": d.call_index, "score": score, "nonfinite": d.nonfinite,
-                             "step": d.step}
-        else:
-            cur["call"] = min(cur["call"], d.call_index)
-            cur["score"] = max(cur["score"], score)
-            cur["nonfinite"] = cur["nonfinite"] or d.nonfinite
-    mods = sorted(per, key=lambda m: per[m]["call"])
-    fig = None
-    if mods:
-        jump = None
-        if diff.first_jump is not None and diff.first_jump.module in per:
-            jump = mods.index(diff.first_jump.module)
-        steps = sorted({per[m]["step"] for m in mods})
-        fig = plots.plot_divergence(mods, np.array([per[m]["score"] for m in mods]),
-                                    np.array([per[m]["nonfinite"] for m in mods], dtype=bool),
-                                    jump, steps[0] if len(steps) == 1 else None)
-    return {"diff": diff, "figure": fig, "rows": list(diff.ranked[:20])}
+    return {"diff": diff, "figure": plots.plot_divergence(view.divergence),
+            "rows": list(diff.ranked[:20])}
 
 
-def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
+def build_context(view: ReportView, findings: Findings, *, trace_arg: str,
                   diff: DiffFindings | None = None, replay: ReplaySummary | None = None,
                   reference_arg: str | None = None,
                   whatif: WhatIfSummary | None = None) -> dict[str, Any]:
-    """Everything the template shows, as plain values (strings unescaped: Jinja escapes)."""
-    meta = trace.meta
+    """Everything the template shows, as plain values (strings unescaped: Jinja escapes), from
+    the findings and the analysis's view of the trace (`analyze.views.report_view`)."""
+    meta = view.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
-    quant = read_quant(trace)
+    quant = view.quant
     health = facts.health_from_findings(findings)
     outcome = facts.read_outcome(meta)
-    view = facts.read_channels(trace, findings)
-    div = _divergence_view(diff)
-    figures = [f for f in (_logits_figure(trace, findings), _heatmap_figure(trace, findings),
-                           _channels_figure(view, quant)) if f is not None]
+    div = _divergence_view(diff, view)
+    figures = [f for f in (plots.plot_logits(view.logits), plots.plot_heatmap(view.heatmap),
+                           plots.plot_channels(view.channels)) if f is not None]
     if div is not None and div["figure"] is not None:
         figures.append(div["figure"])
     chain = narrative.causal_chain(findings, quant, health, outcome, env, diff)
@@ -247,27 +177,11 @@ def build_context(trace: Trace, findings: Findings, *, trace_arg: str,
     }
 
 
-def _quant_summary(quant: dict[str, facts.ModuleQuant]) -> list[tuple[str, str, int]]:
+def _quant_summary(quant: dict[str, ModuleQuant]) -> list[tuple[str, str, int]]:
     counts: dict[tuple[str, str], int] = {}
     for q in quant.values():
         counts[(q.format, q.target)] = counts.get((q.format, q.target), 0) + 1
     return sorted(((f, t, n) for (f, t), n in counts.items()), key=lambda r: -r[2])
-
-
-def _analyze(trace: Trace, ref: str | None, diff: DiffFindings | None) -> Findings:
-    from qforensics.analyze.analyzer import analyze_open_trace
-
-    t0 = time.perf_counter()
-    f = analyze_open_trace(trace, reference=ref, reference_diff=diff)
-    f.seconds = round(time.perf_counter() - t0, 4)
-    return f
-
-
-def _diff(reference: str, suspect: str) -> DiffFindings:
-    from qforensics.analyze import diff_traces
-
-    # every aligned record, not just the top ten: the plot shows each module
-    return diff_traces(reference, suspect, top=100_000)
 
 
 def render_report(trace_path: str | os.PathLike[str], *,
@@ -291,15 +205,9 @@ def render_report(trace_path: str | os.PathLike[str], *,
                       else load_replay_result(replay))
     whatif_summary = (whatif if isinstance(whatif, WhatIfSummary) or whatif is None
                       else load_whatif_result(whatif))
-    with open_trace(path) as trace:
-        if ref is not None and diff is None:
-            with open_trace(ref):
-                pass  # validate first: a bad reference is a user error, said clearly
-            diff = _diff(ref, path)
-        if findings is None:
-            findings = _analyze(trace, ref, diff)
-        ctx = build_context(trace, findings, trace_arg=path, diff=diff,
-                            replay=replay_summary, reference_arg=ref, whatif=whatif_summary)
+    findings, diff, view = open_report_view(path, reference=ref, findings=findings, diff=diff)
+    ctx = build_context(view, findings, trace_arg=path, diff=diff, replay=replay_summary,
+                        reference_arg=ref, whatif=whatif_summary)
     html = _env().get_template(TEMPLATE).render(**ctx)
     return html, findings
 

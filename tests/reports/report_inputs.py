@@ -18,5 +18,6 @@ HOSTILE_NAMES = {
     bad_module_index(): '<img src=x onerror="window.__pwned=2">',
     1: "a$x^2$b\\",
     3: '"><svg onload="window.__pwned=3">',
+    5: "$\\frac{a}{b}$",  # TeX: drawn as these characters, never as math
 }
 HOSTILE_TEXT = "<script>window.__pwned=4</script> & <b>bold</b>"

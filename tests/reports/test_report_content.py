@@ -216,10 +216,11 @@ def test_heatmap_bins_large_grids():
     bad[333, 555] = True
     vals[10, 10] = 99.0
     vals[20:40, :] = np.nan
-    hm = bin_heatmap(vals, bad, [f"m{i}" for i in range(1000)])
+    hm = bin_heatmap(vals, bad, [f"m{i}" for i in range(1000)], mark=(333, 555))
     assert hm.values.shape[0] <= 200 and hm.values.shape[1] <= 200 and hm.binned
     assert np.nanmax(hm.values) == 99.0 and hm.bad.sum() == 1
-    fig = plot_heatmap(hm, mark=(333, 555))
+    assert hm.bad[hm.mark]  # the marked cell is the bin holding the bad record
+    fig = plot_heatmap(hm)
     assert fig is not None and len(fig.data_uri) < 1_000_000
 
 
