@@ -84,6 +84,8 @@ def command(trace: str, schemes: tuple[str, ...], keep_salient: str | None, tabl
         qforensics whatif trace.h5 --scheme ct:W4A16-g64 --scheme ct:W8A8 --target 99%
         qforensics whatif trace.h5 --model ./my-hf-model --scheme int4-g128 --scheme ct:W4A16
         qforensics whatif trace.h5 --scheme awq:w4a16-g64 --engine vllm
+        qforensics whatif trace.h5 --engine vllm \\
+            --scheme ct:mlp=W4A16-g64,attn=W8A8,keep=model.layers.11.mlp.down_proj
         qforensics whatif trace.h5 --scheme ct:W4A16 --scheme ct:W8A8 --engine vllm \\
             --vllm-python .venv-vllm/bin/python
         qforensics whatif trace.h5 --scheme llmc:GPTQ-W4A16-g64 --scheme llmc:SQ-W8A8 \\

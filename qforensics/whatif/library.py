@@ -10,6 +10,13 @@ dynamic activations) on the fly with its own kernels' math. Presets whose activa
 calibrated static scale, or whose weights use block strategies, are refused with a reason;
 Linears whose in_features the group size does not divide are left unquantized.
 Everything the library added to the model is removed on exit.
+
+``ct:PART=PRESET,PART=PRESET[,keep=NAME]...`` (e.g. ``ct:mlp=W4A16-g64,attn=W8A8,keep=
+model.layers.11.mlp.down_proj``) is a mixed recipe, as deployments mix INT4 and 8-bit layers:
+each part is one of the library's config groups, its preset applied to the Linears with PART in
+a name component above the Linear's own (``mlp`` takes ``...mlp.down_proj``, ``attn`` takes
+``...self_attn.q_proj``), and each ``keep=`` Linear stays in bf16 through the library's
+``ignore`` list. A Linear in two parts is refused; one in no part stays unquantized.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import contextlib
 import importlib.util
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from qforensics.errors import UsageError
 
-__all__ = ["LIBRARY_PREFIXES", "applied_compressed_tensors", "check_compressed_tensors_preset"]
+__all__ = ["LIBRARY_PREFIXES", "CtRecipe", "applied_compressed_tensors",
+           "check_compressed_tensors_preset", "parse_ct_recipe"]
 
 LIBRARY_PREFIXES = {"ct": "compressed-tensors", "compressed-tensors": "compressed-tensors"}
 
@@ -68,6 +77,54 @@ def check_compressed_tensors_preset(preset: str) -> Any:
     return scheme
 
 
+@dataclass(frozen=True)
+class CtRecipe:
+    """A mixed compressed-tensors recipe: (part, preset) pairs and the Linears kept in bf16."""
+
+    parts: tuple[tuple[str, str], ...]
+    keep: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The canonical spelling (the scheme's label after ``ct:``)."""
+        return ",".join([f"{k}={p}" for k, p in self.parts] + [f"keep={n}" for n in self.keep])
+
+    def part_of(self, name: str) -> str | None:
+        """The part whose key is in a component of ``name`` above its last (None: no part)."""
+        above = name.split(".")[:-1]
+        hits = [k for k, _ in self.parts if any(k in c for c in above)]
+        if len(hits) > 1:
+            raise UsageError(f"ct:{self.text}: {name} is in two parts ({', '.join(hits)}); "
+                             "use keys that pick distinct Linears")
+        return hits[0] if hits else None
+
+
+def parse_ct_recipe(text: str) -> CtRecipe | None:
+    """``PART=PRESET,...[,keep=NAME...]`` as a `CtRecipe` (each preset checked); None when
+    ``text`` is a single preset. UsageError when malformed."""
+    if "=" not in text:
+        return None
+    parts: list[tuple[str, str]] = []
+    keep: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=([A-Za-z0-9_.-]+)$", item)
+        if not m:
+            raise UsageError(f"ct:{text}: {item!r} is not PART=PRESET or keep=LINEAR "
+                             "(e.g. ct:mlp=W4A16-g64,attn=W8A8,keep=model.layers.11.mlp.down_proj)")
+        key, val = m.group(1).lower(), m.group(2)
+        if key == "keep":
+            keep.append(val)
+            continue
+        if any(k == key for k, _ in parts):
+            raise UsageError(f"ct:{text}: part {key!r} is given twice")
+        preset = re.sub(r"-G(\d+)$", r"-g\1", val.upper())
+        check_compressed_tensors_preset(preset)
+        parts.append((key, preset))
+    if not parts:
+        raise UsageError(f"ct:{text}: a recipe needs at least one PART=PRESET")
+    return CtRecipe(tuple(parts), tuple(dict.fromkeys(keep)))
+
+
 def _minmax(weight: Any, args: Any) -> tuple[Any, Any]:
     """min/max of the weight per the strategy's unit: tensor [1], channel [N, 1], group
     [N, K/G]; zero included, as the library's min-max observer does."""
@@ -95,18 +152,12 @@ def applied_compressed_tensors(model: Any, preset: str,
     """Quantize ``model`` with compressed-tensors' ``preset`` for the duration; yields how many
     Linears the library took."""
     import torch
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = check_compressed_tensors_preset(preset)
     before = {name: (set(m.__dict__), set(m._parameters), set(m._buffers))
               for name, m in model.named_modules()}
-    ignore = [f"re:.*{re.escape(e)}$" for e in exclude]
-    w = scheme.weights
-    if str(getattr(w.strategy, "value", w.strategy)) == "group":  # the library only warns
-        ignore += [f"re:^{re.escape(name)}$" for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and m.in_features % int(w.group_size)]
-    cfg = QuantizationConfig(config_groups={"whatif": scheme}, ignore=ignore)
+    cfg = _quantization_config(model, preset, exclude)
     try:
         apply_quantization_config(model, cfg)
         n = 0
@@ -136,3 +187,46 @@ def applied_compressed_tensors(model: Any, preset: str,
                 del mod._buffers[k]
             for k in set(mod.__dict__) - d:  # the wrapped forward, scheme, status
                 del mod.__dict__[k]
+
+
+def _undivided(linears: dict[str, Any], scheme: Any) -> list[str]:
+    """Linears whose in_features a group-strategy scheme's group size does not divide."""
+    w = scheme.weights
+    if str(getattr(w.strategy, "value", w.strategy)) != "group":
+        return []
+    return [n for n, m in linears.items() if m.in_features % int(w.group_size)]
+
+
+def _quantization_config(model: Any, preset: str, exclude: tuple[str, ...]) -> Any:
+    """The library's QuantizationConfig for a preset (every Linear: target ``Linear``) or a
+    recipe (one config group per part, targeting its Linears by name)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationConfig
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ignore = [f"re:.*{re.escape(e)}$" for e in exclude]
+    recipe = parse_ct_recipe(preset)
+    if recipe is None:
+        scheme = check_compressed_tensors_preset(preset)
+        ignore += [f"re:^{re.escape(n)}$" for n in _undivided(linears, scheme)]  # it only warns
+        return QuantizationConfig(config_groups={"whatif": scheme}, ignore=ignore)
+    missing = [n for n in recipe.keep if n not in linears]
+    if missing:
+        raise UsageError(f"ct:{recipe.text}: keep={missing[0]} is not a Linear of "
+                         f"{type(model).__name__} (e.g. {next(iter(linears), '?')})")
+    groups = {}
+    left = [n for n in linears if not any(n.endswith(e) for e in exclude)
+            and n not in recipe.keep]
+    for key, name in recipe.parts:
+        scheme = check_compressed_tensors_preset(name)
+        mine = {n: linears[n] for n in left if recipe.part_of(n) == key}
+        bad = set(_undivided(mine, scheme))
+        names = sorted(n for n in mine if n not in bad)
+        if not names:
+            raise UsageError(f"ct:{recipe.text}: part {key}={name} takes no Linear of "
+                             f"{type(model).__name__}")
+        groups[key] = scheme.model_copy(
+            update={"targets": [f"re:^({'|'.join(map(re.escape, names))})$"]})
+        ignore += [f"re:^{re.escape(n)}$" for n in sorted(bad)]
+    ignore += [f"re:^{re.escape(n)}$" for n in recipe.keep]  # kept in bf16
+    return QuantizationConfig(config_groups=groups, ignore=ignore)

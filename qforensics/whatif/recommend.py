@@ -127,23 +127,47 @@ def recommend(result: Any, target: Target,
     if closest is not None:
         out["closest"] = {"scheme": closest["scheme"], "value": closest["value"],
                           "from": closest["from"], "short_by": target.floor - closest["value"]}
-        out["needs"] = _needs(evidence)
+        out["needs"] = _needs(evidence, closest["scheme"])
     out["text"] = recommendation_lines(out)  # what the report shows, as whatif says it
     return out
 
 
-def _needs(evidence: Callable[[], tuple[dict[str, Any], str]] | None) -> dict[str, Any]:
+def _kept_by(label: str) -> tuple[str | None, tuple[str, ...]]:
+    """(the ``ct:`` recipe text ``label`` stands for, the Linears it keeps); (None, ()) when
+    ``label`` is no compressed-tensors scheme."""
+    from qforensics.errors import UsageError
+    from qforensics.whatif.library import parse_ct_recipe
+
+    if not label.startswith("ct:"):
+        return None, ()
+    try:
+        recipe = parse_ct_recipe(label[3:])
+    except UsageError:
+        return None, ()
+    if recipe is None:  # one preset on every decoder Linear: the recipe "layers=PRESET"
+        return f"layers={label[3:]}", ()
+    return recipe.text, recipe.keep
+
+
+def _needs(evidence: Callable[[], tuple[dict[str, Any], str]] | None,
+           closest: str = "") -> dict[str, Any]:
+    """The salient Linears the closest scheme would need in bf16 (those it keeps already
+    left out) and, for a ``ct:`` scheme, the recipe that keeps them (``try``, not measured)."""
     from qforensics.whatif.salient import outlier_layers
 
     found, source = evidence() if evidence is not None else ({}, "")
+    text, kept = _kept_by(closest)
+    found = {k: v for k, v in found.items() if k not in kept}
     layers = outlier_layers(found, KEEP_LAYERS, KEEP_CHANNELS) if found else []
     if not layers:
         return {"keep_bf16": [], "evidence": "no per-channel input ranges: nothing to name",
-                "how": None}
+                "how": None, "try": None}
     return {"keep_bf16": layers, "evidence": source or "recorded per-channel input ranges",
             "how": "keep these Linears unquantized (the quantization library's ignore list: "
                    "compressed-tensors / llmcompressor `ignore`, AWQ `modules_to_not_convert`), "
-                   "or their largest input channels in bf16 (--keep-salient); not measured here"}
+                   "or their largest input channels in bf16 (--keep-salient); not measured here",
+            "try": None if text is None else "ct:" + ",".join(
+                [text] + [f"keep={x['module']}" for x in layers])}
 
 
 def recommendation_lines(rec: dict[str, Any] | None) -> list[str]:
@@ -172,4 +196,6 @@ def recommendation_lines(rec: dict[str, Any] | None) -> list[str]:
                    f"channels {', '.join(str(c) for c in layer['channels'])})")
     if need.get("how"):
         out.append(f"  how: {need['how']} (evidence: {need['evidence']})")
+    if need.get("try"):
+        out.append(f"  to measure it: --scheme {need['try']}")
     return out

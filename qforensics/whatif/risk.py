@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -48,6 +48,7 @@ class SchemeFormat:
     activations: str | None = None  # analyze's damage scheme (e.g. "int8-per-token")
     activation_words: str | None = None  # the scheme's own words, when they differ
     keeps_salient: bool = False
+    linears: Callable[[str], bool] | None = None  # the Linears it takes (None: every one)
 
 
 @dataclass
@@ -83,21 +84,43 @@ def trace_evidence(path: str | os.PathLike[str] | None) -> TraceEvidence | None:
     return ev
 
 
-def scheme_format(sc: Any) -> SchemeFormat:
-    """The `SchemeFormat` of a `WhatIfScheme`."""
-    if sc.library in ("compressed-tensors", "llmcompressor"):
-        from qforensics.whatif.library import check_compressed_tensors_preset
+def _ct_format(preset: str, linears: Callable[[str], bool] | None = None) -> SchemeFormat:
+    from qforensics.whatif.library import check_compressed_tensors_preset
 
-        cs = check_compressed_tensors_preset(sc.preset)
-        w, a = cs.weights, cs.input_activations
-        group = int(w.group_size) if _val(w.strategy) == "group" else None
-        act = words = None
-        if a is not None:
-            words = f"{_val(a.type)}{a.num_bits} per {_val(a.strategy)}, dynamic"
-            act = ("fp8-e4m3-dynamic" if _val(a.type) == "float" else
-                   f"int{a.num_bits}-per-token" if _val(a.strategy) == "token" else
-                   f"int{a.num_bits}-per-tensor")
-        return SchemeFormat(int(w.num_bits), group, act, words)
+    cs = check_compressed_tensors_preset(preset)
+    w, a = cs.weights, cs.input_activations
+    group = int(w.group_size) if _val(w.strategy) == "group" else None
+    act = words = None
+    if a is not None:
+        words = f"{_val(a.type)}{a.num_bits} per {_val(a.strategy)}, dynamic"
+        act = ("fp8-e4m3-dynamic" if _val(a.type) == "float" else
+               f"int{a.num_bits}-per-token" if _val(a.strategy) == "token" else
+               f"int{a.num_bits}-per-tensor")
+    return SchemeFormat(int(w.num_bits), group, act, words, linears=linears)
+
+
+def recipe_formats(sc: Any) -> dict[str, SchemeFormat] | None:
+    """{part: `SchemeFormat` over the part's Linears, kept ones excluded} of a mixed
+    ``ct:`` recipe; None for any other scheme."""
+    if sc.library != "compressed-tensors":
+        return None
+    from qforensics.whatif.library import parse_ct_recipe
+
+    recipe = parse_ct_recipe(sc.preset)
+    if recipe is None:
+        return None
+    kept = set(recipe.keep)
+
+    def taker(key: str) -> Callable[[str], bool]:
+        return lambda name: name not in kept and recipe.part_of(name) == key
+
+    return {key: _ct_format(preset, taker(key)) for key, preset in recipe.parts}
+
+
+def scheme_format(sc: Any) -> SchemeFormat:
+    """The `SchemeFormat` of a `WhatIfScheme` (of a mixed recipe: see `recipe_formats`)."""
+    if sc.library in ("compressed-tensors", "llmcompressor"):
+        return _ct_format(sc.preset)
     if sc.library == "awq":
         return SchemeFormat(4, sc.awq_group)
     w, a = sc.weights, sc.activations
@@ -111,13 +134,14 @@ def _val(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def _quantized(name: str, width: int, group: int | None) -> bool:
-    return name.rsplit(".", 1)[-1] not in _SKIP and (group is None or width % group == 0)
+def _quantized(name: str, width: int, fmt: SchemeFormat) -> bool:
+    return name.rsplit(".", 1)[-1] not in _SKIP and (fmt.group is None or width % fmt.group == 0
+                                                     ) and (fmt.linears is None or fmt.linears(name))
 
 
 def _activation_part(fmt: SchemeFormat, ev: TraceEvidence) -> dict[str, Any] | None:
     rows = [d for d in ev.damage.get(str(fmt.activations), [])
-            if _quantized(d.module, d.channels_total, fmt.group)]
+            if _quantized(d.module, d.channels_total, fmt)]
     if not rows:
         return None
     bad = sorted((d for d in rows if d.unsafe),
@@ -138,7 +162,7 @@ def _salient_part(fmt: SchemeFormat, ev: TraceEvidence) -> dict[str, Any] | None
     n = 0
     for name, a in ev.absmax.items():
         v = np.asarray(a, dtype=np.float64).reshape(-1)
-        if not _quantized(name, len(v), fmt.group):
+        if not _quantized(name, len(v), fmt):
             continue
         v = v[np.isfinite(v)]
         if not len(v):
@@ -160,11 +184,25 @@ def _salient_part(fmt: SchemeFormat, ev: TraceEvidence) -> dict[str, Any] | None
 def scheme_risk(sc: Any, ev: TraceEvidence | None) -> dict[str, Any]:
     """The JSON's ``risk`` of one scheme (see the module docstring): ``level``,
     ``activations`` and ``salient`` (what was found, None: no evidence or not quantized),
-    ``evidence`` and ``line`` (the words the table prints)."""
-    fmt = scheme_format(sc)
+    ``evidence`` and ``line`` (the words the table prints). A mixed recipe is rated per part
+    (``parts``), over the part's Linears; its level is the worst part's, ``unknown`` only
+    below the parts that found something."""
     if ev is None:
         return {"level": "unknown", "activations": None, "salient": None, "evidence": None,
                 "line": "no trace given: no evidence"}
+    parts = recipe_formats(sc)
+    if parts is None:
+        return _format_risk(scheme_format(sc), ev)
+    rated = {key: _format_risk(fmt, ev) for key, fmt in parts.items()}
+    order = ("high", "elevated", "low", "unknown", "none")
+    worst = min(rated.values(), key=lambda r: order.index(r["level"]))
+    return {"level": worst["level"], "activations": worst["activations"],
+            "salient": worst["salient"], "evidence": ev.source,
+            "line": "; ".join(f"{k}: {r['level']}: {r['line']}" for k, r in rated.items()),
+            "parts": rated}
+
+
+def _format_risk(fmt: SchemeFormat, ev: TraceEvidence) -> dict[str, Any]:
     act = _activation_part(fmt, ev) if fmt.activations else None
     sal = _salient_part(fmt, ev) if fmt.weight_bits is not None else None
     salient = sal is not None and sal["linears_with_salient"] > 0

@@ -1,5 +1,6 @@
 """What-if scheme specs: ``[w:|act:]SPEC[+...]`` (the project's fake-quant schemes),
-``ct:PRESET[-g<N>]`` (compressed-tensors' own presets), ``llmc:GPTQ-PRESET[-g<N>]`` /
+``ct:PRESET[-g<N>]`` (compressed-tensors' own presets) or
+``ct:PART=PRESET,...[,keep=LINEAR]`` (a mixed recipe of them), ``llmc:GPTQ-PRESET[-g<N>]`` /
 ``llmc:SQ-W8A8`` (llmcompressor's calibration) and ``awq:w4a16[-g<N>]`` (AWQ W4A16 in
 its published format), both also measurable through vLLM, parsed into a `WhatIfScheme`."""
 
@@ -80,6 +81,14 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
     llmc = parse_llmc(spec)  # llmcompressor's calibration, in its own venv (whatif.llmc)
     if llmc is not None:
         return llmc
+    mixed = re.match(r"^(?:ct|compressed-tensors):(.*=.*)$", spec.strip(), re.IGNORECASE)
+    if mixed:  # a mixed recipe: one config group per part (qforensics.whatif.library)
+        from qforensics.whatif.library import parse_ct_recipe
+
+        recipe = parse_ct_recipe(mixed.group(1))
+        assert recipe is not None
+        return WhatIfScheme(f"ct:{recipe.text}", library="compressed-tensors",
+                            preset=recipe.text)
     lib = re.match(r"^(ct|compressed-tensors):([A-Za-z0-9_]+(?:-g\d+)?)$", spec.strip(),
                    re.IGNORECASE)
     if lib:  # a real library's preset, measured through it (qforensics.whatif.library)

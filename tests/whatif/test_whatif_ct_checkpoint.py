@@ -155,3 +155,58 @@ def test_other_presets_have_their_formats_layout(demo, preset, fmt):
             wt = mods[name].weight.detach()
             torch.testing.assert_close(lib[name], _sym_int(wt, 8, wt.shape[1]),
                                        rtol=1e-6, atol=1e-7)
+
+
+# -- a mixed recipe: W4A16 g64 for the MLPs, W8A8 for attention, one Linear kept in bf16 ----------
+MIXED = "mlp=W4A16-g64,attn=W8A8,keep=model.layers.11.mlp.down_proj"
+
+
+def test_mixed_recipe_writes_one_config_group_per_part_and_keeps_the_ignored_linear(
+        tmp_path, demo):
+    from safetensors.torch import load_file
+
+    model, tok = demo
+    layers = model.config.num_hidden_layers
+    lin = _expected_linears(model, None)
+    # by the recipe's words: "mlp" / "attn" in a name component above the Linear's own
+    mlp = {n for n in lin if ".mlp." in n} - {"model.layers.11.mlp.down_proj"}
+    attn = {n for n in lin if ".self_attn." in n}
+    assert len(mlp) == 3 * layers - 1 and len(attn) == 4 * layers
+    folder, n = write_ct_checkpoint(model, tok, MIXED, _base_state(model), tmp_path / "mixed")
+    assert n == len(mlp) + len(attn)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    groups = list(qc["config_groups"].values())
+    assert len(groups) == 2
+    by_bits = {g["weights"]["num_bits"]: g for g in groups}
+    w4, w8 = by_bits[4], by_bits[8]
+    assert w4["format"] == "pack-quantized" and w4["weights"]["group_size"] == 64
+    assert w4["input_activations"] is None
+    assert w8["format"] == "int-quantized" and w8["input_activations"]["num_bits"] == 8
+    assert w8["input_activations"]["dynamic"] is True
+    # the kept Linear is in the library's ignore list, with lm_head
+    assert "model.layers.11.mlp.down_proj" in qc["ignore"] and "lm_head" in qc["ignore"]
+    sd = load_file(str(folder / "model.safetensors"))
+    for name in mlp:
+        assert f"{name}.weight_packed" in sd and f"{name}.weight" not in sd
+    for name in attn:
+        assert sd[f"{name}.weight"].dtype == torch.int8
+    kept = sd["model.layers.11.mlp.down_proj.weight"]
+    assert kept.dtype == torch.bfloat16
+    assert torch.equal(kept, dict(model.named_modules())[
+        "model.layers.11.mlp.down_proj"].weight.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ("mlp=W4A16,mlp=W8A8", "given twice"),
+    ("mlp=W4A16,keep=model.layers.99.mlp.down_proj", "is not a Linear"),
+    ("layers=W4A16,mlp=W8A8", "in two parts"),  # model.layers.N.mlp.*: both keys above
+    ("nothing=W4A16", "takes no Linear"),
+])
+def test_a_recipe_that_cannot_hold_is_refused_with_its_reason(demo, recipe, words):
+    from qforensics.errors import UsageError
+
+    model, _ = demo
+    with pytest.raises(UsageError, match=words):
+        with applied_compressed_tensors(model, recipe):
+            pass
+    assert not any(hasattr(m, "quantization_scheme") for m in model.modules())

@@ -117,6 +117,32 @@ def test_none_meets_names_the_closest_and_the_layers_to_keep() -> None:
     calls.clear()
     recommend(res, parse_target("90%"), evidence)
     assert calls == []
+    assert rec["needs"]["try"] is None  # w8 is no compressed-tensors scheme: no recipe
+
+
+def test_a_ct_closest_gets_the_recipe_that_keeps_the_salient_linears() -> None:
+    spiky = np.ones(16, dtype=np.float32)
+    spiky[3] = 50.0
+    mild = np.ones(16, dtype=np.float32)
+    mild[1] = 5.0
+    absmax = {"model.layers.0.mlp.down_proj": spiky, "model.layers.1.mlp.down_proj": mild}
+
+    def evidence():
+        return absmax, "ranges"
+
+    # a single preset: the same preset on every decoder Linear, plus the keeps
+    one = recommend(_result(_scheme("ct:W8A8", 0.9, 0.9, mem=0.6)), parse_target("99%"),
+                    evidence)
+    assert one["needs"]["try"] == ("ct:layers=W8A8,keep=model.layers.0.mlp.down_proj,"
+                                   "keep=model.layers.1.mlp.down_proj")
+    # a recipe that keeps the spikiest already: only the other is named, and added
+    label = "ct:mlp=W4A16-g64,attn=W8A8,keep=model.layers.0.mlp.down_proj"
+    mixed = recommend(_result(_scheme(label, 0.8, 0.9, mem=0.47)), parse_target("99%"),
+                      evidence)
+    assert [k["module"] for k in mixed["needs"]["keep_bf16"]] == ["model.layers.1.mlp.down_proj"]
+    assert mixed["needs"]["try"] == label + ",keep=model.layers.1.mlp.down_proj"
+    assert f"to measure it: --scheme {label},keep=model.layers.1.mlp.down_proj" in \
+        mixed["text"][-1]
 
 
 def test_json_carries_memory_and_the_recommendation() -> None:

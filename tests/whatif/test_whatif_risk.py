@@ -115,3 +115,42 @@ def test_the_table_and_json_carry_risk(evidence) -> None:
     assert "  w:int4-g128: elevated: salient input channels in 1 of 2 Linears" in table
     doc = json.loads(json.dumps(res.to_json(), allow_nan=False))
     assert doc["schemes"][0]["risk"]["level"] == "elevated"
+
+
+class Parts(nn.Module):
+    """``Split``'s two Linears under an attention and an MLP module: attn.a (128 inputs, the
+    outlier token) and mlp.b (96 flat inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.ModuleDict({"a": nn.Linear(128, 8)})
+        self.mlp = nn.ModuleDict({"b": nn.Linear(96, 8)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn["a"](x[..., :128]) + self.mlp["b"](x[..., 128:])
+
+
+def test_a_mixed_recipe_is_rated_per_part_over_its_own_linears(tmp_path) -> None:
+    pytest.importorskip("compressed_tensors")
+    x = torch.ones(1, 1, 224)
+    x[..., 0] = 1000.0
+    path = tmp_path / "parts.h5"
+    model = Parts()
+    with qforensics.capture(model, path), torch.no_grad():
+        model(x)
+    ev = trace_evidence(path)
+    # int8 per-token activations on attn.a zero 127 of its 128 channels: high; 4-bit weights
+    # in group 128 take no MLP Linear (96 inputs): no evidence for that part
+    r = _risk("ct:attn=W8A8,mlp=W4A16", ev)
+    assert r["level"] == "high" and r["parts"]["attn"]["level"] == "high", r
+    assert r["parts"]["attn"]["activations"]["linears"] == 1  # attn.a only, not mlp.b
+    assert r["parts"]["mlp"]["level"] == "unknown"
+    # the other way round: 4-bit weights on the salient attn.a; int8 on mlp.b's flat inputs
+    r = _risk("ct:attn=W4A16,mlp=W8A8", ev)
+    assert r["level"] == "elevated", r
+    assert r["parts"]["attn"]["salient"]["largest"]["module"] == "attn.a"
+    assert r["parts"]["mlp"]["level"] == "none"
+    assert r["line"].startswith("attn: elevated: ") and "; mlp: none: " in r["line"]
+    # attn.a kept in bf16: its part quantizes nothing, so the trace says nothing about it
+    r = _risk("ct:attn=W4A16,mlp=W8A8,keep=attn.a", ev)
+    assert r["parts"]["attn"]["level"] == "unknown" and r["level"] == "unknown", r
