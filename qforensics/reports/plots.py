@@ -108,16 +108,15 @@ def _power_of_ten(v: float, _pos: object = None) -> str:
 
 def _log_y(ax: Any, lo: float, hi: float) -> None:
     """Log y axis from lo to hi: decades labelled, 2 and 5 x each decade too when the axis
-    spans less than two decades."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    spans less than two decades; no minor ticks (each tick costs as much as a label)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     ax.set_yscale("log")
     ax.set_ylim(lo, hi)
-    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
+    subs = (1.0, 2.0, 5.0) if hi < 100 * lo else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
     ax.yaxis.set_major_formatter(FuncFormatter(_power_of_ten))
-    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0), numticks=12))
-    few = hi < 100 * lo
-    ax.yaxis.set_minor_formatter(FuncFormatter(_power_of_ten) if few else NullFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
