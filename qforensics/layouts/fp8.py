@@ -15,30 +15,49 @@ An FP8 weight ``[N, K]`` is dequantized with ``weight_scale`` (some checkpoints 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from qforensics.formats import E4M3_MAX, E5M2_MAX
 from qforensics.layouts.bits import LayoutError
 
-__all__ = ["E8M0_DECODE", "FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "SAFETENSORS_NAMES", "block_of", "decode_bf16", "decode_fp8",
+__all__ = ["E8M0_DECODE", "FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "FP8_NAMES", "SAFETENSORS_NAMES", "block_of", "decode_bf16", "decode_fp8",
            "dequantize_fp8", "encode_fp8", "expand_scale", "quantize_fp8", "scale_kind"]
 
 # the names the code and the trace use for the FP8 element formats (torch's dtype names)
-FP8_DTYPES = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
 FP8_MAX = {"float8_e4m3fn": E4M3_MAX, "float8_e5m2": E5M2_MAX}
 _ALL_CODES = np.arange(256, dtype=np.uint8)
-FP8_DECODE = {name: _ALL_CODES.view(dt).astype(np.float64) for name, dt in FP8_DTYPES.items()}
-E8M0_DECODE = _ALL_CODES.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+
+
+@lru_cache(maxsize=None)
+def _tables() -> dict[str, Any]:
+    """ml_dtypes and the decode tables, built at first use: importing ml_dtypes costs about a
+    second of CPU (numpy's ufunc registration), which a report or an analyze that never
+    decodes an FP8 byte should not pay."""
+    import ml_dtypes
+
+    dtypes = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    return {"FP8_DTYPES": dtypes, "bfloat16": ml_dtypes.bfloat16,
+            "FP8_DECODE": {n: _ALL_CODES.view(dt).astype(np.float64) for n, dt in dtypes.items()},
+            "E8M0_DECODE": _ALL_CODES.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)}
+
+
+def __getattr__(name: str) -> Any:  # FP8_DTYPES, FP8_DECODE, E8M0_DECODE: built lazily
+    if name in ("FP8_DTYPES", "FP8_DECODE", "E8M0_DECODE"):
+        return _tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 # the same formats under the names safetensors headers use
 SAFETENSORS_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
 
 def _table(dtype: str) -> np.ndarray:
-    if dtype not in FP8_DECODE:
-        raise LayoutError(f"unknown FP8 dtype {dtype!r}; known: {', '.join(FP8_DECODE)}")
-    return FP8_DECODE[dtype]
+    if dtype not in FP8_NAMES:
+        raise LayoutError(f"unknown FP8 dtype {dtype!r}; known: {', '.join(FP8_NAMES)}")
+    return _tables()["FP8_DECODE"][dtype]
 
 
 def decode_fp8(bits: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:
@@ -48,7 +67,7 @@ def decode_fp8(bits: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:
 
 def decode_bf16(bits: np.ndarray) -> np.ndarray:
     """uint16 bit patterns of bfloat16 -> float32 values."""
-    return np.asarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    return np.asarray(bits, dtype=np.uint16).view(_tables()["bfloat16"]).astype(np.float32)
 
 
 def encode_fp8(values: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:

@@ -172,7 +172,7 @@ def _fp8_check(t: Tensors, meta: dict[str, Any]) -> str | None:
     w, ws = t["weight"], t["weight_scale"]
     if w.dtype != np.uint8 or w.ndim != 2:
         return f"weight must hold FP8 bit patterns as uint8 [N, K], got {w.dtype} {w.shape}"
-    if _fp8_dtype(meta) not in fp8.FP8_DECODE:
+    if _fp8_dtype(meta) not in fp8.FP8_NAMES:
         return f"weight_dtype {_fp8_dtype(meta)!r} is not an FP8 format"
     n, k = w.shape
     if k != _k(meta):
