@@ -108,7 +108,7 @@ def _global_pre_hook(module: Any, args: Any) -> None:
                 kwargs = kw
         except Exception:
             pass
-        cap._on_root_pre(module, tuple(args), kwargs)
+        cap.join_running_forward(module, tuple(args), kwargs)
         policy = os.environ.get("QFORENSICS_GUARD")
         if policy:
             try:
@@ -121,7 +121,7 @@ def _global_pre_hook(module: Any, args: Any) -> None:
                 g = guard(module, policy=pol if isinstance(pol, dict) else None)
                 g.__enter__()
                 _state.setdefault("guards", []).append(g)
-                g._on_root_pre(module, tuple(args), kwargs)
+                g.join_running_forward(module, tuple(args), kwargs)
             except Exception as exc:
                 sys.stderr.write(f"qforensics: guard not installed: {exc}\n")
         sys.stderr.write(f"qforensics: capturing {type(module).__name__} into {cap.path}\n")

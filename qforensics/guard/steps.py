@@ -105,6 +105,11 @@ class StepMachine:
         return alt if self._state[i] == OPEN else torch.where(torch.isfinite(raw), raw, alt)
 
     # -- step boundaries -----------------------------------------------------------------------
+    def join_running_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Entered from inside `module`'s forward (`record`'s autoattach): open the step that
+        the pre-hook, registered too late for this call, would have opened."""
+        self._on_root_pre(module, args, kwargs)
+
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # One step at a time: a forward on another thread (a server's pool, a streamer's
         # generate thread) waits here until this step's post-hook (always called, also when

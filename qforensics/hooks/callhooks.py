@@ -62,6 +62,11 @@ class CallHooks:
         def _reduce_pending(self, final: bool = False, complete: bool = True) -> None: ...
         def _graph_reserve(self) -> None: ...
 
+    def join_running_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Attached from inside `module`'s forward (`record`'s autoattach): open the step that
+        the pre-hook, registered too late for this call, would have opened."""
+        self._on_root_pre(module, args, kwargs)
+
     # -- the hooks (hot path) ----------------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # One step at a time across threads: released by _on_root_post (always called).
