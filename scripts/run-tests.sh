@@ -35,4 +35,4 @@ QF_LLMC_PYTHON=$(bash scripts/install-llmc.sh | tail -n 1)
 export QF_LLMC_PYTHON
 $PY -m pytest -q -p no:cacheprovider -m "llmc and not vllm" tests/whatif
 VPY=$(bash scripts/install-vllm.sh | tail -n 1)
-"$VPY" -m pytest -q -p no:cacheprovider -m vllm tests/engines tests/bench
+"$VPY" -m pytest -q -p no:cacheprovider -m vllm tests/engines tests/bench tests/layouts
