@@ -36,8 +36,11 @@ def result(tmp_path_factory):
     # one run for every compressed-tensors figure through vLLM (each served scheme is an engine
     # start): the kernels, a preset vLLM cannot serve, the memory and the recommendation
     return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm-ct") / "w.json",
-                           ["ct:W4A16", "ct:W8A16", "ct:W8A8", "ct:W4A16-g64"],
+                           ["ct:W4A16", "ct:W8A16", "ct:W8A8", "ct:W4A16-g64", MIXED],
                            ["--target", "95%"])
+
+
+MIXED = "ct:mlp=W4A16-g64,attn=W8A8,keep=model.layers.11.mlp.down_proj"
 
 
 def _scheme(result, name: str) -> dict:
@@ -166,7 +169,7 @@ def test_speed_is_measured_against_bf16_in_interleaved_rounds(result) -> None:
 
     doc, stdout = result["json"], result["stdout"]
     served = [s for s in doc["schemes"] if "ppl" in s["vllm"]]
-    assert {s["scheme"] for s in served} == {"ct:W4A16", "ct:W8A8", "ct:W4A16-g64"}
+    assert {s["scheme"] for s in served} == {"ct:W4A16", "ct:W8A8", "ct:W4A16-g64", MIXED}
     for s in served:
         sp = s["vllm"]["speed"]
         plan = sp["plan"]
@@ -197,3 +200,27 @@ def test_each_scheme_carries_the_traces_risk(result) -> None:
     # outliers): 4-bit weights on them are at risk, whatever the engine
     assert _scheme(result, "ct:W4A16-g64")["risk"]["level"] == "elevated"
     assert "risk: what the trace predicts" in result["stdout"]
+
+
+def test_a_mixed_recipe_is_served_with_each_parts_kernel(result, bf16_model_dir) -> None:
+    """W4A16 g64 on the MLPs, W8A8 on attention, layer 11's down_proj in bf16: vLLM fuses
+    gate/up and q/k/v, so by the config alone it must run 2 x layers - 1 MLP layers under
+    WNA16 (gate_up everywhere, down_proj but one), 2 x layers attention layers (qkv, o) under
+    W8A8 int8, and exactly one Linear unquantized."""
+    c = json.loads((bf16_model_dir / "config.json").read_text())
+    layers = c["num_hidden_layers"]
+    mixed = _scheme(result, MIXED)
+    v = mixed["vllm"]
+    assert "error" not in v, v
+    eng = v["engine"]
+    assert eng["schemes"] == {"CompressedTensorsWNA16": 2 * layers - 1,
+                              "CompressedTensorsW8A8Int8": 2 * layers}, eng
+    assert eng["quant_methods"]["UnquantizedLinearMethod"] == 1, eng
+    assert v["hf_quantized_linears"] == 3 * layers - 1 + 4 * layers  # per HF Linear
+    assert v["text_positions"] == 255 and not v["nonfinite"]
+    # weights: between W4A16-g64's (every Linear at 4 bits) and W8A8's
+    mem = {s["scheme"]: s["memory_vs_bf16"] for s in result["json"]["schemes"]}
+    assert mem["ct:W4A16-g64"] < mem[MIXED] < mem["ct:W8A8"], mem
+    # risk per part: the MLPs' 4-bit weights meet the trace's salient down_proj inputs
+    risk = mixed["risk"]
+    assert set(risk["parts"]) == {"mlp", "attn"} and risk["level"] == "elevated", risk
