@@ -132,6 +132,7 @@ MODULE_INFO: dict[str, Any] = {
         "quant": {"type": ["object", "null"], "properties": {
             "format": _STR, "bits": {"type": ["integer", "null"]},
             "group_size": {"type": ["integer", "null"]}}},
+        "layout": _STR,
         "health": {"type": "object", "additionalProperties": _HEALTH},
         "tied": {"type": "array", "items": {"type": "array", "items": _STR}},
         "embedding": {"type": "object", "properties": {"name": _STR, "health": {

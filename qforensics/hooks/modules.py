@@ -154,8 +154,8 @@ def _health_cached(t: torch.Tensor, pname: str, **kw: Any) -> dict[str, Any]:
 
 
 def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
-    """One /modules row: type, kind and the `info` JSON (params, quant, health, static_input;
-    for the root, `tied`). Never raises for an odd tensor: the error is noted instead."""
+    """One /modules row: type, kind and the `info` JSON (params, quant, layout, health,
+    static_input; for the root, `tied`). Never raises for an odd tensor: the error is noted instead."""
     params: dict[str, Any] = {}
     health: dict[str, Any] = {}
     tensors = list(module.named_parameters(recurse=False)) + list(
@@ -175,6 +175,12 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
                         summarize=pname == "weight")
                 except Exception as exc:  # noqa: BLE001 - odd tensor subclass: note it, go on
                     health[pname] = {"error": str(exc)[:200]}
+        try:  # the one detector's name for the layer's layout (qforensics.layouts)
+            from qforensics.layouts.torch_adapters import detect_module
+
+            info["layout"] = detect_module(module).name
+        except Exception as exc:  # noqa: BLE001 - an odd layer: note it, go on
+            info["layout_error"] = str(exc)[:200]
         q = quant or {}
         if "qweight" in health and q.get("format") in ("awq", "gptq") and "error" not in health[
                 "qweight"]:

@@ -217,9 +217,13 @@ def _quant(q: Any) -> dict[str, Any] | None:
 
 
 def module_layout(module_type: str, info: dict[str, Any]) -> str:
-    """The layout of a module from its info JSON (its tensors' dtypes and shapes, its class, the
-    engine's statement), named by the one detector; "" when unknown. Capture's `quant.format`
-    is not used: it calls every non-AutoAWQ ``qweight`` layer "gptq" (vLLM's AWQ layers too)."""
+    """The layout of a module from its info JSON, named by the one detector: what capture
+    recorded (`layout`, the detector run on the live layer), else the detector on what the
+    trace holds (its tensors' dtypes and shapes, its class, the engine's statement); "" when
+    unknown. Capture's `quant.format` is not used: it calls every non-AutoAWQ ``qweight``
+    layer "gptq" (vLLM's AWQ layers too)."""
+    if info.get("layout") in FORMATS and info.get("layout") != "dense":
+        return str(info["layout"])
     params = info.get("params")
     params = {str(k)[:_MAX_NAME]: v for k, v in list(params.items())[:64]} if isinstance(params, dict) else {}
     engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
@@ -278,7 +282,8 @@ def read_module_infos(trace: Trace) -> ModuleInfos:
         q = _quant(info.get("quant"))
         if q is not None:
             out.quant[name] = q
-        if isinstance(info.get("params"), dict) and info["params"]:
+        if (isinstance(info.get("params"), dict) and info["params"]) or \
+                info.get("layout") in FORMATS:
             layout = module_layout(mtype, info)
             if layout:
                 out.layouts[name] = layout

@@ -57,3 +57,22 @@ def test_layouts_are_named_by_the_one_detector(tmp_path):
     assert set(infos.layouts.values()) <= set(FORMATS)
     assert quant[names[1]].layout == "awq-gemm" and quant[names[2]].layout == "fp8"
     assert quant[names[2]].format == "fp8-e4m3"  # capture's words stay as recorded
+
+
+def test_the_layout_capture_recorded_is_taken_and_a_bad_one_ignored(tmp_path):
+    from qforensics.layouts import FORMATS
+
+    p = tmp_path / "t.h5"
+    shutil.copyfile(SAMPLES / "fp8-e4m3-nosat-act.h5", p)
+    fp8 = {"weight": {"dtype": "float8_e4m3fn", "shape": [16, 64]}}
+    with h5py.File(p, "r+") as f:
+        info = f["modules/info"][:]
+        info[1] = json.dumps({"layout": "vllm-cpu-w4a16", "params": {}})  # the live detector's
+        info[2] = json.dumps({"layout": "<script>", "params": fp8})  # not a layout name
+        f["modules/info"][:] = info
+    with open_trace(p) as t:
+        infos = read_module_infos(t)
+        names = t.module_names.tolist()
+    assert "vllm-cpu-w4a16" in FORMATS and "<script>" not in FORMATS
+    assert infos.layouts.get(names[1]) == "vllm-cpu-w4a16"
+    assert infos.layouts.get(names[2]) == "fp8"  # detected from the recorded tensors instead
