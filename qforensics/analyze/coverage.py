@@ -9,6 +9,7 @@ stopped appending at its cap says that the steps after it were not seen. No torc
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,12 +60,18 @@ class Coverage:
     first_nonfinite_call: int = -1
     nonfinite_steps: int = 0
     bad_requests: int = 0
+    writer_error: str = ""  # trace writing failed (disk full, ...): the status's words
+    unseen_from: int = -1  # the first step the capture ran that nothing in the file holds
+
+    @staticmethod
+    def _int(v: Any) -> int:
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else -1
 
     @property
     def thinned(self) -> bool:
         """Appending stopped, or steps the summaries saw lack their detail before the last
         detailed one (a tail cut by a kill is the truncation the end reason names)."""
-        if self.stopped_at >= 0:
+        if self.stopped_at >= 0 or self.unseen_from >= 0:
             return True
         if not self.detail:
             return self.steps_seen > 0 and self.summaries
@@ -75,23 +82,29 @@ class Coverage:
 
     @property
     def blind(self) -> bool:
-        """Recording stopped and nothing summarizes the steps after it (a 1.1 file)."""
-        return self.stopped_at >= 0 and not self.summaries
+        """Recording stopped and nothing summarizes the steps after it (a 1.1 file, or a
+        write that failed and whose summaries could not be written at close)."""
+        return (self.stopped_at >= 0 and not self.summaries) or self.unseen_from >= 0
 
     def line(self) -> str:
         if not self.thinned:
             return ""
         det = _words(self.detail) or "none"
+        why = (f"trace writing failed ({self.writer_error})" if self.writer_error
+               else "max_bytes reached")
         if self.blind:
-            return (f"recording stopped at step {self.stopped_at} (max_bytes reached) and "
-                    f"this trace keeps no summaries of later steps; full detail: steps {det}")
+            at = self.unseen_from if self.unseen_from >= 0 else self.stopped_at
+            return (f"recording stopped at step {at} ({why}) and this trace keeps no "
+                    f"summaries of later steps; full detail: steps {det}")
         res = "every step" if self.resolution == 1 else f"{self.resolution} steps a row"
         out = (f"covers steps {self.first_step}-{self.last_step} ({self.steps_seen} steps) "
                f"through every step's summary ({res}); full detail for steps {det}")
         if self.ring:
             out += f" and, in the ring, {_words(_spans(np.array(self.ring)))}"
         if self.stopped_at >= 0:
-            out += f"; appending of full detail stopped at step {self.stopped_at}"
+            out += (f"; appending of full detail stopped at step {self.stopped_at}"
+                    + (f" ({why}; later steps were kept in memory and written at close)"
+                       if self.writer_error else ""))
         firsts: dict[str, dict[str, Any]] = {}
         for p in self.pinned:
             if p["kept"]:
@@ -112,6 +125,7 @@ class Coverage:
                 "stopped_at": self.stopped_at, "summaries": self.summaries,
                 "pinned": self.pinned, "first_nonfinite_step": self.first_nonfinite_step,
                 "nonfinite_steps": self.nonfinite_steps, "bad_requests": self.bad_requests,
+                "writer_error": self.writer_error, "unseen_from": self.unseen_from,
                 "line": self.line()}
 
 
@@ -131,7 +145,8 @@ def find_coverage(trace: Trace, steps: Table, warm: np.ndarray | None = None) ->
     if summ is None or not len(summ):
         lo = int(st.min()) if len(st) else 0
         hi = int(st.max()) if len(st) else -1
-        return Coverage(len(st), lo, hi, _spans(st), ring, 1, stopped, False, pinned)
+        return _written(trace, Coverage(len(st), lo, hi, _spans(st), ring, 1, stopped, False,
+                                        pinned))
     state = trace.summary_state or {}
     cov = Coverage(int(summ["count"].sum()), int(summ["step_lo"][0]),
                    int(summ["step_hi"][-1]), _spans(st), ring,
@@ -144,6 +159,32 @@ def find_coverage(trace: Trace, steps: Table, warm: np.ndarray | None = None) ->
         cov.first_nonfinite_call = int(summ["first_nonfinite_call"][bad[0]])
     cov.nonfinite_steps = int(summ["nonfinite_steps"].sum())
     cov.bad_requests = int(summ["bad_requests"].sum())
+    return _written(trace, cov)
+
+
+def _short_error(text: str) -> str:
+    """An HDF5 write error in a few words: its type and the system's message (HDF5 quotes
+    errno's text as error message = '...'), else its first line."""
+    m = re.search(r"error message = '([^'\n]{1,80})'", text)
+    head = text.split(":", 1)[0] if ":" in text[:40] else ""
+    if m:
+        return f"{head}: {m.group(1)}" if head else m.group(1)
+    return text.splitlines()[0][:120] if text else ""
+
+
+def _written(trace: Trace, cov: Coverage) -> Coverage:
+    """A write that failed (trace/fallback.py): detail stops at the failed step, and the
+    steps the capture ran past what the file holds were not seen."""
+    status = trace.meta.get("status")
+    if not isinstance(status, dict) or not status.get("writer_error"):
+        return cov
+    cov.writer_error = _short_error(str(status["writer_error"]))
+    at = Coverage._int(status.get("writer_failed_at_step"))
+    if at >= 0:
+        cov.stopped_at = at if cov.stopped_at < 0 else min(cov.stopped_at, at)
+    ran = Coverage._int(status.get("steps"))  # steps the capture counted (0-based: ran - 1)
+    if ran > 0 and cov.last_step < ran - 1:
+        cov.unseen_from = max(cov.last_step + 1, 0)
     return cov
 
 

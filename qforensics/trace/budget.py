@@ -137,8 +137,8 @@ class BudgetWriter:
         self._cols[schema.SUMMARY_STATE] = g.create_dataset(
             "state", data=self._summaries.state())
         k = max(self.ring_slots, 1)
-        self._cols[schema.RING_STEPS] = f.create_dataset(
-            schema.RING_STEPS, shape=(k,), dtype=schema.step_dtype())
+        self._cols[schema.RING_STEPS] = f.create_dataset(  # written now: its room is taken
+            schema.RING_STEPS, data=np.zeros(k, schema.step_dtype()))
         self._cols[schema.RING_RECORDS] = f.create_dataset(
             schema.RING_RECORDS, shape=(k, 0), maxshape=(k, None), dtype=schema.record_dtype(),
             chunks=(1, 512))
@@ -254,14 +254,9 @@ class BudgetWriter:
             ds[:, :] = np.zeros((k, width), dt)
         self._detail_shape = (r, t)
 
-    def _write_ring_detail(self, b: StepBatch) -> None:
-        """Step row, records and per-token maxima of a step into its ring slot, then its
-        channel block (the slot's step is -1 meanwhile)."""
-        if not self.ring_slots or not len(b.steps):
-            return
-        step = int(b.steps["step"][0])
-        slot = step % self.ring_slots
-        _put(self._cols["ring/step"], slot, -1)
+    def _ring_detail_rows(self, b: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What a ring slot holds of a step: its records (as many as a slot takes), per-token
+        maxima and step row."""
         r_cap, t_cap = self._detail_shape
         rec = b.records[:r_cap].copy()
         tok = np.asarray(b.tok_absmax[:t_cap], np.float32)
@@ -270,7 +265,18 @@ class BudgetWriter:
         if not b.ring:  # its block is the batch's own channel arrays: offsets relative to it
             ch = rec["chan_offset"] >= 0
             rec["flags"] = np.where(ch, rec["flags"] | schema.FLAG_RING, rec["flags"])
-        row = b.steps[:1].copy()
+        return rec, tok, b.steps[:1].copy()
+
+    def _write_ring_detail(self, b: StepBatch) -> None:
+        """Step row, records and per-token maxima of a step into its ring slot, then its
+        channel block (the slot's step is -1 meanwhile)."""
+        if not self.ring_slots or not len(b.steps):
+            return
+        step = int(b.steps["step"][0])
+        slot = step % self.ring_slots
+        _put(self._cols["ring/step"], slot, -1)
+        r_cap, _ = self._detail_shape
+        rec, tok, row = self._ring_detail_rows(b)
         if r_cap:
             rd = self._cols[schema.RING_RECORDS]
             fs = rd.id.get_space()

@@ -137,6 +137,8 @@ def create_file(path: str, modules: list[dict[str, str]], environment: dict, opt
     for path in schema.RING_INDEX:
         cols[path] = f.create_dataset(path, data=np.full(k, -1 if path.endswith(
             "step") else 0, np.int64))
+    cols[schema.STATUS_RAW] = f.create_dataset(schema.STATUS_RAW,
+                                               data=np.zeros(STATUS_BYTES, np.uint8))
     cols[schema.HITS_CHECKED] = f.create_dataset(schema.HITS_CHECKED, data=np.zeros(3, np.int64))
     cols[schema.LIMITS_DATASET] = f.create_dataset(
         schema.LIMITS_DATASET, data=np.array([max_bytes, -1], np.int64))

@@ -96,9 +96,31 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
             return out
         for key, raw in raws.items():
             out[key] = _parse_json(raw, f"{self.path}: /meta@{key}")
+        st = out.get("status")
+        if not (isinstance(st, dict) and st.get("state")):
+            raw_st = self._raw_status()
+            if raw_st is not None:
+                out["status"] = raw_st
         if "environment" not in out:
             self.unreadable.append("/meta@environment is missing (every writer stores it)")
         return out
+
+    def _raw_status(self) -> dict[str, Any] | None:
+        """The status a writer whose HDF5 writes failed left in /status_raw (zero-padded
+        JSON), when it holds one with a state."""
+        import h5py
+
+        ds = self._f.get(schema.STATUS_RAW)
+        if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype != np.uint8 \
+                or not 0 < ds.shape[0] <= 1 << 16:
+            return None
+        try:
+            data = bytes(ds[:]).split(b"\0", 1)[0]
+            st = _parse_json(data, f"{self.path}: /{schema.STATUS_RAW}") if data else None
+        except (*_UNREADABLE, TraceFormatError) as exc:
+            self.unreadable.append(f"/{schema.STATUS_RAW} ({exc})")
+            return None
+        return st if isinstance(st, dict) and st.get("state") else None
 
     @cached_property
     def module_columns(self) -> dict[str, np.ndarray]:

@@ -271,6 +271,9 @@ RING_STEPS = "ring/steps"  # compound (K,), STEP_COLUMNS
 RING_RECORDS = "ring/records"  # compound (K, R), RECORD_COLUMNS
 RING_TOKENS = "ring/tokens"  # f4 (K, T)
 RING_DETAIL = "ring/detail"  # i8 (K, 2): records and token values the slot holds (0: none)
+# u1 (16384,), contiguous: the closing status as JSON (zero-padded), written as raw bytes when
+# HDF5's writes failed (a full disk) and /meta@status could not be sealed (trace/fallback.py)
+STATUS_RAW = "status_raw"
 
 # /pinned (1.2): the first non-finite step and the first step of each trigger kind, with the W
 # steps before it, kept in full detail in space reserved up front; later ones while room remains.

@@ -45,6 +45,7 @@ from qforensics.trace import schema
 from qforensics.trace import layout
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
 from qforensics.trace.budget import BudgetWriter, _engine_step
+from qforensics.trace.fallback import FallbackWriter
 from qforensics.trace.hits import HitsWriter
 from qforensics.trace.columns import ColumnWriter, batch_rows
 from qforensics.trace.layout import STATUS_BYTES, compact_trace, json_attr, set_meta  # noqa: F401
@@ -57,6 +58,14 @@ _clock = time.monotonic  # the schedule's clock (a test drives it)
 
 
 
+def _vfd(f: Any) -> int | None:
+    """The file descriptor HDF5 writes through (the default sec2 driver), else None."""
+    try:
+        return int(f.id.get_vfd_handle())
+    except Exception:  # noqa: BLE001 - another driver
+        return None
+
+
 class _Barrier:
     """Queued by `TraceWriter.flush`: set once everything queued before it is on disk."""
 
@@ -64,7 +73,7 @@ class _Barrier:
         self.done = threading.Event()
 
 
-class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
+class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
     """Owns one trace file. Thread-safe `submit`; `close` drains everything and seals the file."""
 
     def __init__(
@@ -125,6 +134,7 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
         f.flush()
         f.swmr_mode = True
         self._file = f
+        self._fd = _vfd(f)
         # lengths of the appendable datasets, kept here (h5py's .shape is a library call)
         self._len = {p: int(ds.shape[0]) for p, ds in self._cols.items()}
         self._geo: dict[str, tuple[int, int, tuple[int, ...]]] = {}
@@ -132,7 +142,7 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
 
     # -- producer side -----------------------------------------------------------------------
     def submit(self, batch: StepBatch) -> None:
-        if self._closed or self._failed:
+        if self._closed:  # after a failed write still queued: kept in memory (trace/fallback.py)
             return
         now = _clock()
         if self._last_submit is not None:
@@ -209,10 +219,13 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
 
     def _write(self, batches: list[StepBatch]) -> None:
         if self._failed:
+            self._remember(batches)
             return
+        noted = False
         try:
             with self._lock:
                 self._note(batches)  # summaries, the per-step estimate
+                noted = True
                 self._note_hits(batches)  # where each request first held NaN/Inf
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
@@ -238,8 +251,7 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
                 self._file.flush()
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
-            self._failed = f"{type(exc).__name__}: {exc}"
-            log.error("qforensics: trace writing stopped (%s); the run continues", self._failed)
+            self._fail(exc, batches, noted)
 
     def _append_fitting(self, batches: list[StepBatch]) -> list[bool]:
         """Append the batches while they fit the budget (one merged append when all do);
@@ -331,12 +343,25 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
             st["hits_dropped"] = self.hits_dropped
         if self.detail_off:
             st["ring_detail_off"] = self.detail_off
-        if self._failed:
-            st["writer_error"] = self._failed
         sealed = False
         try:
             with self._lock:
-                sealed = self._seal_in_place(st)
+                if not self._failed:
+                    try:  # the last drain's data, before the status says it is there
+                        self._file.flush()
+                    except Exception as exc:  # noqa: BLE001 - the disk filled up just now
+                        self._fail(exc, [], True)
+                if self._failed:  # raw bytes into the fixed regions, then let go (fallback.py)
+                    try:
+                        st["writer_error"] = self._failed[:400]
+                        st["writer_failed_at_step"] = self._failed_at
+                        st["memory_ring"] = self._write_memory()
+                        self._raw_status(st)
+                    finally:
+                        self._detach()
+                    sealed = True
+                else:
+                    sealed = self._seal_in_place(st)
                 self._file.close()
         except Exception as exc:
             log.error("qforensics: closing the trace failed: %s", exc)
@@ -360,5 +385,6 @@ class TraceWriter(BudgetWriter, HitsWriter, ColumnWriter):
             self._file.flush()
         except Exception as exc:  # noqa: BLE001 - the slot is missing or unwritable: reopen
             log.warning("qforensics: status slot not written (%s); sealing after close", exc)
+            self._detach()  # a failed write: HDF5 must not be left half-closed (fallback.py)
             return False
         return True

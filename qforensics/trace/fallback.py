@@ -1,0 +1,151 @@
+"""What `TraceWriter` does once writing fails (disk full, a file size limit, the file removed):
+capture goes on in memory, the host never sees an error.
+
+From the failed write on, nothing is appended. Every later batch still has its summary folded
+in (trace/budget.py's `_note`, in memory), and the last K of them (K: the ring's slots, at
+least 16) stay in memory whole. At close the writer tries once to put them where no new room
+is needed: the summaries into the fixed-size `/summary`, the K steps into their ring slots
+(allocated once the ring has turned). The status says from which step writing failed and
+whether that last write took (`writer_error`, `writer_failed_at_step`, `memory_ring`); the
+reader turns that into what the verdict covers (trace/reader.py's `end`).
+
+A mixin of `TraceWriter`; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from qforensics.trace import schema
+from qforensics.trace.batch import StepBatch
+from qforensics.trace.layout import json_attr
+from qforensics.trace.rawput import RawRegion
+
+log = logging.getLogger("qforensics.trace.writer")
+
+_MIN_KEPT = 16  # steps kept in memory without a ring
+
+
+class FallbackWriter:
+    """In-memory keeping after a failed write (the drainer only)."""
+
+    _failed: str | None
+    _failed_at: int = -1
+    _memory: collections.deque | None = None
+
+    def _fail(self, exc: BaseException, batches: list[StepBatch], noted: bool) -> None:
+        """The write of `batches` failed (`noted`: their summaries are already folded in):
+        say so once, keep them in memory from now on."""
+        self._failed = f"{type(exc).__name__}: {exc}"
+        firsts = [int(b.steps["step"][0]) for b in batches if len(b.steps)]
+        self._failed_at = min(firsts) if firsts else -1
+        slots = int(getattr(self, "ring_slots", 0)) or _MIN_KEPT
+        self._memory = collections.deque(maxlen=max(slots, 1))
+        log.error("qforensics: trace writing failed at step %d (%s); the run continues, "
+                  "capture goes on in memory (summaries and the last %d steps, written at "
+                  "close where they fit)", self._failed_at, self._failed, self._memory.maxlen)
+        self._remember(batches, noted)
+
+    def _remember(self, batches: list[StepBatch], noted: bool = False) -> None:
+        """A batch after the failure: its summary folded in, the batch kept among the last K."""
+        try:
+            if not noted:
+                self._note(batches)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an allocation it tried needed the disk
+            pass
+        assert self._memory is not None
+        self._memory.extend(b for b in batches if len(b.steps))
+
+    def _write_memory(self) -> dict[str, Any]:
+        """At close (caller holds `_lock`): the summaries and the steps kept in memory into
+        their fixed places in the file, as raw bytes (trace/rawput.py: HDF5's own writes fail
+        from here on); what took, for the status."""
+        kept = list(self._memory or ())
+        out: dict[str, Any] = {"steps": [int(kept[0].steps["step"][0]),
+                                         int(kept[-1].steps["step"][0])] if kept else [],
+                               "summaries": False, "ring": 0}
+        fd = getattr(self, "_fd", None)
+        if fd is None:
+            out["error"] = "no file descriptor to write through (not the sec2 driver)"
+            return out
+        cols = self._cols  # type: ignore[attr-defined]
+        try:
+            raw = RawRegion(fd)
+            s = self._summaries  # type: ignore[attr-defined]
+            raw.put(cols[schema.SUMMARY_BLOCKS], 0, s.rows)
+            raw.put(cols[schema.SUMMARY_STATE], 0, s.state())
+            out["summaries"] = True
+            for b in kept if getattr(self, "ring_slots", 0) else ():
+                self._raw_ring_slot(raw, b)
+                out["ring"] += 1
+        except Exception as exc:  # noqa: BLE001 - h5py raises RuntimeError for HDF5's own
+            out["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        return out
+
+    def _raw_ring_slot(self, raw: RawRegion, b: StepBatch) -> None:
+        """One kept step into its ring slot, in the order `_write_ring_detail` keeps: the
+        slot names no step while it is rewritten."""
+        cols = self._cols  # type: ignore[attr-defined]
+        step = int(b.steps["step"][0])
+        slot = step % self.ring_slots  # type: ignore[attr-defined]
+        raw.put(cols["ring/step"], slot, np.array([-1], np.int64))
+        r_cap, _ = self._detail_shape  # type: ignore[attr-defined]
+        rec, tok, row = self._ring_detail_rows(b)  # type: ignore[attr-defined]
+        if r_cap and len(rec):
+            raw.put_row(cols[schema.RING_RECORDS], slot, rec)
+        if r_cap and len(tok):
+            raw.put_row(cols[schema.RING_TOKENS], slot, tok)
+        raw.put(cols[schema.RING_STEPS], slot, row)
+        raw.put(cols[schema.RING_DETAIL], 2 * slot,
+                np.array([len(rec) if r_cap else 0, len(tok) if r_cap else 0], np.int64))
+        n = len(b.chan_min)
+        dmin = cols["ring/min"]
+        if n and n <= dmin.shape[1]:
+            raw.put_row(dmin, slot, np.asarray(b.chan_min, dmin.dtype))
+            raw.put_row(cols["ring/max"], slot, np.asarray(b.chan_max, dmin.dtype))
+        else:
+            n = 0
+        raw.put(cols["ring/count"], slot, np.array([n], np.int64))
+        raw.put(cols["ring/step"], slot, np.array([step], np.int64))
+
+    def _raw_status(self, st: dict[str, Any]) -> bool:
+        """The closing status into `/status_raw` (trace/layout.py), where the reader looks
+        when /meta@status was never sealed."""
+        fd = getattr(self, "_fd", None)
+        ds = self._cols.get(schema.STATUS_RAW)  # type: ignore[attr-defined]
+        if fd is None or ds is None:
+            return False
+        data = json_attr(st).encode()
+        if len(data) > ds.shape[0]:
+            return False
+        buf = np.zeros(ds.shape[0], np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        try:
+            RawRegion(fd).put(ds, 0, buf)
+        except Exception as exc:  # noqa: BLE001
+            log.error("qforensics: the trace status could not be written: %s", exc)
+            return False
+        return True
+
+    def _detach(self) -> None:
+        """Point the descriptor HDF5 writes through at /dev/null, so that the close completes.
+        A close whose writes fail leaves the file half-closed in HDF5, and the close HDF5
+        retries when the process exits crashed the host (SIGSEGV in H5D__flush_all_cb, h5py
+        3.16 / HDF5 2.0, seen with a file size limit). What reached the disk before stays as
+        it is (the reader opens it, and says what it lacks); the rest is dropped."""
+        fd = getattr(self, "_fd", None)
+        if fd is None:
+            return
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
+        except OSError as exc:
+            log.error("qforensics: the trace file could not be detached: %s", exc)

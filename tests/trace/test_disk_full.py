@@ -1,0 +1,77 @@
+"""A capture whose file stops growing mid-run (the kernel's file size limit fails the writes with
+EFBIG, as a full disk fails them with ENOSPC): the host goes on and exits normally, every
+step's summary and the last K steps still reach the file (as raw bytes into the regions
+allocated for them), and the status and the verdict say from which step writing failed.
+
+Each case runs disk_full_child.py in a process of its own (the limit is per process), on the
+real writer and the real HDF5 library; the NaN's step and module are the ones it injects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qforensics
+from qforensics.analyze import analyze_trace
+
+HERE = Path(__file__).parent
+STEPS, RING = 300, 16  # capture's default ring_steps
+
+
+def _run(tmp_path: Path, bad: int) -> tuple[Path, dict, str]:
+    path = tmp_path / "t.h5"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent / "hooks"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, str(HERE / "disk_full_child.py"), "20000", str(STEPS),
+                        str(bad), str(path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    # the host is never stopped: not by the failed writes, not at exit (HDF5 used to crash
+    # there, SIGSEGV, on a file it could not close)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return path, json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def _status(path: Path) -> dict:
+    with qforensics.open_trace(path) as t:
+        return t.meta["status"]
+
+
+def test_healthy_run_keeps_every_summary_and_the_ring_and_says_writing_failed(tmp_path):
+    path, out, err = _run(tmp_path, -1)
+    assert "File too large" in out["degraded"]
+    assert err.count("trace writing failed at step") == 1  # said once on stderr
+    st = _status(path)
+    assert st["state"] == "complete" and st["steps"] == STEPS
+    failed_at = st["writer_failed_at_step"]
+    assert 50 <= failed_at < STEPS - RING  # the limit was set at step 50
+    assert "File too large" in st["writer_error"]
+    mem = st["memory_ring"]
+    assert mem["summaries"] and mem["ring"] == RING and mem["steps"] == [STEPS - RING, STEPS - 1]
+    with qforensics.open_trace(path) as t:
+        assert int(t.summary_table["count"].sum()) == STEPS  # every step, none twice
+        assert t.ring_detail_steps() == list(range(STEPS - RING, STEPS))
+    f = analyze_trace(path)
+    # what the full detail lost is not called clean: the verdict is no PASSED
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert f"covers steps 0-{STEPS - 1} ({STEPS} steps)" in f.verdict.line
+    assert f"stopped at step {failed_at} (trace writing failed" in f.verdict.line
+
+
+@pytest.mark.parametrize("bad", [STEPS - 5, 120])
+def test_a_nan_after_writing_failed_is_found(tmp_path, bad):
+    """Late, inside the ring: its producer from the ring's records. Earlier: its step and
+    call from the summaries."""
+    path, _, _ = _run(tmp_path, bad)
+    assert _status(path)["writer_failed_at_step"] < bad
+    f = analyze_trace(path)
+    assert f.verdict.status == "FAILED", f.verdict.line
+    if bad >= STEPS - RING:
+        assert f.first_nonfinite is not None and f.first_nonfinite.step == bad
+        assert f.first_nonfinite.producer_module == "layers.1.down"
+    else:
+        assert f"NaN/Inf at step {bad}" in f.verdict.line
