@@ -11,6 +11,8 @@ only where the file's type has the array's exact byte layout. Nothing here impor
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 
 import h5py
@@ -68,16 +70,49 @@ class RawRegion:
 
 def _chunk_offset(ds: h5py.Dataset, row: int, col: int) -> int:
     """The file offset of chunk (row, col) of a (1, C)-chunked 2-D dataset whose chunks are
-    all allocated. Found by position in HDF5's chunk index (row-major), because the
-    coordinates HDF5 2.0 reports and takes for 2-D chunks are not the chunk's (h5py 3.16: the
-    chunk of row 12 reads as (0, 12 * C)); either form is accepted as a check, nothing else."""
+    all allocated, found by its position in HDF5's chunk index. The order of that index is
+    the library's (for one unlimited dimension, HDF5 2.0 lists chunks column of chunks by
+    column of chunks), and the coordinates h5py 3.16 reports for 2-D chunks are not the
+    chunk's; so the order is learnt from a probe dataset of the same shape in memory."""
     per_row = -(-int(ds.shape[1]) // int(ds.chunks[1]))
     if ds.id.get_num_chunks() != ds.shape[0] * per_row:
         raise OSError(f"{ds.name}: not every chunk is allocated")
-    i = row * per_row + col
+    order = _chunk_order(tuple(ds.shape), tuple(ds.chunks), tuple(ds.maxshape))
+    i = order.get((row, col))
+    if i is None:
+        raise OSError(f"{ds.name}: chunk ({row}, {col}) not in the probe's index")
     info = ds.id.get_chunk_info(i)
-    c = int(ds.chunks[1])
-    if tuple(info.chunk_offset or ()) not in ((row, col * c), (0, i * c)) \
-            or info.byte_offset is None or info.size != c * ds.dtype.itemsize:
+    if info.byte_offset is None or info.size != int(ds.chunks[1]) * ds.dtype.itemsize:
         raise OSError(f"{ds.name}: chunk {i} is not where its index says")
     return int(info.byte_offset)
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_order(shape: tuple[int, int], chunks: tuple[int, int],
+                 maxshape: tuple[int | None, ...]) -> dict[tuple[int, int], int]:
+    """{(row, column of chunks): position in the chunk index} for a dataset created as the
+    ring's are (empty, then resized to `shape`), each chunk marked with its own coordinates."""
+    rows, width = shape
+    c = chunks[1]
+    buf = io.BytesIO()
+    f = h5py.File(buf, "w", libver="latest")
+    try:
+        d = f.create_dataset("x", shape=(rows, 0), maxshape=maxshape, dtype="i8",
+                             chunks=chunks)
+        d.resize(shape)
+        mark = np.zeros(shape, np.int64)
+        for r in range(rows):
+            mark[r, ::c] = r * (1 << 32) + np.arange(len(mark[r, ::c]))
+        d[:, :] = mark
+        f.flush()
+        out = {}
+        for i in range(d.id.get_num_chunks()):
+            info = d.id.get_chunk_info(i)
+            raw = buf.getbuffer()[info.byte_offset:info.byte_offset + 8].tobytes()
+            v = int(np.frombuffer(raw, np.int64)[0])
+            out[(v >> 32, v & 0xFFFFFFFF)] = i
+        if len(out) != rows * -(-width // c):
+            raise OSError("the probe's chunk index did not name every chunk once")
+        return out
+    finally:
+        f.close()

@@ -75,3 +75,38 @@ def test_a_nan_after_writing_failed_is_found(tmp_path, bad):
         assert f.first_nonfinite.producer_module == "layers.1.down"
     else:
         assert f"NaN/Inf at step {bad}" in f.verdict.line
+
+
+def test_raw_row_writes_land_where_hdf5_reads_them(tmp_path):
+    """Several chunks a row (the real model's ring rows are 1024 records of 512 a chunk): each
+    raw write is read back by HDF5 at its row and columns, and nowhere else."""
+    import h5py
+    import numpy as np
+
+    from qforensics.trace.rawput import RawRegion
+
+    p = tmp_path / "r.h5"
+    with h5py.File(p, "w", libver="latest") as f:  # created as the ring's are
+        d = f.create_dataset("x", shape=(16, 0), maxshape=(16, None), dtype="f4", chunks=(1, 512))
+        d.resize((16, 1300))
+        d[:, :] = 0
+        c = f.create_dataset("c", data=np.zeros(16, np.int64))
+    with h5py.File(p, "r+") as f:
+        fd = os.open(p, os.O_RDWR)
+        try:
+            raw = RawRegion(fd)
+            for row in (0, 5, 13, 15):
+                raw.put_row(f["x"], row, np.arange(1200, dtype=np.float32) + 10000 * row)
+            raw.put(f["c"], 13, np.array([7], np.int64))
+            with pytest.raises(ValueError):
+                raw.put_row(f["x"], 1, np.zeros(1301, np.float32))  # wider than a row
+        finally:
+            os.close(fd)
+    with h5py.File(p, "r") as f:
+        x = f["x"][:]
+        for row in range(16):
+            want = np.zeros(1300, np.float32)
+            if row in (0, 5, 13, 15):
+                want[:1200] = np.arange(1200) + 10000 * row
+            np.testing.assert_array_equal(x[row], want)
+        assert f["c"][:].tolist() == [0] * 13 + [7, 0, 0]
