@@ -77,6 +77,14 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if silent:
         more = f" (+{len(silent) - 1} more)" if len(silent) > 1 else ""
         return Verdict(SUSPECT, f"{SUSPECT} | no NaN, but {silent[0].line}{more}" + tail)
+    if coverage is not None and coverage.writer_error and not coverage.blind:
+        # the capture's own failure to write (a full disk), not damage from outside: its step
+        # and cause first; the coverage (tail) says what the file still holds
+        also = f"; {unreadable[0]}" if unreadable else ""
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but "
+                       f"trace writing failed at step {coverage.stopped_at} "
+                       f"({coverage.writer_error}), later steps are in the summaries and the ring "
+                       f"only{also}" + tail)
     if unreadable:
         more = f" (+{len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
         return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps that "

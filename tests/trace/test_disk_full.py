@@ -58,6 +58,8 @@ def test_healthy_run_keeps_every_summary_and_the_ring_and_says_writing_failed(tm
     f = analyze_trace(path)
     # what the full detail lost is not called clean: the verdict is no PASSED
     assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert f.verdict.line.startswith(f"SUSPECT | no non-finite values in {STEPS} steps, but "
+                                     f"trace writing failed at step {failed_at} (")
     assert f"covers steps 0-{STEPS - 1} ({STEPS} steps)" in f.verdict.line
     assert f"stopped at step {failed_at} (trace writing failed" in f.verdict.line
 
