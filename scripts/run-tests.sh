@@ -26,13 +26,24 @@ bash scripts/install.sh
 # conversion, vLLM checkpoints, calibrations) the next one reuses. Removed at the end.
 QF_TEST_CACHE_HOME=$(mktemp -d -t qf-test-caches-XXXXXX)
 export QF_TEST_CACHE_HOME
-trap 'rm -rf "$QF_TEST_CACHE_HOME"' EXIT
+trap 'kill ${VENVS_PID:-} 2>/dev/null || true; rm -rf "$QF_TEST_CACHE_HOME"' EXIT
 PY=${PYTHON:-python3}
-$PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" "$@"
+# The two venvs (llmcompressor's, vLLM's) are built while the main tests run: pip mostly waits
+# on unpacking and the disk. Their output goes to a log, shown when a build fails.
+VENVS_LOG=$QF_TEST_CACHE_HOME/venvs.log
+(bash scripts/install-llmc.sh && bash scripts/install-vllm.sh) >"$VENVS_LOG" 2>&1 &
+VENVS_PID=$!
+$PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" --durations=15 "$@"
+if ! wait "$VENVS_PID"; then
+    tail -n 40 "$VENVS_LOG"
+    echo "run-tests: building the llmcompressor or vLLM venv failed (log above)" >&2
+    exit 1
+fi
 # llmcompressor (GPTQ, SmoothQuant) runs in a venv of its own (it pins another transformers);
 # the `llmc` tests call it through whatif's subprocess path, from this Python and from vLLM's.
 QF_LLMC_PYTHON=$(bash scripts/install-llmc.sh | tail -n 1)
 export QF_LLMC_PYTHON
 $PY -m pytest -q -p no:cacheprovider -m "llmc and not vllm" tests/whatif
 VPY=$(bash scripts/install-vllm.sh | tail -n 1)
-"$VPY" -m pytest -q -p no:cacheprovider -m vllm tests/engines tests/bench tests/layouts
+"$VPY" -m pytest -q -p no:cacheprovider -m vllm --durations=15 tests/engines tests/bench \
+    tests/layouts

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_runs import NAN_WORD, PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import (NAN_WORD, PROMPT_A, PROMPT_B, WHATIF_ROUNDS, WHATIF_SCHEMES,
+                       run_recorded, run_whatif_vllm)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -37,6 +38,13 @@ def fresh_adapter(monkeypatch):
     monkeypatch.setattr(autoattach, "_state", {**autoattach._state, "captures": [],
                                                "attached": 0, "done": False, "handle": None})
     yield adapter
+
+
+@pytest.fixture(scope="session")
+def whatif_vllm(tmp_path_factory) -> dict:
+    """`whatif --engine vllm --target 95%` on every scheme of `WHATIF_SCHEMES`, once."""
+    return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm") / "w.json", WHATIF_SCHEMES,
+                           ["--target", "95%", "--speed-rounds", str(WHATIF_ROUNDS)])
 
 
 @pytest.fixture(scope="session")

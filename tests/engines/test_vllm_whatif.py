@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_runs import run_whatif_vllm
-
 pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # awq: through vLLM's AWQ kernel
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm") / "w.json",
-                           ["awq:w4a16-g64", "w:int4-g64"])
+def result(whatif_vllm):
+    return whatif_vllm  # the session's one what-if run through vLLM (conftest.py)
 
 
 def test_awq_is_measured_through_vllms_awq_kernel_next_to_hf(result):
-    awq, int4 = result["json"]["schemes"]
+    by = {s["scheme"]: s for s in result["json"]["schemes"]}
+    awq, int4 = by["awq:w4a16-g64"], by["w:int4-g64"]
     v = awq["vllm"]
     assert awq["scheme"] == "awq:w4a16-g64" and awq["path"].startswith("HF fake-quant")
     assert "AWQ" in v["path"] and "W4A16" in v["path"], v["path"]

