@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from qforensics.jsondoc import SCHEMAS
+from qforensics.whatif.recommend import METRICS
+from qforensics.whatif.risk import LEVELS as RISK_LEVELS
 
 __all__ = ["DOCUMENTS", "MODULE_INFO", "validate", "validate_module_info"]
 
@@ -23,6 +25,45 @@ _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _VERDICT = {"type": "object", "required": ["status", "line"],
             "properties": {"status": {"enum": ["PASSED", "SUSPECT", "FAILED"]}, "line": _STR}}
+
+
+_OBJ_OR_NULL = {"type": ["object", "null"]}
+# one scheme of a what-if document (qforensics/whatif/results.py SchemeResult.to_json)
+_WHATIF_SCHEME = {
+    "type": "object",
+    "required": ["scheme", "weights", "activations", "top1", "kl", "ppl", "text_top1",
+                 "recovered", "nonfinite", "text", "seconds", "vllm", "error", "memory",
+                 "memory_vs_bf16", "engine_memory_vs_bf16", "decode_speed_vs_bf16",
+                 "prefill_speed_vs_bf16", "risk", "path"],
+    "properties": {
+        "scheme": _STR, "weights": {"type": ["string", "null"]},
+        "activations": {"type": ["string", "null"]}, "top1": _NUM, "kl": _NUM, "ppl": _NUM,
+        "text_top1": _NUM, "recovered": _NUM, "nonfinite": {"type": "boolean"}, "text": _STR,
+        "seconds": _NUM, "vllm": _OBJ_OR_NULL, "error": {"type": ["string", "null"]},
+        "library": _OBJ_OR_NULL, "memory": _OBJ_OR_NULL, "memory_vs_bf16": _NUM_OR_NULL,
+        "engine_memory_vs_bf16": _NUM_OR_NULL, "decode_speed_vs_bf16": _NUM_OR_NULL,
+        "prefill_speed_vs_bf16": _NUM_OR_NULL, "path": _STR,
+        "risk": {"anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["level"],
+            "properties": {"level": {"enum": list(RISK_LEVELS)}}}]},
+    },
+}
+# whatif --target's recommendation (qforensics/whatif/recommend.py)
+_WHATIF_RECOMMENDATION = {
+    "type": "object", "required": ["target", "rule", "scheme", "candidates"],
+    "properties": {
+        "target": {"type": "object", "required": ["metric", "floor"], "properties": {
+            "metric": {"enum": sorted(METRICS)}, "floor": _NUM, "words": _STR}},
+        "rule": _STR, "scheme": {"type": ["string", "null"]},
+        "meets": {"type": "array", "items": _STR},
+        "candidates": {"type": "array", "items": {
+            "type": "object", "required": ["scheme", "value", "from", "meets"],
+            "properties": {"scheme": _STR, "value": _NUM, "from": _STR,
+                           "meets": {"type": "boolean"}, "memory_vs_bf16": _NUM_OR_NULL,
+                           "decode_speed_vs_bf16": _NUM_OR_NULL}}},
+        "closest": _OBJ_OR_NULL, "needs": _OBJ_OR_NULL,
+        "text": {"type": "array", "items": _STR}},
+}
 
 
 def _envelope(name: str, required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +145,15 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
         "unreadable": {"type": "array", "items": {
             "type": "object", "required": ["path", "reason"],
             "properties": {"path": _STR, "reason": _STR}}}}),
+    # whatif --json, read by report --whatif (docs/whatif.md, "JSON")
+    "qforensics.whatif": _envelope("qforensics.whatif", [
+        "trace", "prompt_source", "salient_source", "reference", "schemes", "recommendation"], {
+        "trace": {"type": ["string", "null"]}, "prompt_source": _STR, "salient_source": _STR,
+        "reference": {"type": "object", "required": ["text", "ppl", "positions", "text_tokens"],
+                      "properties": {"text": _STR, "ppl": _NUM, "positions": _INT,
+                                     "text_tokens": _INT}},
+        "schemes": {"type": "array", "items": _WHATIF_SCHEME},
+        "recommendation": {"anyOf": [{"type": "null"}, _WHATIF_RECOMMENDATION]}}),
     # replay --json, read by report --replay (docs/replay.md)
     "qforensics.replay": _envelope("qforensics.replay", [
         "created_by", "call_index", "module", "layout", "fixture", "shapes", "tile", "results"], {

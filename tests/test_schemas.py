@@ -95,3 +95,32 @@ def test_broken_documents_do_not(analyzed):
     assert validate({"schema": "qforensics.nope", "version": "1.0"})
     assert validate_module_info({"params": {"weight": {"shape": "576x576", "dtype": "f4"}}})
     assert validate_module_info({"health": {"weight": {"nan": 1.5}}})
+
+
+def test_whatif_documents_validate_and_broken_ones_do_not():
+    from qforensics.jsondoc import document
+    from qforensics.whatif.recommend import parse_target, recommend
+    from qforensics.whatif.results import SchemeResult, WhatIfResult
+
+    res = WhatIfResult(trace="t.h5", prompt_source="p", salient_source="s", ref_text="t",
+                       ref_ppl=10.0, positions=8, text_tokens=100)
+    for label, rec in (("ct:W8A8", 0.99), ("ct:W4A16-g64", float("nan"))):  # NaN: "nan"
+        s = SchemeResult(label, None, None, 1.0, 0.01, 10.0 / 0.99, 0.9, rec, False, "", 1.0)
+        s.memory = {"vs_bf16": 0.56}
+        s.risk = {"level": "low", "line": "salient input channels"}
+        res.schemes.append(s)
+    res.recommendation = recommend(res, parse_target("95%"))
+    good = json.loads(json.dumps(document("qforensics.whatif", res.to_json())))
+    assert good["schemes"][1]["recovered"] == "nan" and validate(good) == []
+    breaks = {
+        "schemes/0/ppl": lambda d: d["schemes"][0].update(ppl="NaN"),
+        "schemes/0/recovered": lambda d: d["schemes"][0].pop("recovered"),
+        "schemes/0/risk/level": lambda d: d["schemes"][0]["risk"].update(level="bad"),
+        "recommendation/target/metric": lambda d: d["recommendation"]["target"].update(
+            metric="ppl"),
+        "reference": lambda d: d.pop("reference"),
+    }
+    for where, brk in breaks.items():
+        doc = copy.deepcopy(good)
+        brk(doc)
+        assert validate(doc), where

@@ -200,6 +200,12 @@ def test_speed_is_measured_against_bf16_in_interleaved_rounds(result) -> None:
     assert "does not carry to another" in stdout
 
 
+def test_the_document_validates_against_its_json_schema(result) -> None:
+    from qforensics.schemas import validate
+
+    assert validate(result["json"]) == []  # served, failed, skipped and mixed schemes alike
+
+
 def test_each_scheme_carries_the_traces_risk(result) -> None:
     for s in result["json"]["schemes"]:
         assert s["risk"]["level"] in ("high", "elevated", "low", "none", "unknown"), s["risk"]

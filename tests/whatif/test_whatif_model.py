@@ -37,6 +37,10 @@ def test_whatif_int4_g128_keep_salient_beats_per_tensor(demo, reference_trace) -
     assert 0 < salient.recovered <= 1.5 and math.isfinite(res.ref_ppl)
     assert sum(line.startswith("[") for line in lines) == 2  # one progress line per scheme
     data = json.loads(json.dumps(res.to_json(), allow_nan=False))
+    from qforensics.jsondoc import document
+    from qforensics.schemas import validate
+
+    assert validate(document("qforensics.whatif", data)) == []  # as `whatif --json` writes it
     assert [s["scheme"] for s in data["schemes"]] == ["w:int4-g128-salient1pct",
                                                       "w:int4-per-tensor"]
     assert "w:int4-g128-salient1pct" in res.format_table()
