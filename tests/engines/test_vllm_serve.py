@@ -31,6 +31,20 @@ def _post(port: int, prompt: str) -> dict:
         return json.loads(r.read())
 
 
+def _wait_for_requests(path, n: int, deadline: float) -> None:
+    """Poll the trace being written (the reader opens it in SWMR mode) until /engine/requests
+    holds n rows."""
+    while True:
+        try:
+            with open_trace(path) as t:
+                if len(t.engine_table("requests")) >= n:
+                    return
+        except Exception:  # noqa: BLE001 - not created yet, or mid-flush: look again
+            pass
+        assert time.time() < deadline, f"{path} never held the {n} requests"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, bf16_model_dir):
     tmp = tmp_path_factory.mktemp("serve")
@@ -50,8 +64,10 @@ def served(tmp_path_factory, bf16_model_dir):
                 time.sleep(2)
         answers = [_post(port, p) for p in PROMPTS]
         # Under record the server gives its engine a grace period before it kills it
-        # (engines/vllm.py), so the worker seals its trace at its exit.
-        time.sleep(3)
+        # (engines/vllm.py), so the worker seals its trace at its exit; stopped once the
+        # worker's trace holds every request's row (within its flush interval), not after a
+        # fixed wait
+        _wait_for_requests(tmp / "s-0.h5", len(PROMPTS), deadline=time.time() + 60)
     finally:
         proc.send_signal(signal.SIGINT)  # `record` forwards it to the server
         _, err = proc.communicate(timeout=120)

@@ -23,13 +23,13 @@ HERE = Path(__file__).parent
 STEPS, RING = 300, 16  # capture's default ring_steps
 
 
-def _run(tmp_path: Path, bad: int) -> tuple[Path, dict, str]:
+def _run(tmp_path: Path, bad: int, child: str = "disk_full_child.py", grow: int = 20000,
+         steps: int = STEPS) -> tuple[Path, dict, str]:
     path = tmp_path / "t.h5"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent / "hooks"), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, str(HERE / "disk_full_child.py"), "20000", str(STEPS),
-                        str(bad), str(path)], capture_output=True, text=True, env=env,
-                       timeout=300)
+    p = subprocess.run([sys.executable, str(HERE / child), str(grow), str(steps), str(bad),
+                        str(path)], capture_output=True, text=True, env=env, timeout=600)
     # the host is never stopped: not by the failed writes, not at exit (HDF5 used to crash
     # there, SIGSEGV, on a file it could not close)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -112,3 +112,21 @@ def test_raw_row_writes_land_where_hdf5_reads_them(tmp_path):
                 want[:1200] = np.arange(1200) + 10000 * row
             np.testing.assert_array_equal(x[row], want)
         assert f["c"][:].tolist() == [0] * 13 + [7, 0, 0]
+
+
+@pytest.mark.model
+def test_real_model_nan_after_the_disk_filled_is_named_with_its_producer(tmp_path):
+    """SmolLM2 in HF with capture's defaults: the file stops growing 256 KiB past forward 45 (a
+    few steps of full detail), and the NaN planted in layer 17's v_proj before forward 85
+    (step 84) lies in the ring: found with its producer, the host unharmed."""
+    tokens = 90
+    path, out, err = _run(tmp_path, 85, "disk_full_real_child.py", 256 << 10, tokens)
+    assert "File too large" in out["degraded"] and out["forwards"] == tokens
+    st = _status(path)
+    # the writer drains within its flush interval (1 s): it fails on steps before forward 45
+    assert RING <= st["writer_failed_at_step"] < tokens - RING
+    assert st["memory_ring"]["summaries"] and st["memory_ring"]["ring"] == RING
+    f = analyze_trace(path)
+    assert f.verdict.status == "FAILED", f.verdict.line
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == 84
+    assert f.first_nonfinite.producer_module == "model.layers.17.self_attn.v_proj"
