@@ -31,3 +31,11 @@ def figures(pattern: str, text: str) -> tuple[float, ...]:
     m = re.search(pattern, text)
     assert m, f"no line matches {pattern!r} in:\n{text[-3000:]}"
     return tuple(float(g.replace(",", "")) for g in m.groups())
+
+
+def ratio_slack(num: float, den: float, digits: int = 3) -> float:
+    """How far a printed ratio (of the unrounded figures, itself printed to `digits`
+    decimals) may lie from num / den, where num and den are the figures as printed to `digits`
+    decimals: each printed figure is within half a unit of its last digit."""
+    half = 0.5 * 10.0 ** -digits
+    return (half / num + half / den) * (num / den) * 1.01 + half + 1e-12
