@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from qforensics.jsondoc import SCHEMAS
-from qforensics.whatif.recommend import METRICS
-from qforensics.whatif.risk import LEVELS as RISK_LEVELS
+
+# the what-if document's words, defined here (below whatif in the layers) and used there:
+# whatif/risk.py's levels, whatif/recommend.py's target metrics (with their wording)
+WHATIF_RISK_LEVELS = ("high", "elevated", "low", "none", "unknown")
+WHATIF_METRICS = {"recovered": "recovered perplexity (ppl_ref / ppl)",
+                  "top1": "text top-1 agreement with the reference"}
 
 __all__ = ["DOCUMENTS", "MODULE_INFO", "validate", "validate_module_info"]
 
@@ -45,7 +49,7 @@ _WHATIF_SCHEME = {
         "prefill_speed_vs_bf16": _NUM_OR_NULL, "path": _STR,
         "risk": {"anyOf": [{"type": "null"}, {
             "type": "object", "required": ["level"],
-            "properties": {"level": {"enum": list(RISK_LEVELS)}}}]},
+            "properties": {"level": {"enum": list(WHATIF_RISK_LEVELS)}}}]},
     },
 }
 # whatif --target's recommendation (qforensics/whatif/recommend.py)
@@ -53,7 +57,7 @@ _WHATIF_RECOMMENDATION = {
     "type": "object", "required": ["target", "rule", "scheme", "candidates"],
     "properties": {
         "target": {"type": "object", "required": ["metric", "floor"], "properties": {
-            "metric": {"enum": sorted(METRICS)}, "floor": _NUM, "words": _STR}},
+            "metric": {"enum": sorted(WHATIF_METRICS)}, "floor": _NUM, "words": _STR}},
         "rule": _STR, "scheme": {"type": ["string", "null"]},
         "meets": {"type": "array", "items": _STR},
         "candidates": {"type": "array", "items": {

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.schemas import WHATIF_METRICS
 
 __all__ = ["METRICS", "Target", "judged_figures", "parse_target", "quality_of", "recommend",
            "recommendation_lines"]
 
-METRICS = {"recovered": "recovered perplexity (ppl_ref / ppl)",
-           "top1": "text top-1 agreement with the reference"}
+METRICS = WHATIF_METRICS  # metric -> its words (the document's vocabulary: schemas.py)
 _ALIASES = {"ppl": "recovered", "recovered": "recovered", "perplexity": "recovered",
             "top1": "top1", "top-1": "top1", "text-top1": "top1"}
 KEEP_LAYERS = 3  # Linears to name when no scheme meets the target

@@ -32,10 +32,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qforensics.schemas import WHATIF_RISK_LEVELS
+
 __all__ = ["LEVELS", "SchemeFormat", "TraceEvidence", "attach_risk", "risk_lines",
            "scheme_format", "scheme_risk", "trace_evidence"]
 
-LEVELS = ("high", "elevated", "low", "none", "unknown")
+LEVELS = WHATIF_RISK_LEVELS  # the document's vocabulary (schemas.py)
 _SKIP = ("lm_head",)
 
 
