@@ -20,6 +20,7 @@ does not carry to another.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -99,16 +100,25 @@ def warm_up(engine: Any, prompts: list[list[int]], plan: SpeedPlan) -> None:
     engine.time_round(prompts, 2, plan.round_timeout)
 
 
-def interleave(bf16: Any, scheme: Any, prompts: list[list[int]], plan: SpeedPlan
-               ) -> dict[str, Any]:
+# After a call, an idle vLLM engine keeps its CPU busy for a moment: the first call timed on
+# the other engine right after it ran up to 4x slower on 2 cores (a bf16 prefill of 1.0 s
+# against 0.23 s, in both rounds of a scheme, so that it had no decode figure at all). Each
+# round therefore starts once the other engine has been idle this long.
+SETTLE_S = 1.0
+
+
+def interleave(bf16: Any, scheme: Any, prompts: list[list[int]], plan: SpeedPlan,
+               settle: float = SETTLE_S) -> dict[str, Any]:
     """Time ``plan.rounds`` rounds on each engine (`ServedEngine`s, both up; bf16 already
-    warmed up), alternating which goes first, and return `speed_figures`."""
+    warmed up), alternating which goes first, each after `settle` seconds of quiet, and
+    return `speed_figures`."""
     warm_up(scheme, prompts, plan)
     got: dict[str, list[dict[str, float]]] = {"bf16": [], "scheme": []}
     for r in range(plan.rounds):
         order = (("bf16", bf16), ("scheme", scheme)) if r % 2 == 0 else \
             (("scheme", scheme), ("bf16", bf16))
         for who, eng in order:
+            time.sleep(settle)
             got[who].append(_one_round(eng, prompts, plan))
     return speed_figures(got["bf16"], got["scheme"], plan)
 

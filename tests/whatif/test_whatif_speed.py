@@ -67,7 +67,19 @@ class FakeEngine:
 def test_interleave_alternates_engines_round_by_round() -> None:
     log: list = []
     bf16, sch = FakeEngine("bf16", log, 0.5, 2.0), FakeEngine("s", log, 0.25, 1.0)
-    got = interleave(bf16, sch, timing_prompts(list(range(1000)), PLAN), PLAN)
+    slept: list[float] = []
+    import qforensics.whatif.speed as speed
+
+    real_sleep = speed.time.sleep
+    speed.time.sleep = lambda s: (slept.append(s), log.append(("quiet", s)))
+    try:
+        got = interleave(bf16, sch, timing_prompts(list(range(1000)), PLAN), PLAN)
+    finally:
+        speed.time.sleep = real_sleep
+    # every round starts after the settle time (the other engine quiet), never inside one
+    assert slept == [speed.SETTLE_S] * 6
+    assert all(log[i - 1][0] == "quiet" for i, (n, t) in enumerate(log) if n != "quiet" and t == 1)
+    log[:] = [x for x in log if x[0] != "quiet"]
     # the scheme's warm-up, then bf16/scheme, scheme/bf16, bf16/scheme; each round one
     # prefill call (1 token) and one decode call (16 tokens)
     assert log[0] == ("s", 2)
