@@ -6,8 +6,9 @@ in (trace/budget.py's `_note`, in memory), and the last K of them (K: the ring's
 least 16) stay in memory whole. At close the writer tries once to put them where no new room
 is needed: the summaries into the fixed-size `/summary`, the K steps into their ring slots
 (allocated once the ring has turned). The status says from which step writing failed and
-whether that last write took (`writer_error`, `writer_failed_at_step`, `memory_ring`); the
-reader turns that into what the verdict covers (trace/reader.py's `end`).
+whether that last write took (`writer_error`, `writer_failed_at_step`, `memory_ring`);
+analyze/coverage.py (`_written`) turns that into what the verdict covers, and the reader takes
+the status from `/status_raw` (trace/reader.py's `meta`).
 
 A mixin of `TraceWriter`; nothing here imports torch.
 """
@@ -44,8 +45,7 @@ class FallbackWriter:
         self._failed = f"{type(exc).__name__}: {exc}"
         firsts = [int(b.steps["step"][0]) for b in batches if len(b.steps)]
         self._failed_at = min(firsts) if firsts else -1
-        slots = int(getattr(self, "ring_slots", 0)) or _MIN_KEPT
-        self._memory = collections.deque(maxlen=max(slots, 1))
+        self._memory = collections.deque(maxlen=int(getattr(self, "ring_slots", 0)) or _MIN_KEPT)
         log.error("qforensics: trace writing failed at step %d (%s); the run continues, "
                   "capture goes on in memory (summaries and the last %d steps, written at "
                   "close where they fit)", self._failed_at, self._failed, self._memory.maxlen)
