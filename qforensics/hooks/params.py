@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from qforensics.formats import E4M3_MAX, E5M2_MAX, symmetric_qmax
+from qforensics.layouts.bits import unpack_awq, unpack_bits
 
 __all__ = ["DOMINANCE_RATIO", "SAMPLE_ROWS", "param_health", "static_input", "tied_groups"]
 
@@ -77,27 +79,26 @@ def packed_levels(qweight: torch.Tensor, bits: int, group: int, layout: str
                   ) -> dict[str, Any] | None:
     """Distinct codes per quantization group of a packed int32 `qweight` (GPTQ: [K * bits / 32,
     N], packed along K; AWQ: [K, N * bits / 32], packed along N), on at most `SAMPLE_ROWS`
-    sampled packed columns. Codes map one-to-one onto a group's dequantized levels."""
+    sampled packed columns. Codes map one-to-one onto a group's dequantized levels. The words
+    are decoded by `qforensics.layouts.bits` (the one definition of both packings)."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or bits not in (2, 4, 8):
         return None
+    if layout == "awq" and bits != 4:
+        return None  # AWQ's interleaved order is defined for 4-bit codes only
     idx = torch.linspace(0, qweight.shape[1] - 1, steps=min(qweight.shape[1], SAMPLE_ROWS),
                          device=qweight.device).round().long()
-    q = qweight.index_select(1, idx)
-    shifts = torch.arange(0, 32, bits, device=q.device, dtype=torch.int32)
-    codes = (q.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, cols, per]
-    if layout == "gptq":  # K runs along the packed rows: [K/per, cols, per] -> [K, cols]
-        codes = codes.permute(0, 2, 1).reshape(-1, q.shape[1])
-    else:  # awq: K runs along rows already; the packed values are output channels
-        codes = codes.reshape(q.shape[0], -1)
+    words = qweight.index_select(1, idx).cpu().numpy()  # one small copy: [rows, sampled cols]
+    if layout == "gptq":  # K runs along the packed rows
+        codes = unpack_bits(words, bits, axis=0)  # [K, cols]
+    else:  # awq: K runs along rows already; each word holds 8 output channels
+        codes = unpack_awq(words)  # [K, 8 * cols]
     k = codes.shape[0]
     g = group if 0 < group <= k and k % group == 0 else k
-    v = codes.t().reshape(-1, g)
-    srt = v.sort(dim=1).values
-    levels = (srt[:, 1:] != srt[:, :-1]).sum(dim=1) + 1
-    lmin, lmed = torch.stack([levels.min().float(), levels.float().median()]).tolist()
+    v = np.sort(codes.T.reshape(-1, g), axis=1)
+    levels = np.count_nonzero(v[:, 1:] != v[:, :-1], axis=1) + 1
     return {"group_size": g, "groups": int(v.shape[0]), "rows_sampled": int(idx.numel()),
-            "levels_min": int(lmin), "levels_median": float(lmed), "dominated_share": 0.0,
-            "packed": True}
+            "levels_min": int(levels.min()), "levels_median": float(np.median(levels)),
+            "dominated_share": 0.0, "packed": True}
 
 
 def param_health(t: torch.Tensor, pname: str, *, group: int | None = None,
