@@ -1,23 +1,29 @@
-"""Capture inside compiled graphs: hooks made of torch ops only, which torch.compile traces and
-fuses with the model's own code, writing each call's statistics in place into static buffers.
+"""Capture inside compiled graphs: each recorded tensor is one call of the stats op
+(hooks/statsop.py), which torch.compile keeps as one opaque call and which writes the tensor's
+statistics into a static device ring.
 
 Why this shape (see docs/architecture.md, "Compiled mode"):
 - vLLM compiles the model once, full-graph, and drops every guard. A hook that Dynamo cannot
   trace (a C extension, `.item()`, I/O) is a graph break, which vLLM refuses: the engine dies.
-  So a hook here is nothing but tensor ops: finite mask, sums, minima and maxima, per channel
-  (last dim) and per token row, copied into slices of buffers allocated before the first
-  forward and never reallocated. The same ops run unchanged under CUDA graph replays.
+  So a hook here is one op call with constant arguments, into buffers allocated before the
+  first forward (at trace time) and never reallocated. Under CUDA graphs the op's kernel is
+  replayed with the graph, so every replay records.
 - What a hook learns in Python at trace time is frozen into the graph. That is used once, on
   purpose: `_place` (run by Dynamo at trace time, `assume_constant_result`) gives each recorded
-  tensor its entry: a row of the scalar buffer, a region of the channel buffer, a row of the
-  token buffer. Entries are placed in the order the hooks run, which is the call order.
-- Each entry's row also carries the step stamp the host wrote before the forward, so the host
-  tells an entry written in this step from a stale one (a module that did not run).
-- The host reads the buffers once per step (`GraphStats.collect`): on CPU a copy, on a GPU an
-  asynchronous device-to-host copy into pinned memory started when the forward returns.
+  tensor its entry: a segment of the ring and an offset in its rows. Entries are placed in the
+  order the hooks run, which is the call order.
+- The ring: a few segments, each [R, W] float32, marked static; the op writes the row of slot
+  `step % R`, `step` being a device counter the host sets before the forward (one fill, no
+  sync). Each entry's row carries that step as its stamp, so the host tells an entry written
+  in this step from a stale one (a module that did not run).
+- The host reads the slot once per step (`GraphStats.collect`): on CPU in place (numpy views
+  of the ring, no copy); on a GPU through one asynchronous device-to-host copy per segment into
+  pinned buffers allocated once, started when the forward returns.
+- `first`: the op's first-failure word (step, entry, NaN?) of the first call that saw a
+  non-finite value; read at close into the status.
 
-No host sync, no Python at replay; per-call figures match the eager capture's (the eager path
-reduces finite values only for a tensor holding NaN/Inf, the same as here).
+No Python at replay; per-call figures match the eager capture's (the eager path reduces finite
+values only for a tensor holding NaN/Inf, the same as here).
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from qforensics.hooks import statsop
 from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
 from qforensics.hooks.reduce import dtype_code
+from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
 
-SCAL_COLS = 9  # sum, sum of squares, min, max, non-finite, nan, rows, channels, step stamp
-STAMP_MOD = 1 << 24  # float32 holds every integer below this exactly
+SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
+RING_SLOTS = 2  # the op writes one slot while the host copies the other
 _REGISTRY: dict[int, "GraphStats"] = {}
 _KEYS = itertools.count(1)
 
@@ -51,111 +59,156 @@ class Entry:
     dtype: int  # schema.DTYPE_CODES
     nonfloat: bool
     chan: bool  # per-channel min/max kept
+    seg: int = 0  # its ring segment
+    off: int = 0  # where its row starts in the segment
+    cap: int = 1  # channel ranges it keeps (0: none)
+    tok: int = 0  # token maxima it keeps
 
 
 class GraphStats:
-    """The static buffers of one capture in compiled mode, one small set per entry.
-
-    Each entry (one recorded tensor of one module's call) has buffers of its own, made at trace
-    time when the entry is placed, so that each is a whole graph input the graph writes in
-    place: its scalar row, its channel minima and maxima, its token maxima. (Slices of one big
-    shared buffer would be functionalized into a copy of the whole buffer per write.)"""
+    """The device ring of one capture in compiled mode, and the host's view of it."""
 
     def __init__(self, *, entries: int, tok_rows: int, device: torch.device,
-                 channel_limit: int, channel_io: str) -> None:
+                 channel_limit: int, channel_io: str, slots: int = RING_SLOTS) -> None:
         self.key = next(_KEYS)
         self.device = device
         self.max_entries = int(entries)
-        self.stamp = torch.zeros((), dtype=torch.float32, device=device)
+        self.slots = max(1, int(slots))
+        self.step_t = torch.zeros((), dtype=torch.int64, device=device)
+        self.first = statsop.new_first(device)
+        for t in (self.step_t, self.first):
+            torch._dynamo.mark_static_address(t)
         self.tok_rows = max(1, int(tok_rows))
         self.channel_limit = int(channel_limit)
         self.channel_io = channel_io
         self.entries: list[Entry] = []
-        self._s: list[torch.Tensor] = []
-        self._c: list[torch.Tensor] = []
-        self._t: list[torch.Tensor] = []
+        self.segments: list[torch.Tensor] = []
+        self._used: list[int] = []  # floats placed in each segment's row
         self._where: dict[tuple[int, int, int], int] = {}
         self.lost: list[str] = []  # entries that found no room (said in the status)
         self._order: list[int] | None = None
-        self._lay: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._gathers: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        self._copied: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._idx: dict[str, Any] | None = None
+        self._gathers: dict[bytes, Any] = {}
+        self._host: list[torch.Tensor] | None = None  # pinned copies of one slot (GPU)
         self._event: Any = None
+        self._step = 0  # the step of the last `begin`
+        self._copied_step = -1
         _REGISTRY[self.key] = self
 
     # -- trace time --------------------------------------------------------------------------
-    def place(self, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool) -> int:
+    def place(self, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
+              ) -> tuple[int, int, int, int, int]:
         """The entry of (module, io, slot): a new one in call order the first time, with its
-        buffers (-1: no room left, the tensor goes unrecorded and the status says so).
-        `width`: the most channels the entry keeps (its module's bound, `width_bound`)."""
+        place in the ring: (entry, segment, offset, channel cap, token rows); entry -1: no room
+        left, the tensor goes unrecorded and the status says so. `width`: the most channels
+        the entry keeps (its module's bound, `width_bound`)."""
         k = (mid, io, slot)
         e = self._where.get(k)
         if e is not None:
-            return e
+            return self._geometry(e)
         if len(self.entries) >= self.max_entries:
             self.lost.append(f"module {mid} io {io} slot {slot}: no entry left")
             self._where[k] = -1
-            return -1
+            return (-1, 0, 0, 0, 0)
         keep = width > 1 and (self.channel_io == "all" or (
             self.channel_io == "inputs" and io == schema.IO_INPUT))
+        cap = width if keep else 0
+        tok = self.tok_rows if width > 1 else 0
+        need = entry_width(cap, tok)
+        if not self.segments or self._used[-1] + need > self.segments[-1].shape[1]:
+            seg = torch.zeros(self.slots, max(SEGMENT_FLOATS, need), dtype=torch.float32,
+                              device=self.device)
+            torch._dynamo.mark_static_address(seg)
+            setattr(self, f"r{len(self.segments)}", seg)  # read by name in the traced hook
+            self.segments.append(seg)
+            self._used.append(0)
+            self._host = None
         e = len(self.entries)
-        dev = self.device
-        srow = torch.zeros(SCAL_COLS, dtype=torch.float32, device=dev)
-        srow[8] = -1.0  # the stamp of no step: nothing written yet
-        cbuf = torch.zeros(2, width if keep else 1, dtype=torch.float32, device=dev)
-        tbuf = torch.zeros(self.tok_rows, dtype=torch.float32, device=dev)
-        # attributes the traced hook reads by name (never a list that Dynamo already read)
-        setattr(self, f"s{e}", srow)
-        setattr(self, f"c{e}", cbuf)
-        setattr(self, f"t{e}", tbuf)
-        self._s.append(srow)
-        self._c.append(cbuf)
-        self._t.append(tbuf)
-        self.entries.append(Entry(mid, io, slot, width, dt, nonfloat, keep))
+        ent = Entry(mid, io, slot, width, dt, nonfloat, keep, len(self.segments) - 1,
+                    self._used[-1], cap, tok)
+        self.segments[-1][:, ent.off + COL["stamp"]] = -1.0  # the stamp of no step
+        self._used[-1] += need
+        self.entries.append(ent)
         self._where[k] = e
         self._order = None
-        self._copied = None
-        return e
+        self._idx = None
+        return self._geometry(e)
+
+    def _geometry(self, e: int) -> tuple[int, int, int, int, int]:
+        if e < 0:
+            return (-1, 0, 0, 0, 0)
+        ent = self.entries[e]
+        return (e, ent.seg, ent.off, ent.cap, ent.tok)
 
     # -- host side, once per step ------------------------------------------------------------
     def begin(self, step: int) -> None:
-        """Before the forward: the stamp the hooks copy into their rows (an op on the device,
-        ordered before the forward's kernels; no sync)."""
-        self.stamp.fill_(float(step % STAMP_MOD))
+        """Before the forward: the step the op writes (its slot and stamp), set by one op on
+        the device, ordered before the forward's kernels; no sync."""
+        self._step = int(step)
+        self.step_t.fill_(self._step)
 
     def start_copy(self, rows: int | None = None) -> None:
-        """After the forward: the entries' buffers gathered on their device (token maxima cut
-        to `rows`, the step's token rows when known), and on a GPU copied asynchronously into
-        pinned host memory, read in `collect`."""
-        if not self.entries:
+        """After the forward, on a GPU: this step's slot of every segment copied asynchronously
+        into pinned host buffers (allocated once), read in `collect`. On CPU: nothing."""
+        if not self.entries or self.device.type == "cpu":
             return
-        n = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
-        with torch.no_grad():
-            got = (torch.stack(self._s), torch.cat([c.reshape(-1) for c in self._c]),
-                   torch.stack([t[:n] for t in self._t]))
-        if self.device.type == "cuda":
-            host = tuple(torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in got)
-            for dst, src in zip(host, got):
-                dst.copy_(src, non_blocking=True)
+        if self._host is None:
+            self._host = [torch.empty(u, dtype=torch.float32, pin_memory=True)
+                          for u in self._used]
+        slot = self._step % self.slots
+        for dst, seg, used in zip(self._host, self.segments, self._used):
+            dst.copy_(seg[slot, :used], non_blocking=True)
+        if self._event is None:
             self._event = torch.cuda.Event()
-            self._event.record()
-            got = host
-        self._copied = got  # type: ignore[assignment]
+        self._event.record()
+        self._copied_step = self._step
+
+    def _rows(self, step: int) -> list[np.ndarray]:
+        """This step's slot of each segment, as numpy arrays (views on CPU)."""
+        slot = step % self.slots
+        if self.device.type == "cpu":
+            return [seg[slot, :used].numpy() for seg, used in zip(self.segments, self._used)]
+        if self._host is None or self._copied_step != step:
+            self._step = step
+            self.start_copy()
+        assert self._host is not None and self._event is not None
+        self._event.synchronize()
+        return [h.numpy() for h in self._host]
+
+    def _index(self) -> dict[str, Any]:
+        """Per entry, fixed once the graph is traced: its segment, where its scalars, channel
+        ranges and token maxima start in its segment's row, its caps."""
+        if self._idx is None:
+            ents = self.entries
+            seg = np.array([e.seg for e in ents], np.int64)
+            off = np.array([e.off for e in ents], np.int64)
+            cap = np.array([e.cap for e in ents], np.int64)
+            self._idx = {"seg": seg, "off": off, "cap": cap,
+                         "tok": np.array([e.tok for e in ents], np.int64),
+                         "chan": np.array([e.chan for e in ents], bool),
+                         "scal": off[:, None] + np.arange(N_SCAL)}
+            self._gathers = {}
+        return self._idx
+
+    def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Values at `idx` of segment `seg` (per element) across the segments' rows."""
+        if len(rows) == 1:
+            return rows[0][idx]
+        out = np.empty(idx.shape, np.float32)
+        for s, r in enumerate(rows):
+            m = seg == s
+            out[m] = r[idx[m]]
+        return out
 
     def collect(self, step: int, first_call: int, keep_channels: bool) -> dict[str, Any] | None:
         """This step's records (in call order, call indices from `first_call`), channel and
         token arrays, in the layout of assemble.assemble_records; None when no entry ran."""
         if not self.entries:
             return None
-        if self._copied is None:
-            self.start_copy()
-        assert self._copied is not None
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        s_all, c_all, t_all = (g.numpy() for g in self._copied)
-        self._copied = None
-        ran = np.nonzero(s_all[:, 8] == float(step % STAMP_MOD))[0]
+        rows = self._rows(step)
+        ix = self._index()
+        s_all = self._take(rows, ix["seg"][:, None].repeat(N_SCAL, 1), ix["scal"])
+        ran = np.nonzero(s_all[:, COL["stamp"]] == float(step % STAMP_MOD))[0]
         if not len(ran):
             return None
         ent = [self.entries[i] for i in ran.tolist()]
@@ -172,66 +225,67 @@ class GraphStats:
         rec["dtype"] = [e.dtype for e in ent]
         rec["flags"] = [schema.FLAG_NONFLOAT if e.nonfloat else 0 for e in ent]
         s = s_all[ran].astype(np.float64)
-        rows = s[:, 6].astype(np.int64)
-        width = s[:, 7].astype(np.int64)
-        nonfin, nan = s[:, 4].astype(np.int64), s[:, 5].astype(np.int64)
-        numel = rows * width
+        rows_n = s[:, COL["rows"]].astype(np.int64)
+        width = s[:, COL["channels"]].astype(np.int64)
+        nonfin = s[:, COL["nonfinite"]].astype(np.int64)
+        nan = s[:, COL["nan"]].astype(np.int64)
+        numel = rows_n * width
         finite = np.maximum(numel - nonfin, 1)
         with np.errstate(invalid="ignore", over="ignore"):
-            mean = s[:, 0] / finite
-            var = np.maximum(s[:, 1] / finite - mean * mean, 0.0)
+            mean = s[:, COL["sum"]] / finite
+            var = np.maximum(s[:, COL["sumsq"]] / finite - mean * mean, 0.0)
         none = numel - nonfin <= 0  # no finite value: no finite min/max/mean
-        lo = np.where(none, np.nan, s[:, 2])
-        hi = np.where(none, np.nan, s[:, 3])
+        lo = np.where(none, np.nan, s[:, COL["min"]])
+        hi = np.where(none, np.nan, s[:, COL["max"]])
         rec["numel"] = numel
-        rec["rows"] = rows
+        rec["rows"] = rows_n
         rec["channels"] = width
         rec["min"], rec["max"] = lo, hi
         rec["mean"] = np.where(none, np.nan, mean)
         rec["std"] = np.where(none, np.nan, np.sqrt(var))
         rec["absmax"] = np.maximum(np.abs(lo), np.abs(hi))
         rec["nan_count"], rec["inf_count"] = nan, nonfin - nan
-        # channel ranges: each entry's [2, cap] block in the gathered vector
-        caps, chan_kept, _ = self._layout()
-        kept = chan_kept[ran] & (width <= caps[ran]) & (width > 1)
+        # channel ranges: each kept entry's minima and maxima, side by side
+        kept = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
         if keep_channels and kept.any():
-            idx_min, idx_max = self._gather(ran[kept], width[kept])
-            cmin = c_all[idx_min].astype(np.float64)
-            cmax = c_all[idx_max].astype(np.float64)
+            seg_i, idx_min, idx_max = self._gather(ran[kept], width[kept])
+            cmin = self._take(rows, seg_i, idx_min).astype(np.float64)
+            cmax = self._take(rows, seg_i, idx_max).astype(np.float64)
             off = np.full(len(ran), -1, np.int64)
             off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
             rec["chan_offset"] = off
         else:
             rec["chan_offset"] = -1
             cmin = cmax = np.zeros(0)
-        # token maxima: each entry's row cut to its rows (rows side by side)
-        n = t_all.shape[1]
-        cnt = np.where(width > 1, np.minimum(rows, n), 0)
-        toks = t_all[ran].reshape(-1).copy()
-        rec["tok_offset"] = np.where(cnt > 0, np.arange(len(ran)) * n, -1)
+        # token maxima: each entry's first rows, side by side
+        cnt = np.minimum(rows_n, ix["tok"][ran])
+        if cnt.any():
+            has = cnt > 0
+            starts = ix["off"][ran] + N_SCAL + 2 * ix["cap"][ran]
+            base = np.repeat(starts[has] - np.concatenate([[0], np.cumsum(cnt[has])[:-1]]),
+                             cnt[has]) + np.arange(int(cnt.sum()))
+            toks = self._take(rows, np.repeat(ix["seg"][ran][has], cnt[has]), base)
+            toff = np.full(len(ran), -1, np.int64)
+            toff[has] = np.concatenate([[0], np.cumsum(cnt[has])[:-1]])
+        else:
+            toks, toff = np.zeros(0, np.float32), np.full(len(ran), -1, np.int64)
+        rec["tok_offset"] = toff
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
 
-    def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per entry: its channel buffer's width, whether it keeps channels, where its block
-        starts in the gathered vector (fixed once the graph is traced)."""
-        if self._lay is None or len(self._lay[0]) != len(self.entries):
-            caps = np.array([c.shape[1] for c in self._c], np.int64)
-            self._lay = (caps, np.array([e.chan for e in self.entries], bool),
-                         np.concatenate([[0], np.cumsum(2 * caps)[:-1]]).astype(np.int64))
-            self._gathers = {}
-        return self._lay
-
-    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Indices of the kept entries' minima and maxima in the gathered vector; the same
-        entries and widths come back every step, so they are computed once."""
+    def _gather(self, sel: np.ndarray, widths: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Segment and indices of the kept entries' minima and maxima; the same entries and
+        widths come back every step, so they are computed once."""
         key = sel.tobytes() + widths.tobytes()
         got = self._gathers.get(key)
         if got is None:
-            caps, _, starts = self._layout()
-            base = np.repeat(starts[sel] - np.concatenate([[0], np.cumsum(widths)[:-1]]),
+            ix = self._index()
+            starts = ix["off"][sel] + N_SCAL
+            base = np.repeat(starts - np.concatenate([[0], np.cumsum(widths)[:-1]]),
                              widths) + np.arange(int(widths.sum()))
-            got = self._gathers[key] = (base, base + np.repeat(caps[sel], widths))
+            got = self._gathers[key] = (np.repeat(ix["seg"][sel], widths), base,
+                                        base + np.repeat(ix["cap"][sel], widths))
             if len(self._gathers) > 64:
                 self._gathers = {key: got}
         return got
@@ -245,65 +299,53 @@ class GraphStats:
             self._order = list(seen)
         return self._order
 
+    def first_nonfinite(self) -> dict[str, int] | None:
+        """The op's first-failure word: step, module, io and slot of the first recorded call
+        that saw a NaN/Inf (None: none did). One read, at close."""
+        step, e, nan = (int(v) for v in self.first.tolist())
+        if step < 0 or not 0 <= e < len(self.entries):
+            return None
+        ent = self.entries[e]
+        return {"step": step, "module_id": ent.mid, "io": ent.io, "slot": ent.slot,
+                "nan": nan}
+
     def status(self) -> dict[str, Any]:
-        return {"graph_entries": len(self.entries), "graph_calls": len(self.call_order()),
-                "graph_channels": int(sum(c.shape[1] for c in self._c if c.shape[1] > 1)),
-                **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
+        st: dict[str, Any] = {
+            "graph_entries": len(self.entries), "graph_calls": len(self.call_order()),
+            "graph_channels": int(sum(e.cap for e in self.entries if e.cap > 1)),
+            "graph_ring": {"slots": self.slots, "segments": len(self.segments),
+                           "bytes": int(sum(s.numel() * 4 for s in self.segments))},
+            **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
+        first = self.first_nonfinite() if self.entries else None
+        if first is not None:
+            st["graph_first_nonfinite"] = first
+        return st
 
     def close(self) -> None:
         _REGISTRY.pop(self.key, None)
 
 
 @torch._dynamo.assume_constant_result
-def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool) -> int:
+def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
+           ) -> tuple[int, int, int, int, int]:
     """Run by Dynamo once, at trace time (its result is a constant of the graph); called
-    eagerly it is a dict look-up. -1: no entry."""
+    eagerly it is a dict look-up. Entry -1: no entry."""
     gs = _REGISTRY.get(key)
-    return -1 if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
+    return (-1, 0, 0, 0, 0) if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
 
 
 def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
             t: torch.Tensor) -> None:
-    """One tensor's statistics into its entry's buffers: ops only (traced and fused under
-    compile). Every argument of `_place` is a constant of the graph; the tensor's own width may
-    be symbolic, so it goes into the scalar row. One reduction over the token rows gives the
-    per-channel vectors, the scalars are reduced from those, a second over the channels gives
-    the per-token maxima."""
+    """One tensor's statistics into its entry's row of the ring: one op call, whose every
+    argument but the tensor is a constant of the graph or a static buffer."""
     if not t.is_floating_point() and t.dtype != torch.bool and not _is_int(t.dtype):
         return
-    e = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1, dtype_code(t.dtype),
-               not t.is_floating_point())
+    e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
+                                   dtype_code(t.dtype), not t.is_floating_point())
     if e < 0:
         return
-    srow = getattr(gs, f"s{e}")
-    cbuf = getattr(gs, f"c{e}")
-    tbuf = getattr(gs, f"t{e}")
-    x = t.detach()
-    x = x.reshape(-1, x.shape[-1]) if t.dim() >= 2 else x.reshape(-1, 1)
-    x = x.float()
-    fin = torch.isfinite(x)
-    xz = torch.where(fin, x, 0.0)
-    lo = torch.where(fin, x, float("inf")).amin(0)
-    hi = torch.where(fin, x, float("-inf")).amax(0)
-    col_s = xz.sum(0)
-    col_ss = (xz * xz).sum(0)
-    col_bad = (~fin).sum(0)
-    col_nan = torch.isnan(x).sum(0)
-    zero = x.new_zeros(())
-    srow.copy_(torch.stack([col_s.sum(), col_ss.sum(), lo.amin(), hi.amax(),
-                            col_bad.sum().float(), col_nan.sum().float(), zero + x.shape[0],
-                            zero + x.shape[1], gs.stamp]))
-    cap = cbuf.shape[1]
-    if cap > 1 and lo.shape[0] <= cap:
-        # the whole buffer, padded: a write into a slice of it would be a scatter that
-        # Inductor's reinplacing pass spends minutes on, hundreds of times over
-        cbuf.copy_(torch.nn.functional.pad(torch.stack([lo, hi]), (0, cap - lo.shape[0])))
-    if t.dim() >= 2:
-        # by index, not by a slice of the symbolic length: a slice would put a guard on the
-        # token count (vLLM's compile refuses any, its dims are marked dynamic); rows past the
-        # buffer (never, with vLLM's batch limit) land on its last element, never out of range
-        rows = torch.arange(x.shape[0], device=x.device).clamp_max(gs.tok_rows - 1)
-        tbuf.index_copy_(0, rows, x.abs().amax(1))  # NaN (Inf) for a row holding one
+    torch.ops.qforensics.stats(t.detach(), getattr(gs, f"r{seg}"), gs.first, gs.step_t, off,
+                               cap, tok, e)
 
 
 def _is_int(dt: torch.dtype) -> bool:

@@ -1,0 +1,129 @@
+"""The one stats op (qforensics/hooks/statsop.py): its CPU kernel and its Triton kernel (run by
+Triton's interpreter on this CPU, in a child process that sets TRITON_INTERPRET=1 before Triton
+loads) against numpy, on tensors with NaN, inf, ragged tiles and several dtypes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from qforensics.hooks import statsop
+
+CAP, TOK = 700, 40
+
+
+def _cases() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(37, 650, generator=g) * 3  # several row and channel tiles
+    bad = big.clone()
+    bad[3, 10] = float("nan")
+    bad[5, 11] = float("inf")
+    bad[5, 12] = float("-inf")
+    bad[:, 600] = float("nan")  # a channel with no finite value
+    wide = torch.randn(2, 3, 900, generator=g)  # wider than CAP: scalars and tokens only
+    return [
+        ("decode-bf16", torch.randn(1, 576, generator=g).to(torch.bfloat16)),
+        ("big-f32", big),
+        ("bad-f32", bad),
+        ("bad-bf16", bad.to(torch.bfloat16)),
+        ("3d-f16", torch.randn(2, 3, 64, generator=g).to(torch.float16)),
+        ("wide", wide),
+        ("vector", torch.randn(33, generator=g)),
+        ("ids-int64", torch.randint(0, 49152, (1, 9), generator=g)),
+        ("all-nan", torch.full((4, 8), float("nan"))),
+    ]
+
+
+def _reference(x: torch.Tensor, step: int) -> dict[str, np.ndarray]:
+    """Independent of the op: float64 numpy over the finite values."""
+    a = x.detach().double().numpy()
+    a = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(-1, 1)
+    fin = np.isfinite(a)
+    z = np.where(fin, a, 0.0)
+    lo = np.where(fin, a, np.inf).min(axis=0)
+    hi = np.where(fin, a, -np.inf).max(axis=0)
+    scal = np.array([z.sum(), (z * z).sum(), lo.min(), hi.max(), (~fin).sum(),
+                     np.isnan(a).sum(), a.shape[0], a.shape[1], step % statsop.STAMP_MOD])
+    with np.errstate(invalid="ignore"):
+        tok = np.abs(a).max(axis=1)  # NaN for a row holding one
+    return {"scal": scal, "lo": lo, "hi": hi, "tok": tok}
+
+
+def _run(kernel, x: torch.Tensor, step: int, entry: int):  # noqa: ANN001, ANN202
+    ring = torch.zeros(3, 50 + statsop.entry_width(CAP, TOK))
+    first = statsop.new_first(torch.device("cpu"))
+    kernel(x, ring, first, torch.tensor(step), 50, CAP, TOK, entry)
+    return ring, first
+
+
+def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entry: int,
+           tol: float) -> None:
+    ref = _reference(x, step)
+    row = ring[step % ring.shape[0]]
+    assert not ring[[i for i in range(ring.shape[0]) if i != step % ring.shape[0]]].any()
+    got = row[50:50 + statsop.N_SCAL].astype(np.float64)
+    np.testing.assert_allclose(got[2:], ref["scal"][2:], rtol=0, atol=0)  # exact figures
+    np.testing.assert_allclose(got[:2], ref["scal"][:2], rtol=tol,
+                               atol=tol * x.double().abs().nan_to_num(0, 0, 0).sum().item())
+    chans = int(ref["scal"][7])
+    c0, c1 = statsop.chan_span(50, CAP)
+    if 1 < chans <= CAP:
+        np.testing.assert_array_equal(row[c0:c0 + chans], ref["lo"].astype(np.float32))
+        np.testing.assert_array_equal(row[c1:c1 + chans], ref["hi"].astype(np.float32))
+    else:
+        assert not row[c0:c0 + 2 * CAP].any()  # nothing written
+    t0 = statsop.tok_start(50, CAP)
+    k = min(len(ref["tok"]), TOK) if x.dim() >= 2 else 0
+    np.testing.assert_array_equal(row[t0:t0 + k], ref["tok"][:k].astype(np.float32))
+    assert not row[t0 + k:].any()
+    bad = ref["scal"][4] > 0
+    want = [step, entry, int(ref["scal"][5] > 0)] if bad else [-1, -1, -1]
+    assert first.tolist() == want
+
+
+@pytest.mark.parametrize("name,x", _cases(), ids=[n for n, _ in _cases()])
+def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
+    ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+    _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
+
+
+def test_first_word_keeps_the_first_call() -> None:
+    ring = torch.zeros(2, statsop.entry_width(8, 4) * 2)
+    first = statsop.new_first(torch.device("cpu"))
+    step = torch.tensor(4)
+    w = statsop.entry_width(8, 4)
+    statsop.stats(torch.ones(2, 8), ring, first, step, 0, 8, 4, 0)
+    statsop.stats(torch.full((2, 8), float("inf")), ring, first, step, w, 8, 4, 1)
+    statsop.stats(torch.full((2, 8), float("nan")), ring, first, step, 0, 8, 4, 0)
+    assert first.tolist() == [4, 1, 0]  # the inf call came first; the NaN one after it
+
+
+_CHILD = r"""
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[2])
+from qforensics.hooks import statsop
+import test_statsop as t
+out = {}
+for i, (name, x) in enumerate(t._cases()):
+    ring, first = t._run(statsop.launch_triton, x, 11 + i, i)
+    out[name + ".ring"] = ring.numpy()
+    out[name + ".first"] = first.numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("triton", reason="Triton is a test dependency (pyproject [test])")
+    out = tmp_path / "triton.npz"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(out), os.path.dirname(__file__)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(out)
+    for i, (name, x) in enumerate(_cases()):
+        _check(x, got[name + ".ring"], got[name + ".first"], 11 + i, i, 1e-5)
