@@ -146,7 +146,9 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         # (a healthy one reached earlier, still decoding): that one is named as a carrier
         assert w["kind"] in ("possibly_via_kv_cache", "possibly_spread"), w
         if w["kind"] == "possibly_spread":
-            assert w["spread_from"], w
+            # named where that step's full detail was kept; past the byte budget only
+            # /engine/hits' count of earlier bad requests is left (seen once in CI: step 752)
+            assert w["spread_from"] or w["spread_unnamed"] > 0, w
             assert all(went[x]["step"] <= w["step"] for x in w["spread_from"]), w
     for rid, pos in want.items():
         assert went[rid]["kind"] == "independent", went[rid]
