@@ -1,0 +1,250 @@
+"""Capture in compiled mode against the plain compiled model, side by side in one run.
+
+    python bench/compiled_capture.py                        # the real SmolLM2, CPU, 16 tokens
+    python bench/compiled_capture.py --random --layers 4    # SmolLM2's architecture, 4 layers
+    python bench/compiled_capture.py --device cuda --dtype bfloat16 --mode reduce-overhead
+
+Each phase runs in a child process of its own with a fresh Inductor cache, so that neither
+compile reuses the other's work: `plain` (torch.compile of the model) and `captured` (the same,
+under `qforensics.capture`). Both generate greedily with a static shape: the whole sequence
+re-fed every step, no KV cache, so every step runs the same graph. Printed, one JSON line per
+phase, then the comparison:
+- compile plus first step (s), and the median later step (ms), with their ratios;
+- the kernels Inductor generated, and the stats-op calls in its output code (capture's cost
+  in the graph: at most one call per recorded tensor, no generated kernel);
+- the host time capture adds per step: its step hooks (begin, end, records, writer hand-off),
+  which run outside the graph;
+- whether the tokens are identical, and whether every module was recorded at every step;
+- on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
+With `--nan` the captured phase then goes on for NAN_STEPS more steps, with one row of the last
+layer's down_proj weight overwritten with NaN in place before the first of them (as a kernel's
+stray store would), and prints analyze's verdict and cause: the first non-finite step should be
+step `--tokens`, its producer that down_proj. The timings and tokens compared are those of the
+first `--tokens` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# the project itself, installed or not (a GPU machine carries the checkout only)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+               tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
+               rms_norm_eps=1e-5)
+NAN_STEPS = 4
+NAN_ROW = 100
+PROMPT = [1, 504, 3458, 282, 4649, 314]  # a fixed id sequence for the random-weight model
+
+
+def build(a: argparse.Namespace):  # noqa: ANN201
+    import torch
+
+    dtype = getattr(torch, a.dtype)
+    model, ids, how = None, None, "random"
+    if not a.random:
+        try:
+            from qforensics.demo.model import load_model
+
+            model, tok = load_model(a.dtype)
+            ids = tok("The capital of France is", return_tensors="pt").input_ids[0].tolist()
+            how = "real"
+        except Exception as exc:  # noqa: BLE001 - the package or its deps are missing
+            print(f"real SmolLM2 not available ({type(exc).__name__}: {exc}); "
+                  "using its architecture with random weights", file=sys.stderr)
+    if model is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = dict(SMOLLM2)
+        if a.layers:
+            cfg["num_hidden_layers"] = a.layers
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype)
+        ids = PROMPT
+    elif a.layers:
+        model.model.layers = model.model.layers[:a.layers]
+        model.config.num_hidden_layers = a.layers
+    return model.to(a.device).eval(), ids, how
+
+
+def child(a: argparse.Namespace) -> dict:
+    import torch
+
+    model, ids0, how = build(a)
+    dev = torch.device(a.device)
+    steps = a.tokens + (NAN_STEPS if a.nan and a.phase == "captured" else 0)
+    width = len(ids0) + steps
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    host = [0.0, 0]
+    host_timed = None
+    out: dict = {"phase": a.phase, "model": how, "device": a.device, "dtype": a.dtype,
+                 "layers": model.config.num_hidden_layers, "tokens": a.tokens}
+    if a.phase == "captured":
+        import qforensics
+        from qforensics.hooks.callhooks import CallHooks
+
+        for name in ("_on_root_pre", "_on_root_post"):
+            orig = getattr(CallHooks, name)
+
+            def timed(*args, _f=orig, **kw):  # noqa: ANN002, ANN003, ANN202
+                t0 = time.perf_counter()
+                try:
+                    return _f(*args, **kw)
+                finally:
+                    host[0] += time.perf_counter() - t0
+                    host[1] += 1
+            setattr(CallHooks, name, timed)
+    comp = torch.compile(model, mode=a.mode)
+    tmp = tempfile.mkdtemp(prefix="qf-compiled-bench-")
+    path = os.path.join(tmp, "trace.h5")
+    ctx = qforensics.capture(comp, path) if a.phase == "captured" else None
+    if ctx is not None:
+        ctx.__enter__()
+    x = torch.zeros((1, width), dtype=torch.long, device=dev)
+    x[0, :len(ids0)] = torch.tensor(ids0, device=dev)
+    n, toks, times = len(ids0), [], []
+    with torch.no_grad():
+        for i in range(steps):
+            if i == a.tokens:
+                w = model.model.layers[-1].mlp.down_proj.weight
+                w[NAN_ROW].fill_(float("nan"))  # in place, as a kernel's stray store would
+            sync()
+            if i == 1:
+                host[0], host[1] = 0.0, 0  # the first step's attach and compile left out
+            if i == a.tokens:
+                host_timed = host[0]
+            t0 = time.perf_counter()
+            logits = comp(x).logits
+            nxt = int(logits[0, n - 1].float().argmax())
+            sync()
+            times.append(time.perf_counter() - t0)
+            x[0, n] = nxt
+            toks.append(nxt)
+            n += 1
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+    out["first_step_s"] = round(times[0], 3)
+    out["median_ms"] = round(statistics.median(times[1:a.tokens]) * 1e3, 3)
+    out["steps_ms"] = [round(t * 1e3, 2) for t in times[1:]]
+    out["tokens_out"] = toks[:a.tokens]
+    out.update(_output_code())
+    if dev.type == "cuda":
+        from torch._dynamo.utils import counters
+
+        out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+    if a.phase == "captured":
+        spent = host[0] if host_timed is None else host_timed
+        out["host_ms_per_step"] = round(spent / max(1, a.tokens - 1) * 1e3, 4)
+        out.update(_trace_facts(path))
+        if a.nan:
+            out["nan_planted"] = {"step": a.tokens, "row": NAN_ROW, "module":
+                                  f"model.layers.{out['layers'] - 1}.mlp.down_proj"}
+    return out
+
+
+def _output_code() -> dict:
+    """Inductor's output code of this process: kernels it generated, stats-op calls."""
+    from torch._inductor.codecache import PyCodeCache
+
+    kernels = calls = 0
+    for mod in list(PyCodeCache.modules):
+        try:
+            with open(mod.__file__) as f:
+                src = f.read()
+        except (OSError, AttributeError, TypeError):
+            continue
+        kernels += src.count("async_compile.cpp_pybinding(") + src.count(
+            "async_compile.triton(") + src.count("async_compile.cpp(")
+        calls += src.count("torch.ops.qforensics.stats.default(")
+    return {"generated_kernels": kernels, "stats_op_calls": calls}
+
+
+def _trace_facts(path: str) -> dict:
+    import qforensics
+    from qforensics.analyze.analyzer import analyze_trace
+
+    t = qforensics.open_trace(path)
+    rec = t.records()
+    n_mod = len(t.module_columns["name"])
+    per_step = rec.groupby("step").module_id.nunique()
+    f = analyze_trace(path)
+    return {"modules": n_mod, "steps": int(len(t.steps)),
+            "every_module_every_step": bool(len(per_step) == len(t.steps)
+                                            and (per_step == n_mod).all()),
+            "capture_mode": t.meta["status"].get("capture_mode"),
+            "graph_calls": t.meta["status"].get("graph_calls"),
+            "verdict": f.verdict.line,
+            "cause": f.cause.line if f.cause is not None else None}
+
+
+def run_phase(a: argparse.Namespace, phase: str) -> dict:
+    cache = tempfile.mkdtemp(prefix="qf-inductor-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--tokens",
+           str(a.tokens), "--device", a.device, "--dtype", a.dtype, "--mode", a.mode,
+           "--layers", str(a.layers)] + (["--random"] if a.random else []) + (
+        ["--nan"] if a.nan else [])
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr[-4000:])
+        raise SystemExit(f"{phase} phase failed (exit {r.returncode})")
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got["wall_s"] = round(time.perf_counter() - t0, 1)
+    return got
+
+
+def compare(p: dict, c: dict) -> dict:
+    return {
+        "compile_ratio": round(c["first_step_s"] / p["first_step_s"], 3),
+        "step_ratio": round(c["median_ms"] / p["median_ms"], 3),
+        "host_ms_per_step": c.get("host_ms_per_step"),
+        "kernels_added": c["generated_kernels"] - p["generated_kernels"],
+        "stats_op_calls": c["stats_op_calls"],
+        "calls_per_module": round(c["stats_op_calls"] / max(1, c.get("graph_calls") or 1), 2),
+        "tokens_identical": p["tokens_out"] == c["tokens_out"],
+        "every_module_every_step": c.get("every_module_every_step"),
+        "cudagraph_skips": c.get("cudagraph_skips"),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mode", default="default", help="torch.compile mode")
+    ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    ap.add_argument("--random", action="store_true", help="random weights, SmolLM2's shapes")
+    ap.add_argument("--nan", action="store_true",
+                    help="then plant a NaN weight row and check where analyze places it")
+    ap.add_argument("--timeout", type=int, default=1200)
+    ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.phase:
+        print(json.dumps(child(a)))
+        return 0
+    p = run_phase(a, "plain")
+    print(json.dumps({k: v for k, v in p.items() if k != "tokens_out"}), flush=True)
+    c = run_phase(a, "captured")
+    print(json.dumps({k: v for k, v in c.items() if k != "tokens_out"}), flush=True)
+    print(json.dumps(compare(p, c)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
