@@ -6,7 +6,9 @@ blamed when the producer's own parameters are corrupt):
 
 (d) unhooked op: the value was already in a hooked call's input;
 (a) corrupted parameters: the producer's weight, scale or zero point holds NaN/Inf, a scale is
-    zero, or a zero point is out of range (from the health capture records at attach);
+    zero, or a zero point is out of range (from the health capture records at attach); or a
+    weight or scale finite at attach that the parameter watch saw holding NaN/Inf at or before
+    the failing step (/param_watch: overwritten during the run);
 (c) compute-dtype overflow: finite input and parameters, an Inf in a float16 output whose input
     stayed below 65,504 (the product overflowed, not the input);
 (b) activation outlier against a format's range: input channels beyond the limit of the format
@@ -70,6 +72,77 @@ def _tensor(h: ParamHealth, infos: ModuleInfos) -> dict:
     return d
 
 
+def _watch_rows(trace: Trace) -> Table | None:
+    try:
+        t = trace.param_watch
+    except Exception:  # noqa: BLE001 - a damaged table: no watch evidence
+        return None
+    return t if len(t) else None
+
+
+def _overwritten(w: Table, i: int, infos: ModuleInfos, first_step: int) -> dict:
+    """One /param_watch row as a `corrupted_parameters` tensor entry, with its words."""
+    module, param = str(w["module"][i]), str(w["param"][i])
+    nan, inf = int(w["nan"][i]), int(w["inf"][i])
+    n_rows = int(w["n_rows"][i])
+    rows = [int(r) for r in w["rows"][i] if r >= 0]
+    step, last = int(w["step"][i]), int(w["last_finite"][i])
+    d: dict = {"param": param, "nan": nan, "inf": inf, "numel": int(w["numel"][i]),
+               "rows": rows, "n_rows": n_rows, "first_seen_step": step,
+               "last_finite_step": last, "during_run": True, "trigger": str(w["trigger"][i])}
+    if rows:
+        d["row"] = rows[0]
+    if int(w["group"][i]) >= 0:
+        d["group"] = int(w["group"][i])
+    if int(w["col"][i]) >= 0:
+        d["col"] = int(w["col"][i])
+    tied = infos.tied_with(module, param)
+    if tied:
+        d["tied_with"] = tied
+    leaf = param.rsplit(".", 1)[-1]
+    kind = "scale" if ParamHealth(module, param, 0).is_scale else (
+        "bias" if leaf == "bias" else "weight")
+    what = " and ".join(x for x in ("NaN" if nan else "", "Inf" if inf else "") if x)
+    where = (f"row {rows[0]}" if n_rows == 1 else
+             f"rows {', '.join(map(str, rows))}" + (f" and {n_rows - len(rows)} more"
+                                                    if n_rows > len(rows) else ""))
+    if "group" in d:
+        where += f" (group {d['group']})"
+    at_attach = next((h for h in infos.health if h.module == module and h.param == param), None)
+    then = ("finite at attach" if at_attach is not None and not _corrupt(at_attach)
+            else "not checked at attach")
+    seen = f"first seen at step {step}"
+    if last >= 0:
+        seen += f"; the check at step {last} read it finite"
+    if step > first_step:
+        seen += f", after the first bad step {first_step}"
+    d["words"] = (f"{kind} {module}.{param}" + (f" (tied to {', '.join(tied)})" if tied else "")
+                  + f" {where} overwritten with {what} during the run ({then}; {seen})")
+    return d
+
+
+def _watched(w: Table | None, infos: ModuleInfos, first_step: int, *, modules: set[str],
+             late: bool = False) -> list[dict]:
+    """Tensors of `modules` the parameter watch saw non-finite at or before `first_step`
+    (`late`: after it, but not read finite at or after it), finite at attach or not checked
+    then (a tensor corrupt at attach is the health branch's)."""
+    if w is None:
+        return []
+    step, last = w["step"], w["last_finite"]
+    when = (step > first_step) & (last < first_step) if late else step <= first_step
+    out = []
+    for i in np.nonzero(when)[0].tolist():
+        module, param = str(w["module"][i]), str(w["param"][i])
+        names = {f"{module}.{param}", *infos.tied_with(module, param)}
+        if not any(n.rsplit(".", 1)[0] in modules for n in names):
+            continue
+        h = next((h for h in infos.health if h.module == module and h.param == param), None)
+        if h is not None and _corrupt(h):
+            continue
+        out.append(_overwritten(w, i, infos, first_step))
+    return out
+
+
 def _format_limit(q: dict, static_range: float | None) -> tuple[str, float] | None:
     if static_range is not None:
         return ("static input_scale range", static_range)
@@ -96,8 +169,14 @@ def classify_cause(trace: Trace, recs: Table, first: FirstNonfinite, infos: Modu
             if _corrupt(h) and any(n.rsplit(".", 1)[0] not in hooked for n in names) and not any(
                     f"{e.module}.{e.param}" in names for e in elsewhere):
                 elsewhere.append(h)
-        if elsewhere:
-            tensors = [_tensor(h, infos) for h in elsewhere]
+        tensors = [_tensor(h, infos) for h in elsewhere]
+        if not tensors:  # overwritten during the run: a tensor of a module capture not hooks
+            w = _watch_rows(trace)
+            unhooked = set() if w is None else {
+                n.rsplit(".", 1)[0] for m, p in zip(w["module"], w["param"])
+                for n in (f"{m}.{p}", *infos.tied_with(str(m), str(p)))} - hooked
+            tensors = _watched(w, infos, first.step, modules=unhooked)
+        if tensors:
             return Cause("corrupted_parameters", "cause: corrupted parameters read by an "
                          f"unhooked op before {module}: "
                          + "; ".join(t["words"] for t in tensors), module, tensors)
@@ -109,6 +188,11 @@ def classify_cause(trace: Trace, recs: Table, first: FirstNonfinite, infos: Modu
     if bad:
         tensors = [_tensor(h, infos) for h in bad]
         return Cause("corrupted_parameters", "cause: corrupted parameters of "
+                     + "; ".join(t["words"] for t in tensors), module, tensors)
+    watch = _watch_rows(trace)
+    tensors = _watched(watch, infos, first.step, modules={module})
+    if tensors:
+        return Cause("corrupted_parameters", "cause: "
                      + "; ".join(t["words"] for t in tensors), module, tensors)
     out = np.nonzero(recs["row"] == first.record_row)[0] if first.record_row >= 0 else []
     dtype = int(recs["dtype"][out[0]]) if len(out) else -1
@@ -137,6 +221,10 @@ def classify_cause(trace: Trace, recs: Table, first: FirstNonfinite, infos: Modu
         return Cause("activation_outlier", f"cause: input channels {chans} exceed the {fmt} "
                      f"limit {FORMAT_LIMITS[fmt]:g}", module,
                      channels=[o.channel for o in over], format=fmt, limit=FORMAT_LIMITS[fmt])
+    tensors = _watched(watch, infos, first.step, modules={module}, late=True)
+    if tensors:  # seen after the failing step, unchecked between: the likeliest cause left
+        return Cause("corrupted_parameters", "cause: "
+                     + "; ".join(t["words"] for t in tensors), module, tensors)
     return Cause("undetermined", f"cause undetermined: {module}'s parameters are finite and "
                  "no input channel exceeds a format limit; replay its GEMM to look inside",
                  module)

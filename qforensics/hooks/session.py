@@ -38,6 +38,7 @@ from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
 from qforensics.hooks.graphmode import GraphMode, is_compiled
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
+from qforensics.hooks.paramwatch import DEFAULT_EVERY, ParamWatch, watched_tensors
 from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.recorder import FlightRecorder, parse_steps
 from qforensics.hooks.snapshots import Snapshots
@@ -78,6 +79,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         world_size: int | None = None,
         compiled: bool | None = None,
         adapter: EngineAdapter | None = None,
+        param_watch: int = DEFAULT_EVERY,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
@@ -95,6 +97,10 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 max_bytes, (int, np.integer)) or max_bytes < 0):
             raise CaptureError(f"max_bytes must be a byte count >= 0 (0 or None: no cap), "
                                f"got {max_bytes!r}")
+        if isinstance(param_watch, bool) or not isinstance(param_watch, (int, np.integer)) \
+                or param_watch < 0:
+            raise CaptureError(f"param_watch must be a step count >= 0 (0: parameters checked "
+                               f"at attach only), got {param_watch!r}")
         if channel_io not in ("all", "inputs", "none"):
             raise CaptureError("channel_io must be 'all', 'inputs' or 'none'")
         env_rank, env_world = rank_and_world()
@@ -121,6 +127,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             "pending_budget": int(pending_budget),
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
             "compiled": "auto" if compiled is None else bool(compiled),
+            "param_watch": int(param_watch),
         }
         self.adapter = adapter if adapter is not None else EngineAdapter()
         engine_compiles = self.adapter.compiled()
@@ -164,6 +171,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self._snaps: Snapshots | None = None
         self._recorder: FlightRecorder | None = None
         self._incidents: list[np.ndarray] = []
+        self._watch: ParamWatch | None = None  # parameters rechecked during the run
         self._sink: Any = None  # registration in qforensics.incidents
         self._names: list[str] = []
         self._kinds: list[str] = []
@@ -234,6 +242,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 max_bytes=self.options["max_bytes"],
                 ring_chunk=ring_chunk(self._modules),
             )
+            if self.options["param_watch"]:
+                self._watch = ParamWatch(watched_tensors(chosen, self.model),
+                                         self.options["param_watch"])
             root_id = len(chosen) - 1
             if self._graph_mode:
                 self._attach_graph_session(chosen)
@@ -363,13 +374,16 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                         self._end_step(complete=status is None or status.get("state") == "complete")
                     except Exception as exc:
                         self._degrade(exc)
-                if self._incidents and self._writer is not None:  # trips after the last step
+                params = self._watch_close()  # the parameters as the run leaves them
+                if (self._incidents or len(params)) and self._writer is not None:
+                    # trips after the last step, parameters first seen bad at close
                     self._writer.submit(StepBatch(
                         steps=np.zeros(0, schema.step_dtype()),
                         records=np.zeros(0, schema.record_dtype()), chan_min=np.zeros(0),
                         chan_max=np.zeros(0), tok_absmax=np.zeros(0, np.float32),
                         input_ids=np.zeros(0, np.int64),
-                        incidents=np.concatenate(self._incidents)))
+                        incidents=np.concatenate(self._incidents) if self._incidents
+                        else np.zeros(0, schema.incident_dtype()), params=params))
                     self._incidents = []
             finally:
                 self._remove_hooks()
@@ -385,6 +399,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 st.update(fused.REDUCER.status())  # how the step reductions ran
                 st.update(self._pending.take_status())  # how the hooks' takes ran
                 st["hook_path"] = self._hook_path
+                if self._watch is not None:
+                    st["param_watch"] = {"every": self._watch.every, "checks": self._watch.checks,
+                                         "tensors": len(self._watch.watched)}
                 st["hooks"] = "c" if self._c_hooks else "python"
                 st.update(self._graph_status())
                 self._graph_close()

@@ -23,6 +23,7 @@ log = logging.getLogger("qforensics.hooks.capture")
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
+    from qforensics.hooks.paramwatch import ParamWatch
     from qforensics.hooks.pending import PendingStep
     from qforensics.hooks.recorder import FlightRecorder
     from qforensics.hooks.snapshots import Snapshots
@@ -38,6 +39,7 @@ class StepEnd:
     _recorder: "FlightRecorder | None"
     _writer: "TraceWriter | None"
     _incidents: list[np.ndarray]
+    _watch: "ParamWatch | None"
     _names: list[str]
     _track_versions: bool
     _step_t0: float
@@ -163,6 +165,16 @@ class StepEnd:
         except Exception as exc:  # noqa: BLE001 - never break the guard or the run
             log.warning("qforensics: could not record an incident (%s)", exc)
 
+    def _watch_close(self) -> np.ndarray:
+        """The watch's last check at close (hooks/paramwatch.py): its /param_watch rows."""
+        if self._watch is None:
+            return np.zeros(0, schema.param_watch_dtype())
+        try:
+            return self._watch.close(self.step)
+        except Exception as exc:  # noqa: BLE001 - never break the close
+            log.warning("qforensics: parameter watch's last check failed (%s)", exc)
+            return np.zeros(0, schema.param_watch_dtype())
+
     if TYPE_CHECKING:  # hooks/graphmode.py (a mixin of the session, like this one)
         def _graph_part(self) -> dict[str, Any] | None: ...
 
@@ -177,6 +189,15 @@ class StepEnd:
             next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
             snaps=snaps, data=data, incidents=incidents,
             channel_dtype=self.options["channel_dtype"])
+        if self._watch is not None:  # every N steps, and at once on a non-finite step
+            try:
+                st = batch.steps  # a NaN/Inf in a record or in the logits: the trigger
+                bad = ((st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0)
+                       | (st["logits_inf"] > 0)).any()
+                batch.params = self._watch.step_end(self.step, bool(bad))
+            except Exception as exc:  # noqa: BLE001 - never break the run: stop watching
+                log.warning("qforensics: parameter watch off (%s)", exc)
+                self._watch = None
         if self._recorder is not None:
             self._recorder.apply(batch, **self.adapter.step_kind())
         self._writer.submit(batch)

@@ -31,6 +31,9 @@ class StepBatch:
     ring: bool = False
     promote: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
     triggers: np.ndarray = field(default_factory=lambda: np.zeros(0, schema.trigger_dtype()))
+    # /param_watch rows (hooks/paramwatch.py): parameters first seen non-finite at this step
+    params: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, schema.param_watch_dtype()))
 
 
 def rebase_channels(rec: np.ndarray, base: int) -> None:
@@ -77,4 +80,5 @@ def merge_batches(batches: list[StepBatch]) -> StepBatch:
                 for t in schema.ENGINE_TABLES if any(t in b.engine for b in batches)},
         promote=[p for b in batches for p in b.promote],
         triggers=np.concatenate([b.triggers for b in batches]),
+        params=np.concatenate([b.params for b in batches]),
     )

@@ -121,6 +121,10 @@ def create_file(path: str, modules: list[dict[str, str]], environment: dict, opt
     for name, dt, _ in schema.PROMOTED_COLUMNS:
         cols[f"channels/promoted/{name}"] = prom.create_dataset(
             name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
+    watch = f.create_group("param_watch")  # a few rows at most: one per corrupt tensor
+    for name, dt, shape in schema.PARAM_WATCH_COLUMNS:
+        cols[f"param_watch/{name}"] = watch.create_dataset(
+            name, shape=(0, *shape), maxshape=(None, *shape), dtype=dt, chunks=(16, *shape))
     trig = f.create_group("triggers")
     for name, dt, _ in schema.TRIGGER_COLUMNS:
         cols[f"triggers/{name}"] = trig.create_dataset(

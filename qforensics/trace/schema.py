@@ -275,6 +275,27 @@ RING_DETAIL = "ring/detail"  # i8 (K, 2): records and token values the slot hold
 # HDF5's writes failed (a full disk) and /meta@status could not be sealed (trace/fallback.py)
 STATUS_RAW = "status_raw"
 
+# /param_watch (1.2 revision): parameters found holding NaN/Inf during the run (hooks/
+# paramwatch.py), one row per tensor, at the first check that saw it so: the checks run every
+# `param_watch` steps, at the end of a step with a non-finite record or logits, and at close.
+# A reader tolerates its absence (older traces: parameters checked at attach only).
+PARAM_WATCH_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("step", "i4", ()),  # the step at whose end the check first saw it non-finite
+    ("last_finite", "i4", ()),  # the last check that saw it finite (-1: only at attach)
+    ("module_id", "i4", ()),  # its module's row in /modules (-1: a module capture does not hook)
+    ("module", "S128", ()),
+    ("param", "S32", ()),  # the tensor's name in its module: weight | scales | weight_scale ...
+    ("trigger", "S16", ()),  # PARAM_WATCH_TRIGGERS: what ran the check
+    ("numel", "i8", ()),
+    ("nan", "i8", ()),
+    ("inf", "i8", ()),
+    ("n_rows", "i8", ()),  # rows (dim 0) holding NaN/Inf (a 1-D tensor: its bad elements)
+    ("rows", "i8", (8,)),  # the first of them, ascending (-1: none)
+    ("col", "i8", ()),  # column (last dim) of the first bad value (-1: a 1-D tensor)
+    ("group", "i8", ()),  # its quantization group along the input dim (-1: none known)
+]
+PARAM_WATCH_TRIGGERS = ("interval", "nonfinite", "close")
+
 # /pinned (1.2): the first non-finite step and the first step of each trigger kind, with the W
 # steps before it, kept in full detail in space reserved up front; later ones while room remains.
 PINNED_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
@@ -316,6 +337,11 @@ def columns_dtype(table: str) -> np.dtype:
     """The structured dtype of a 1.2 table's columns ("summary", "pinned")."""
     return np.dtype([(n, t, s) for n, t, s in {"summary": SUMMARY_COLUMNS,
                                                "pinned": PINNED_COLUMNS}[table]])
+
+
+@functools.cache  # np.dtype is immutable: built once, shared
+def param_watch_dtype() -> np.dtype:
+    return np.dtype([(n, t, s) for n, t, s in PARAM_WATCH_COLUMNS])
 
 
 @functools.cache  # np.dtype is immutable: built once, shared

@@ -70,6 +70,32 @@ class SideTables:
         return df
 
     @cached_property
+    def param_watch(self) -> Table:
+        """Parameters found holding NaN/Inf during the run (hooks/paramwatch.py), one row per
+        tensor at the first check that saw it (schema.PARAM_WATCH_COLUMNS; `module`, `param`
+        and `trigger` decoded). Empty for a trace without the table (parameters checked at
+        attach only) or with a malformed one."""
+        cols = schema.PARAM_WATCH_COLUMNS
+        empty = Table({c: np.zeros((0, *sh), dt) if "S" not in dt else _decode(np.zeros(0, dt))
+                       for c, dt, sh in cols})
+        g = self._f.get("param_watch")
+        if not isinstance(g, h5py.Group):
+            return empty
+        try:
+            ds = {c: g.get(c) for c, _, _ in cols}
+            if not all(isinstance(d, h5py.Dataset) and d.shape[1:] == sh
+                       and d.dtype.kind == np.dtype(dt).kind for (c, dt, sh), d in
+                       zip(cols, ds.values())):
+                return empty
+            n = min(min(d.shape[0] for d in ds.values()), 100_000)
+            data = {c: np.asarray(d[:n]) for c, d in ds.items()}
+        except (OSError, KeyError, ValueError, TypeError):  # a damaged table: none read
+            return empty
+        for c in ("module", "param", "trigger"):
+            data[c] = _decode(data[c])
+        return Table(data)
+
+    @cached_property
     def hits_checked(self) -> dict[str, int] | None:
         """The writer's /engine/hits bookkeeping: non-finite steps it saw (`bad_steps`), those it
         scanned for first hits (`scanned`), hit rows it dropped (`dropped`); None when the trace

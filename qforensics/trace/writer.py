@@ -227,6 +227,7 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
                 self._note(batches)  # summaries, the per-step estimate
                 noted = True
                 self._note_hits(batches)  # where each request first held NaN/Inf
+                self._write_params(batches)  # parameters seen non-finite in the run
                 # one resize + write per dataset per flush, not per step: h5py's per-call
                 # overhead (and the GIL it holds) is what a writer thread costs the run
                 empty = np.zeros(0, self.channel_dtype)
@@ -252,6 +253,18 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._fail(exc, batches, noted)
+
+    def _write_params(self, batches: list[StepBatch]) -> None:
+        """Append /param_watch rows whatever the detail cap: at most one row per tensor for
+        the run, taken from the room kept for the requests table when a budget is set (like
+        /engine/hits), so a corrupt weight found before full detail stopped is never lost."""
+        rows = [b.params for b in batches if len(b.params)]
+        if not rows:
+            return
+        watch = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        self._append_table("param_watch", schema.PARAM_WATCH_COLUMNS, watch)
+        if self.max_bytes:
+            self._req_used += len(watch) * watch.dtype.itemsize
 
     def _append_fitting(self, batches: list[StepBatch]) -> list[bool]:
         """Append the batches while they fit the budget (one merged append when all do);
