@@ -79,3 +79,11 @@ def test_param_health_cost_ratio_is_its_two_times(tmp_path):
     (counts, full, ratio) = figures(
         rf"counts only {NUM} ms, with levels and dominance {NUM} ms, ratio {NUM}", out)
     assert counts > 0 and full > 0 and abs(ratio - full / counts) < 0.01 + 0.01 * ratio
+    if "param watch on SmolLM2" in out and "skipped" not in out:  # the real model installed
+        check, idle, every, amort, step, pct = figures(
+            rf"a check {NUM} ms, a step end without one {NUM} us; every {NUM} steps: {NUM} ms "
+            rf"a step against a plain one-token step of {NUM} ms \({NUM}%\)", out)
+        assert every == 256 and check > 0 and step > 0  # the default interval
+        # the check spread over its interval, plus the step ends without one (printed rounded)
+        assert abs(amort - (check / every + idle / 1e3)) <= 0.05 / every + 0.0006
+        assert abs(pct - 100 * amort / step) <= 0.006 + 100 * 0.0006 / step
