@@ -202,7 +202,8 @@ class ParamWatch:
                 return None
             if bad is None:
                 bad = ~torch.isfinite(t)
-            per_row = bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() >= 2 else bad.reshape(-1)
+            per_row = (bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() >= 2
+                       else bad.reshape(-1))
             n_rows = int(per_row.count_nonzero())
             first = per_row.nonzero().reshape(-1)[:_ROWS].tolist()
         self._found.add(i)
