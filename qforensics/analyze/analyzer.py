@@ -205,13 +205,14 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     # a serving engine's warm-up / profile forwards are recorded but never drive a verdict
     warm = warmup_steps(trace)
     steps = without_warmup(steps, warm)
-    fail_row = find_first_bad_step(steps)
+    fail_row = find_first_bad_step(steps, warmup=warm)
     fail_row = cross_check(trace, steps, fail_row, notes, warm)
     cov = _guarded(trace, lambda: find_coverage(trace, steps, warm), None)
     first = None
     focus: list[int] = []
     recs = None
     summary_only = None  # (step, call) when the failing step's records cannot be read
+    logits_only = None  # (step, NaN, Inf) when only the failing step's logits hold NaN/Inf
     fail_steps, fail_at = steps, fail_row
     focus_step: int | None = None
     early = summary_failure(cov, steps, fail_row)  # first failure only the summaries show
@@ -232,7 +233,17 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
             recs = focus_step = None
         else:
             first = find_first_nonfinite(trace, fail_steps, fail_at, recs)
-            focus = _focus_rows(recs, first)
+            if first is None:  # no recorded tensor holds NaN/Inf: its logits alone, or nothing
+                srow = fail_steps.row(fail_at)
+                lnan, linf = int(srow["logits_nan"]), int(srow["logits_inf"])
+                if lnan + linf > 0:
+                    logits_only = (fstep, lnan, linf)
+                else:
+                    notes.append(f"the per-step summary of step {fstep} says NaN/Inf but "
+                                 "none of its records or logits holds any: the records are "
+                                 "trusted")
+            else:
+                focus = _focus_rows(recs, first)
     elif summary_only is None:
         focus_step = _guarded(trace, lambda: _peak_step(trace, steps), None)
         if focus_step is not None:
@@ -284,6 +295,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
     if first is not None and recs is not None:
         cause = classify_cause(trace, recs, first, infos, outliers)
         cause = _snapshot_cause(trace, first, cause)
+    if (first is not None and recs is not None) or logits_only is not None:
         nonfinite_logits = describe_nonfinite_logits(trace, steps)
     evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
                                 precursors, th)
@@ -309,6 +321,12 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
                           "records could not be read: producer unknown"
+                          + (f"; {cov.line()}" if cov is not None and cov.thinned else ""))
+    if logits_only is not None:
+        ls, lnan, linf = logits_only
+        verdict = Verdict(FAILED, f"{FAILED} | the logits of step {ls} hold {lnan:,} NaN and "
+                          f"{linf:,} Inf, but none of its recorded tensors does: produced after "
+                          "the last hooked module (an unhooked op or the logits computation)"
                           + (f"; {cov.line()}" if cov is not None and cov.thinned else ""))
     for item in dict.fromkeys(trace.unreadable):
         if not any(item in n for n in notes):

@@ -23,6 +23,7 @@ from qforensics.analyze.badrequests import (
     scan_hits,
 )
 from qforensics.trace import schema
+from qforensics.trace.badstep import bad_steps
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
 
@@ -196,7 +197,7 @@ def find_engine_findings(trace: Trace, first_bad_step: int | None,
                   and (first_bad_step is None or b.step > first_bad_step)]
     if nonfinite_steps is not None and steps is not None:
         st = steps
-        bad = schema.nonfinite_steps(st)
+        bad = bad_steps(st, warmup=warm)
         known = set(int(x) for x in st["step"][bad]) | set(run.hits)
         known = {x for x in known if len(sr.at(x))}
         # a step where the writer found a request's first NaN/Inf (/engine/hits) is known too

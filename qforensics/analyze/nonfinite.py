@@ -8,11 +8,13 @@ output and that input produced it (a `Gap`); the module that received it only pr
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from qforensics.analyze.findings import FirstNonfinite, Gap, Spread
 from qforensics.trace import schema
+from qforensics.trace.badstep import bad_steps, first_bad_row
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
 
@@ -29,15 +31,12 @@ def _kind(nan: int, inf: int) -> str:
     return "nan" if nan else "inf"
 
 
-def find_first_bad_step(steps: Table) -> int | None:
-    """Row (position in /steps) of the first step with any non-finite record, from the per-step
-    summaries alone."""
-    if steps.empty:
-        return None
-    bad = (steps["n_nonfinite_records"] > 0) | (steps["first_nonfinite_record"] >= 0)
-    if not bad.any():
-        return None
-    return int(np.argmax(bad))
+def find_first_bad_step(steps: Table, *, warmup: Any = None,
+                        count_warmup: bool = False) -> int | None:
+    """Row (position in /steps) of the first bad step (NaN/Inf in a record or in its logits,
+    `trace.badstep`), from the per-step summaries alone; warm-up forwards (`warmup`: their step
+    numbers) are left out unless `count_warmup`."""
+    return first_bad_row(steps, warmup=warmup, count_warmup=count_warmup)
 
 
 def _f(x: object) -> float | None:
@@ -49,11 +48,14 @@ def _f(x: object) -> float | None:
 
 
 def find_first_nonfinite(trace: Trace, steps: Table, step_row: int,
-                         recs: Table) -> FirstNonfinite:
-    """Locate the first non-finite record of the step at `step_row` (its records are `recs`)."""
+                         recs: Table) -> FirstNonfinite | None:
+    """Locate the first non-finite record of the step at `step_row` (its records are `recs`);
+    None when none of them holds NaN/Inf (the step went bad in its logits alone)."""
     srow = steps.row(step_row)
     step = int(srow["step"])
     bad = (recs["nan_count"] + recs["inf_count"]) > 0
+    if not len(recs) or not bad.any():
+        return None
     hint = int(srow["first_nonfinite_record"])
     pos = None
     if hint >= 0:
@@ -115,8 +117,7 @@ def _spread(trace: Trace, steps: Table, step_row: int, recs: Table) -> Spread:
     """Modules and steps non-finite from the first bad step on. Reads three narrow record
     columns of the steps after the failing one (not their channel data)."""
     n_after = len(steps) - step_row
-    bad_steps = int(((steps["n_nonfinite_records"][step_row:] > 0)
-                     | (steps["first_nonfinite_record"][step_row:] >= 0)).sum())
+    n_bad = int(bad_steps(steps)[step_row:].sum())
     logits_bad = int(((steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)).sum())
     bad_now = (recs["nan_count"] + recs["inf_count"]) > 0
     mods = set(recs["module_id"][bad_now].tolist())
@@ -127,6 +128,6 @@ def _spread(trace: Trace, steps: Table, step_row: int, recs: Table) -> Spread:
         sl = slice(start, end)
         b = (cols["nan_count"][sl] + cols["inf_count"][sl]) > 0
         mods.update(np.unique(cols["module_id"][sl][b]).tolist())
-    return Spread(n_modules=len(mods), n_modules_total=trace.n_modules, n_steps=bad_steps,
+    return Spread(n_modules=len(mods), n_modules_total=trace.n_modules, n_steps=n_bad,
                   n_steps_after=n_after, n_records=int(bad_now.sum()),
                   logits_nonfinite_steps=logits_bad)

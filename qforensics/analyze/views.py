@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.analyze.damage import per_tensor_zeroed
+from qforensics.analyze.engine import warmup_steps
 from qforensics.analyze.findings import DiffFindings, Findings, FirstNonfinite
 from qforensics.analyze.grid import Heatmap, heatmap_of
 from qforensics.analyze.nonfinite import find_first_bad_step
@@ -64,7 +65,7 @@ class LogitsSeries:
     lmax: np.ndarray
     lmean: np.ndarray
     nonfinite: np.ndarray  # bool: the step's logits held NaN/Inf
-    first_bad_step: int | None  # first non-finite step of the trace (any record, else logits)
+    first_bad_step: int | None  # first bad step of the trace (trace.badstep; warm-ups left out)
 
 
 def logits_series(trace: Trace, first: FirstNonfinite | None) -> LogitsSeries | None:
@@ -75,11 +76,9 @@ def logits_series(trace: Trace, first: FirstNonfinite | None) -> LogitsSeries | 
     nonfinite = (st["logits_nan"] > 0) | (st["logits_inf"] > 0)
     first_bad = first.step if first is not None else None
     if first_bad is None:
-        row = find_first_bad_step(steps)
+        row = find_first_bad_step(steps, warmup=warmup_steps(trace))
         if row is not None:
             first_bad = int(steps["step"][row])
-        elif nonfinite.any():
-            first_bad = int(st["step"][np.argmax(nonfinite)])
     f64 = np.float64
     return LogitsSeries(st["step"].astype(np.int64), st["logits_min"].astype(f64),
                         st["logits_max"].astype(f64), st["logits_mean"].astype(f64),

@@ -181,12 +181,14 @@ class DemoModel:
 
 
 def first_nonfinite_step(trace_path: str) -> int | None:
+    """The first bad step of a trace (`trace.badstep`: a record or the logits; warm-ups left
+    out)."""
+    from qforensics.analyze.engine import warmup_steps
+    from qforensics.trace.badstep import first_bad_step
     from qforensics.trace.reader import open_trace
 
     with open_trace(trace_path) as t:
-        s = t.steps
-        bad = s[(s["first_nonfinite_call"] >= 0) | (s["logits_nan"] > 0) | (s["logits_inf"] > 0)]
-        return int(bad["step"].iloc[0]) if len(bad) else None
+        return first_bad_step(t.step_table, warmup=warmup_steps(t))
 
 
 def run_scenarios(

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from qforensics.trace import schema
+from qforensics.trace.badstep import step_is_bad
 from qforensics.trace.writer import StepBatch
 
 def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
@@ -124,9 +125,9 @@ class FlightRecorder:
     def _triggers(self, s: np.void, rec: np.ndarray, growth: bool = True
                   ) -> list[tuple[str, float, float]]:
         out: list[tuple[str, float, float]] = []
-        bad = int(s["n_nonfinite_records"]) + int(s["logits_nan"]) + int(s["logits_inf"])
-        if bad:
-            out.append(("nonfinite", float(bad), math.nan))
+        if step_is_bad(np.array([s], s.dtype)):
+            bad = int(s["n_nonfinite_records"]) + int(s["logits_nan"]) + int(s["logits_inf"])
+            out.append(("nonfinite", float(max(bad, 1)), math.nan))
         if not growth:
             return out
         gemm_in = (rec["io"] == schema.IO_INPUT) & np.isin(rec["module_id"], self._gemm_ids)

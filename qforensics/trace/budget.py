@@ -29,6 +29,7 @@ import numpy as np
 
 from qforensics.errors import CaptureError
 from qforensics.trace import schema
+from qforensics.trace.badstep import bad_steps
 from qforensics.trace.batch import StepBatch, merge_batches
 from qforensics.trace.columns import _put
 from qforensics.trace.summary import Summaries, empty_rows, step_summaries, summary_capacity
@@ -206,7 +207,7 @@ class BudgetWriter:
         """Requests whose logits row held NaN/Inf (an engine's root record, slot 1)."""
         out = np.zeros(len(b.steps), np.int64)
         s = b.steps
-        if not schema.nonfinite_steps(s).any() or self._root < 0:
+        if not bad_steps(s, count_warmup=True).any() or self._root < 0:
             return out
         r = b.records
         sel = np.nonzero((r["module_id"] == self._root) & (r["io"] == schema.IO_OUTPUT)

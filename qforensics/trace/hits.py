@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.trace import schema
+from qforensics.trace.badstep import step_is_bad
 from qforensics.trace.batch import StepBatch
 
 __all__ = ["earliest_bad", "first_hits"]
@@ -71,11 +72,6 @@ def earliest_bad(recs: Any, keep: np.ndarray, tok: np.ndarray, tok_base: int,
     return out
 
 
-def _nonfinite(s: np.ndarray) -> bool:
-    """A one-step batch's step row says NaN/Inf (in a record or in the logits)."""
-    return bool(len(s) == 1 and schema.nonfinite_steps(s)[0])
-
-
 def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.ndarray:
     """/engine/hits rows (schema.ENGINE_HIT_COLUMNS) of the requests of this one-step batch
     that hold NaN/Inf here for the first time (not in `seen`, which it updates). For each:
@@ -86,7 +82,7 @@ def first_hits(b: StepBatch, rows: np.ndarray, root: int, seen: set[int]) -> np.
     s = b.steps
     if len(s) != 1 or not len(rows):
         return empty
-    if not _nonfinite(s):
+    if not step_is_bad(s):
         return empty
     request = rows["request"].astype(np.int64)
     order = np.asarray(list(dict.fromkeys(request.tolist())), np.int64)  # logits row order
@@ -162,7 +158,7 @@ class HitsWriter:
             rows = self._hit_rows.pop(step, None)
             for old in [k for k in self._hit_rows if k < step]:  # a step whose batch never came
                 del self._hit_rows[old]
-            if step in self._warm_steps or not _nonfinite(b.steps):
+            if not step_is_bad(b.steps, warmup=self._warm_steps):
                 continue
             self.hits_checked[0] += 1  # a non-finite step: scanned when its rows came
             if rows is not None and len(rows):

@@ -7,7 +7,6 @@ the reader both take it from here. No torch import.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 
@@ -173,13 +172,6 @@ ENGINE_HIT_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     #                         on its own
     ("same_op", "i4", ()),  # other requests first bad at the same op of that forward
 ]
-def nonfinite_steps(steps: Any) -> Any:
-    """Per step row (a /steps table or a batch's rows): whether it held NaN/Inf, in a record or
-    in the logits."""
-    return ((steps["n_nonfinite_records"] > 0) | (steps["logits_nan"] > 0)
-            | (steps["logits_inf"] > 0))
-
-
 # /engine/hits_checked (1.2): i8 [3], written in place: non-finite steps (warm-ups left out) the
 # writer saw, how many of them it scanned for /engine/hits (their token rows came), and hit rows
 # it dropped for want of room. analyze counts a scanned step as read: every request bad there

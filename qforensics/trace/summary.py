@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from qforensics.trace import schema
+from qforensics.trace.badstep import bad_steps
 
 __all__ = ["Summaries", "combine", "empty_rows", "summary_capacity", "step_summaries"]
 
@@ -82,8 +83,7 @@ def step_summaries(steps: np.ndarray, warm: np.ndarray, bad_requests: np.ndarray
     out["logits_mean_sum"] = np.where(ok, mean, 0.0)
     out["logits_steps"] = ok
     out["logits_nan"], out["logits_inf"] = steps["logits_nan"], steps["logits_inf"]
-    bad = ((steps["n_nonfinite_records"] > 0) | (steps["first_nonfinite_record"] >= 0)
-           | (steps["logits_nan"] > 0) | (steps["logits_inf"] > 0)) & ~warm
+    bad = bad_steps(steps, warmup=warm)
     out["nonfinite_steps"] = bad
     out["first_nonfinite_step"] = np.where(bad, steps["step"], -1)
     out["first_nonfinite_call"] = np.where(bad, steps["first_nonfinite_call"], -1)
