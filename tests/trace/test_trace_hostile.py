@@ -160,6 +160,9 @@ def test_summaries_that_hide_a_nan_are_overruled_by_the_records(tmp_path):
         f["steps/n_nonfinite_records"][:] = np.zeros(n, np.int64)
         f["steps/first_nonfinite_record"][:] = np.full(n, -1, np.int64)
         f["steps/first_nonfinite_call"][:] = np.full(n, -1, np.int64)
+        # the logits counts too: a step bad in its logits alone is a bad step (trace.badstep)
+        f["steps/logits_nan"][:] = np.zeros(n, np.int64)
+        f["steps/logits_inf"][:] = np.zeros(n, np.int64)
     r = run("analyze", t)
     assert r.code == EXIT_FINDING and r.first.startswith(f"FAILED | first non-finite at step "
                                                          f"{first_bad_step}, call "), r
