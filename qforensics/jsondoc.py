@@ -10,8 +10,10 @@ a key bumps the major version, adding one the minor.
 
 One non-finite policy: JSON has no NaN or Infinity, so a non-finite float becomes the string
 ``"nan"``, ``"inf"`` or ``"-inf"``, wherever it sits in the document, and the encoder never
-writes a bare NaN (``allow_nan=False``). `read_float` is the inverse for readers. Torch-free and
-numpy-free (numpy scalars and arrays are met by duck typing).
+writes a bare NaN (``allow_nan=False``). `read_float` is the inverse for one field,
+`restore_nonfinite` for a whole value. Traces use the same policy for their JSON attributes and
+cells (`trace.layout.json_attr`, `trace.validate.parse_json`). Torch-free and numpy-free (numpy
+scalars and arrays are met by duck typing).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["NONFINITE", "SCHEMAS", "SCHEMA_KEY", "VERSION_KEY", "document", "dumps",
-           "json_float", "jsonable", "read_float", "schema_problem", "write"]
+           "has_nonfinite_text", "json_float", "jsonable", "read_float", "restore_nonfinite",
+           "schema_problem", "write"]
 
 SCHEMA_KEY = "schema"
 VERSION_KEY = "version"
@@ -59,6 +62,23 @@ def read_float(v: Any) -> float | None:
     if isinstance(v, str):
         return NONFINITE.get(v)
     return None
+
+
+def restore_nonfinite(value: Any) -> Any:
+    """The inverse of the policy over a whole parsed value: every "nan", "inf" and "-inf"
+    string (in a list or as an object's value; keys stay text) becomes its float."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: restore_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_nonfinite(v) for v in value]
+    return value
+
+
+def has_nonfinite_text(raw: str) -> bool:
+    """Whether JSON text may hold a string of the policy (cheap: no parse)."""
+    return '"nan"' in raw or '"inf"' in raw or '"-inf"' in raw
 
 
 def jsonable(obj: Any) -> Any:
@@ -119,9 +139,9 @@ def schema_problem(doc: Any, schema: str) -> str | None:
     return None
 
 
-def dumps(doc: Any, indent: int | None = 2) -> str:
+def dumps(doc: Any, indent: int | None = 2, *, sort_keys: bool = False) -> str:
     """`doc` as JSON text under the one non-finite policy (never a bare NaN or Infinity)."""
-    return json.dumps(jsonable(doc), indent=indent, allow_nan=False)
+    return json.dumps(jsonable(doc), indent=indent, allow_nan=False, sort_keys=sort_keys)
 
 
 def write(doc: Any, path: str | os.PathLike[str]) -> Path:

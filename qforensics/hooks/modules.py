@@ -3,7 +3,6 @@ quantization metadata, weight/scale health)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +25,7 @@ from qforensics.hooks.params import (
 )
 
 from qforensics.layerkinds import is_linear_like
+from qforensics.trace.layout import json_attr
 
 _QUANT_ATTRS = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale",
                 "weight_zero_point", "SCB")
@@ -211,7 +211,7 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001
             info["tied_error"] = str(exc)[:200]
     return {"name": name, "type": type(module).__name__, "kind": kind,
-            "info": json.dumps(info, sort_keys=True)}
+            "info": json_attr(info)}
 
 
 def input_embedding(model: nn.Module) -> tuple[str, nn.Module] | None:

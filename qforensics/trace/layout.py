@@ -9,7 +9,6 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -18,6 +17,7 @@ import h5py
 import numpy as np
 
 from qforensics.errors import CaptureError
+from qforensics.jsondoc import dumps
 from qforensics.trace import schema, validate
 from qforensics.version import __version__
 
@@ -46,7 +46,10 @@ def _table_compression(dt: Any) -> dict[str, Any]:
 
 
 def json_attr(obj: Any) -> str:
-    return json.dumps(obj, default=str, allow_nan=True, sort_keys=True)
+    """A JSON attribute or cell of a trace, under jsondoc's one non-finite policy: NaN and
+    Infinity are written as the strings "nan", "inf", "-inf" (`validate.parse_json` reads them
+    back as floats), never as bare constants."""
+    return dumps(obj, indent=None, sort_keys=True)
 
 
 def create_file(path: str, modules: list[dict[str, str]], environment: dict, options: dict,

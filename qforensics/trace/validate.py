@@ -36,6 +36,7 @@ import numpy as np
 from h5py import h5d, h5l, h5o
 
 from qforensics.errors import TraceFormatError, TraceUnreadableError
+from qforensics.jsondoc import has_nonfinite_text, restore_nonfinite
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -338,13 +339,20 @@ def parse_json(raw: Any, where: str, *, max_bytes: int = MAX_JSON_BYTES,
     if raw.count("[") + raw.count("{") > max_depth and json_depth(raw) > max_depth:
         raise TraceFormatError(f"{where}: JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        value = json.loads(raw, parse_constant=_constant)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise TraceFormatError(f"{where}: invalid JSON ({_short(exc, 120)})") from None
+    # jsondoc's non-finite policy: "nan", "inf", "-inf" are floats; integer fields refuse them
+    return restore_nonfinite(value) if has_nonfinite_text(raw) else value
 
 
-def _no_constant(name: str) -> float:
-    return float("nan")  # NaN/Infinity literals stay floats; integer fields refuse them
+_CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _constant(name: str) -> float:
+    """A bare NaN/Infinity/-Infinity (traces written before the strings of jsondoc's policy)
+    as its float; integer fields refuse it."""
+    return _CONSTANTS[name]
 
 
 # -- numbers -----------------------------------------------------------------------------------
