@@ -45,6 +45,7 @@ from qforensics.analyze.findings import (
     TraceEndInfo,
     Verdict,
 )
+from qforensics.analyze.gaps import find_gaps
 from qforensics.analyze.nonfinite import find_first_bad_step, find_first_nonfinite
 from qforensics.analyze.outliers import (
     RecordIndex,
@@ -315,8 +316,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         notes.extend(engine.lines())
     ref = (compare_to_reference(reference, trace, infos, diff=reference_diff)
            if reference is not None else None)
+    gaps = _guarded(trace, lambda: find_gaps(trace, steps), None)
     verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable, cause=cause,
-                          evidence=evidence, coverage=cov)
+                          evidence=evidence, coverage=cov, gaps=gaps.line() if gaps else "")
     if summary_only is not None:
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "
@@ -347,7 +349,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
         parameter_summary=summarize_parameters(infos, th),
         thresholds_rationale=dict(RATIONALE), reference=ref, engine=engine,
-        coverage=cov.to_dict() if cov is not None else None,
+        coverage=({**cov.to_dict(), **({"gaps": gaps.to_dict()} if gaps else {})}
+                  if cov is not None else None),
     )
 
 

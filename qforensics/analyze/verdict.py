@@ -48,11 +48,12 @@ def cross_check(trace: Trace, steps: Table, fail_row: int | None,
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
                 end: Any, unreadable: list[str] | None = None, *, cause: Cause | None = None,
                 evidence: list[Evidence] | None = None,
-                coverage: Coverage | None = None) -> Verdict:
+                coverage: Coverage | None = None, gaps: str = "") -> Verdict:
     """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
     (parameters and activations first, then the output), when anything was `unreadable` or
     when recording stopped with no summaries of the steps after it, else PASSED. Where
-    detail was thinned, the line says which steps it covers and at what resolution."""
+    detail was thinned, the line says which steps it covers and at what resolution. `gaps`:
+    what the steps recorded in full lack (`Gaps.line`): never PASSED over modules not seen."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
     if coverage is not None and coverage.thinned:
         tail += f"; {coverage.line()}"
@@ -92,6 +93,9 @@ def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
     if n_steps == 0:
         return Verdict(SUSPECT, f"{SUSPECT} | no complete step in the trace: nothing to analyze"
                        + tail)
+    if gaps:
+        return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in {n_steps} steps, but "
+                       f"{gaps}" + tail)
     if coverage is not None and coverage.blind:
         return Verdict(SUSPECT, f"{SUSPECT} | no non-finite values in the {n_steps} steps "
                        "recorded in full, but the steps after them were not seen" + tail)

@@ -1,0 +1,95 @@
+"""Never PASSED over nothing: a trace whose hooked modules are missing from a step, or have no
+records at all, reads SUSPECT, and the verdict names what is missing (issue 39, item 5).
+
+The traces are written through the project's writer from the synthetic decoder; the gaps are
+made by leaving records out of the batches before they are written, so what is missing is
+known from what the test removed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qforensics.analyze.analyzer import analyze_trace
+from qforensics.trace.writer import StepBatch, TraceWriter
+from analyze_synth import TinyModel, module_table, run_model
+
+N_LAYERS = 2
+
+
+def _without(b: StepBatch, drop: set[int]) -> StepBatch:
+    """The batch with the records of the module ids in `drop` left out."""
+    keep = ~np.isin(b.records["module_id"], list(drop))
+    b.records = b.records[keep]
+    b.steps = b.steps.copy()
+    b.steps["record_count"] = len(b.records)
+    return b
+
+
+def _write(tmp_path, drop: dict[int, set[str]], *, extra: list[dict] | None = None,
+           n_steps: int = 5) -> str:
+    mods = module_table(N_LAYERS) + (extra or [])
+    ids = {m["name"]: i for i, m in enumerate(mods)}
+    batches = run_model(TinyModel(n_layers=N_LAYERS), n_steps)
+    path = str(tmp_path / "t.h5")
+    w = TraceWriter(path, modules=mods, environment={"rank": 0, "world_size": 1},
+                    capture_options={}, flush_interval=0.05)
+    for s, b in enumerate(batches):
+        names = drop.get(s, drop.get(-1, set()))
+        w.submit(_without(b, {ids[n] for n in names}))
+    w.close()
+    return path
+
+
+def test_a_full_trace_passes_and_has_no_gaps(tmp_path):
+    f = analyze_trace(_write(tmp_path, {}))
+    assert f.verdict.status == "PASSED", f.verdict.line
+    assert f.coverage["gaps"]["line"] == ""
+
+
+def test_a_module_missing_from_one_step_is_named(tmp_path):
+    gone = "model.layers.1.mlp.down_proj"
+    f = analyze_trace(_write(tmp_path, {3: {gone}}))
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert gone in f.verdict.line and "steps 3" in f.verdict.line
+    assert f.coverage["gaps"]["missing_from_steps"] == {gone: [3]}
+
+
+def test_a_module_never_recorded_is_named(tmp_path):
+    gone = "model.layers.0.self_attn.q_proj"
+    f = analyze_trace(_write(tmp_path, {-1: {gone}}))
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert f"1 of {len(module_table(N_LAYERS))} hooked modules have no record" in f.verdict.line
+    assert f.coverage["gaps"]["never_recorded"] == [gone]
+
+
+@pytest.mark.parametrize("n_steps", [1, 4])
+def test_steps_with_no_record_at_all_never_pass(tmp_path, n_steps):
+    """The compiled capture that never finished: steps, and no records."""
+    every = {m["name"] for m in module_table(N_LAYERS)}
+    f = analyze_trace(_write(tmp_path, {-1: every}, n_steps=n_steps))
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert "nothing was recorded" in f.verdict.line
+    assert f"any of the {n_steps} steps" in f.verdict.line
+
+
+def test_one_empty_step_among_full_ones_is_named(tmp_path):
+    every = {m["name"] for m in module_table(N_LAYERS)}
+    f = analyze_trace(_write(tmp_path, {2: every}))
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert "1 of 5 steps hold no record (steps 2)" in f.verdict.line
+
+
+def test_an_expert_the_router_never_picked_is_no_gap(tmp_path):
+    """Mixture-of-experts: an expert is called only for the tokens routed to it."""
+    expert = {"name": "model.layers.0.mlp.experts.7.down_proj", "type": "Linear",
+              "kind": "linear", "info": "{}"}
+    f = analyze_trace(_write(tmp_path, {}, extra=[expert]))
+    assert f.verdict.status == "PASSED", f.verdict.line
+
+
+def test_a_forward_without_logits_is_no_gap(tmp_path):
+    """An engine's dummy forward (vLLM's profile run) computes no logits: its lm_head and the
+    root are not called; the steps with logits are the ones checked."""
+    f = analyze_trace(_write(tmp_path, {2: {"", "model.layers.1.mlp.down_proj"}}))
+    assert f.verdict.status == "PASSED", f.verdict.line
