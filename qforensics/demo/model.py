@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from qforensics.atomic import replacing
 from qforensics.cachedir import cache_root
 from qforensics.errors import ModelNotAvailableError
 
@@ -72,18 +73,14 @@ def load_model(dtype: str = "float32") -> tuple[Any, Any]:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
                                                      dtype=torch.float32)
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        st_save(model, str(tmp / "model.safetensors"))
-        try:
-            os.replace(tmp, cached)
-        except OSError:  # another process won the race
-            pass
+        # another process may convert it too: the first folder in place stays
+        with replacing(cached, directory=True, keep_existing=True) as tmp:
+            config = model.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            st_save(model, str(tmp / "model.safetensors"))
     model = model.to(tdtype)
     model.eval()
     return model, tok

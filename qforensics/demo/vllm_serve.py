@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from qforensics.atomic import write_text
+
 DEFAULT_PROMPTS = ["The capital of France is", "Quantization of large language models means"]
 
 
@@ -132,9 +134,7 @@ def _score(llm: object, a: argparse.Namespace) -> int:
 
 def _write_json(path: str, obj: object) -> None:
     """Write, then rename: a reader polling for ``path`` never sees half a file."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps(obj))
 
 
 def _serve_rounds(llm: object) -> int:

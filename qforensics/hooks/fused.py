@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from qforensics.atomic import replacing
 from qforensics.cachedir import cache_root
 
 log = logging.getLogger("qforensics.hooks.capture")
@@ -147,17 +148,11 @@ def build(cc: str | None = None, out_dir: Path | None = None, *, source: Path = 
         dst_dir = dst.parent
         if dst.exists():
             return dst
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst_dir)
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *flags, "-o", tmp, str(source), *libs], capture_output=True,
-                           text=True, timeout=120)
+    with replacing(dst, suffix=".so") as tmp:  # atomic: another process may build the same file
+        r = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *libs],
+                           capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-300:]}")
-        os.replace(tmp, dst)  # atomic: another process may build the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return dst
 
 

@@ -11,12 +11,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from qforensics.atomic import replacing
 from qforensics.cachedir import cache_root
 from qforensics.errors import ReplayError
 
@@ -72,20 +72,18 @@ def build_kernel(
     exe = out_dir / f"awq_replay-{arch}-{'checked' if checked else 'unchecked'}-{key}"
     if exe.is_file() and not force:
         return exe
-    fd, tmp = tempfile.mkstemp(prefix=exe.name + ".", dir=out_dir)
-    os.close(fd)
-    cmd = [str(nvcc_path), *flags, "-o", tmp, str(KERNEL_SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise ReplayError(f"nvcc timed out after {timeout}s building {KERNEL_SOURCE.name} for {arch}") from exc
-    if proc.returncode != 0:
-        Path(tmp).unlink(missing_ok=True)
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        raise ReplayError(f"nvcc failed ({proc.returncode}) building {KERNEL_SOURCE.name} for {arch}:\n{tail}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, exe)
+    with replacing(exe) as tmp:
+        cmd = [str(nvcc_path), *flags, "-o", str(tmp), str(KERNEL_SOURCE)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise ReplayError(f"nvcc timed out after {timeout}s building "
+                              f"{KERNEL_SOURCE.name} for {arch}") from exc
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout)[-2000:]
+            raise ReplayError(f"nvcc failed ({proc.returncode}) building "
+                              f"{KERNEL_SOURCE.name} for {arch}:\n{tail}")
+        os.chmod(tmp, 0o755)
     return exe
 
 

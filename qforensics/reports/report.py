@@ -34,6 +34,7 @@ from qforensics.analyze.findings import (
 )
 from qforensics.analyze.quantization import ModuleQuant
 from qforensics.analyze.views import ReportView, open_report_view
+from qforensics.atomic import write_text
 from qforensics.errors import QForensicsError
 from qforensics.reports import facts, narrative, plots, recommendations
 from qforensics.reports.replay_result import ReplaySummary, load_replay_result
@@ -226,9 +227,7 @@ def write_report(trace_path: str | os.PathLike[str], out_path: str | os.PathLike
     try:
         if out.parent and not out.parent.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, out)
+        write_text(out, html)
     except OSError as exc:
         raise QForensicsError(f"{out}: cannot write the report ({exc.strerror or exc}); "
                               "choose another -o path") from exc

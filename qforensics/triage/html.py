@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 
+from qforensics.atomic import write_text
 from qforensics.errors import QForensicsError
 from qforensics.reports.report import content_security_policy
 from qforensics.triage.groups import Fleet, Group
@@ -96,9 +97,7 @@ def write_fleet_report(fleet: Fleet, path: str | os.PathLike[str],
     html = render_fleet(fleet, reports=reports, base=out.parent)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, out)
+        write_text(out, html)
     except OSError as exc:
         raise QForensicsError(f"{out}: cannot write the fleet report ({exc}); choose another "
                               "-o directory") from exc

@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any
 
+from qforensics.atomic import replacing
 from qforensics.errors import QForensicsError, UsageError
 from qforensics.jsondoc import dumps
 from qforensics.triage.groups import Fleet
@@ -90,10 +91,9 @@ def write_parquet(fleet: Fleet, path: str | os.PathLike[str],
         raise UsageError("the Parquet table needs pyarrow: pip install 'qforensics[fleet]'"
                          ) from exc
     df = fleet_frame(fleet, reports)
-    tmp = f"{os.fspath(path)}.tmp"
     try:
-        df.to_parquet(tmp, engine="pyarrow", index=False)
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            df.to_parquet(tmp, engine="pyarrow", index=False)
     except OSError as exc:
         raise QForensicsError(f"{path}: cannot write the Parquet table ({exc}); choose "
                               "another -o directory") from exc

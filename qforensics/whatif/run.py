@@ -16,8 +16,8 @@ Salient channels (``-salient<P>pct`` / ``keep_salient``) are chosen from the act
 RECORDED in the trace (`qforensics.whatif.salient`); only when the trace has none is a
 calibration pass run on the prompt, and the result says so.
 
-The reference is the model as loaded: the GGUF dequantized to float32 ("FP16 reference" in the
-brief's words: the unquantized model).
+The reference is the model as loaded: the GGUF dequantized to float32, the unquantized model
+(what the report and the scenarios call the FP16 reference).
 """
 
 from __future__ import annotations
