@@ -264,12 +264,14 @@ def assemble_records(step: int, track_versions: bool, meta_arr: np.ndarray, tens
     return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": st.tok()}
 
 
-def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call: int,
+def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float,
+                t_end: float | None = None, first_call: int,
                 next_call: int, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
                 snaps: np.ndarray, data: np.ndarray, incidents: np.ndarray,
                 channel_dtype: str) -> StepBatch:
     """The step's parts (one per reduction) -> one StepBatch: records in call order, offsets
-    rebased, the step row with its logits summary."""
+    rebased, the step row with its logits summary. `t_end`: when the step ended, for a step
+    emitted later (default: now)."""
     recs = []
     cmins, cmaxs, toks = [], [], []
     chan_base = tok_base = 0
@@ -291,7 +293,7 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float, first_call
     s = st[0]
     s["step"] = step
     s["t_start"] = t0
-    s["duration"] = time.time() - t0
+    s["duration"] = (time.time() if t_end is None else t_end) - t0
     s["complete"] = 1 if complete else 0
     s["record_offset"] = 0
     s["record_count"] = len(rec)

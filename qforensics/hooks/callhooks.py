@@ -61,6 +61,7 @@ class CallHooks:
         def _degrade(self, exc: BaseException) -> None: ...
         def _reduce_pending(self, final: bool = False, complete: bool = True) -> None: ...
         def _graph_reserve(self) -> None: ...
+        def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool: ...
 
     def join_running_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Attached from inside `module`'s forward (`record`'s autoattach): open the step that
@@ -115,7 +116,9 @@ class CallHooks:
             self._graph_reserve()  # compiled mode: the layers' calls came before the logits
             logits = _first_tensor(output)
             if logits is not None:
-                self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
+                # compiled mode: through the stats op into the ring, else an eager take
+                if not self._graph_root(root_id, logits):
+                    self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
                 self._next_call += 1
                 if logits.is_floating_point() and logits.numel() and not logits.is_meta:
                     self._logits = logits

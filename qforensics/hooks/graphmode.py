@@ -8,20 +8,24 @@ When is it on: `capture(..., compiled=True)`, a model that torch.compile wraps
 (`OptimizedModule`, or a module compiled with `Module.compile()`), or an engine adapter that
 says its engine compiles the model (vLLM without enforce_eager). `compiled=False` keeps the
 eager hooks. Before it attaches, a toy module with the same hook is traced full-graph on this
-torch (graphstats.selftest); when that fails, no layer inside the compiled region is hooked at
+torch (graphhooks.selftest); when that fails, no layer inside the compiled region is hooked at
 all (a graph break would kill vLLM's full-graph compile), only the logits are recorded, and the
 trace's status says why.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from qforensics.hooks import graphstats
+from qforensics.hooks import graphhooks, graphstats, reduce
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
@@ -30,6 +34,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("qforensics.hooks.capture")
 
 _SELFTEST: dict[str, str | None] = {}  # device type -> None (traces) or why not
+# emit each step one step late on the CPU too (a GPU always does): for tests of that path
+LATE_ON_CPU = False
+
+
+@dataclass
+class LateStep:
+    """What the host knows of a compiled step at its end; its records, logits figures and ids
+    are read from the ring when it is emitted (`GraphMode._graph_drain`)."""
+
+    step: int
+    t0: float
+    t_end: float
+    first_call: int
+    next_call: int
+    graph_first: int
+    complete: bool
+    keep_channels: bool
+    has_logits: bool
+    logits_row: np.ndarray | None  # already known (on the CPU, emitted at once)
+    ids: np.ndarray | None
+    incidents: list[np.ndarray]
+    kind: dict[str, Any]
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -40,7 +66,7 @@ def is_compiled(model: nn.Module) -> bool:
 
 def selftest(device: torch.device) -> str | None:
     if device.type not in _SELFTEST:
-        _SELFTEST[device.type] = graphstats.selftest(device)
+        _SELFTEST[device.type] = graphhooks.selftest(device)
     return _SELFTEST[device.type]
 
 
@@ -52,9 +78,21 @@ class GraphMode:
     _next_call: int
     _pending: "PendingStep"
     _handles: list[Any]
+    _late: "collections.deque[LateStep]"
+    _logits: torch.Tensor | None
+    _step_ids: torch.Tensor | None
+    _step_t0: float
+    _step_first_call: int
+    _incidents: list[np.ndarray]
     step: int
     options: dict[str, Any]
     adapter: "EngineAdapter"
+
+    if TYPE_CHECKING:  # hooks/stepend.py
+        def _emit_batch(self, parts: list[dict[str, Any]], *, step: int, t0: float,
+                        t_end: float | None, first_call: int, next_call: int,
+                        logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
+                        incidents: list[np.ndarray], kind: dict[str, Any]) -> None: ...
 
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
                       max_outputs: int) -> int:
@@ -72,14 +110,14 @@ class GraphMode:
             log.warning("qforensics: %s; only the logits are recorded", self._graph_why)
             return 0
         limit = int(self.options["channel_limit"])
-        bounds = [graphstats.width_bound(m, limit) for _, m, _ in mods]
+        bounds = [graphhooks.width_bound(m, limit) for _, m, _ in mods]
         blocks = [k == "block" for _, _, k in mods]
-        self._gs = graphstats.GraphStats(
-            entries=graphstats.max_entries(blocks, max_inputs, max_outputs),
+        self._gs = graphstats.GraphStats(  # + 1: the logits (hooks/callhooks.py)
+            entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"])
         for (mid, m, k), bound in zip(mods, bounds):
-            hook = graphstats.make_hook(self._gs, mid, k == "block", bound, max_inputs,
+            hook = graphhooks.make_hook(self._gs, mid, k == "block", bound, max_inputs,
                                         max_outputs)
             self._handles.append(m.register_forward_hook(hook, with_kwargs=True))
         return len(mods)
@@ -103,7 +141,8 @@ class GraphMode:
         self._graph_step = self.step
         self._graph_first = self._next_call
         self._next_call += len(gs.call_order())
-        gs.start_copy(self._graph_rows())
+        if not self.adapter.logits_from_root:  # the engine's logits: no op of ours follows
+            gs.start_copy()
 
     def _graph_part(self) -> dict[str, Any] | None:
         """This step's records from the static buffers (assemble.assemble_records' layout)."""
@@ -111,6 +150,69 @@ class GraphMode:
             return None
         self._graph_reserve()
         return self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
+
+    # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------
+    def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool:
+        """The logits through the stats op, into the ring (True), when this step is all the
+        ring's: compiled mode, the logits from the root, nothing taken by an eager hook."""
+        gs = self._gs
+        if gs is None or not logits.is_floating_point() or len(self._pending) \
+                or not self.adapter.logits_from_root:
+            return False
+        graphhooks.record_root(gs, root_id, int(self.options["channel_limit"]), logits)
+        self._graph_lane = self.step
+        return True
+
+    def _graph_owns_step(self) -> bool:
+        """The step's records are all in the ring (`_graph_root` took its logits, or it had
+        none) and nothing eager is pending."""
+        return (self._gs is not None and self.adapter.logits_from_root
+                and getattr(self, "_graph_lane", -1) == self.step and not len(self._pending))
+
+    def _graph_late(self) -> bool:
+        return self._gs is not None and (self._gs.device.type != "cpu" or LATE_ON_CPU)
+
+    def _graph_end(self, complete: bool) -> None:
+        """End a step the ring holds: the host notes what it knows (times, calls, incidents,
+        the adapter's step kind); on a GPU the logits figures and ids go into the step's
+        slot on the device, the slot's copy to pinned memory starts, and the step is emitted
+        at the end of the next one (its copy long done): no sync inside a step. On the CPU
+        the ring is read in place and the step emitted at once."""
+        gs = self._gs
+        assert gs is not None
+        logits, ids = self._logits, self._step_ids
+        row = ids_np = None
+        if self._graph_late():
+            gs.put_step_extras(self.step, reduce.exact_logits(logits)
+                               if logits is not None else None, ids)
+            gs.start_copy(self.step)
+        else:
+            if logits is not None:
+                row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
+            ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
+                      if ids is not None else np.zeros(0, np.int64))
+        self._late.append(LateStep(
+            self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
+            self._graph_first, complete, bool(self._pending.keep), logits is not None, row,
+            ids_np, self._incidents, self.adapter.step_kind()))
+        self._incidents = []
+        self._graph_drain(keep=1 if self._graph_late() else 0)
+
+    def _graph_drain(self, keep: int = 0) -> None:
+        """Emit the noted steps but the last `keep`, oldest first."""
+        late = getattr(self, "_late", None)
+        gs = self._gs
+        while late and len(late) > keep and gs is not None:
+            n = late.popleft()
+            part = gs.collect(n.step, n.graph_first, n.keep_channels)
+            row, ids = n.logits_row, n.ids
+            if ids is None:  # a late step: its figures and ids come with its slot
+                figs, ids = gs.step_extras(n.step)
+                row = figs if n.has_logits else None
+            self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
+                             t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
+                             logits_row=row, ids=ids, complete=n.complete,
+                             incidents=n.incidents, kind=n.kind)
 
     def _graph_status(self) -> dict[str, Any]:
         st: dict[str, Any] = {"capture_mode": "compiled" if self._gs is not None or

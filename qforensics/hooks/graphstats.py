@@ -9,7 +9,7 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   first forward (at trace time) and never reallocated. Under CUDA graphs the op's kernel is
   replayed with the graph, so every replay records.
 - What a hook learns in Python at trace time is frozen into the graph. That is used once, on
-  purpose: `_place` (run by Dynamo at trace time, `assume_constant_result`) gives each recorded
+  purpose: `graphhooks._place` (run by Dynamo at trace time, `assume_constant_result`) gives each recorded
   tensor its entry: a segment of the ring and an offset in its rows. Entries are placed in the
   order the hooks run, which is the call order.
 - The ring: a few segments, each [R, W] float32, marked static; the op writes the row of slot
@@ -31,23 +31,28 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from qforensics.hooks import statsop
-from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
-from qforensics.hooks.reduce import dtype_code
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
 
+LOGITS_FIGURES = 18  # reduce.exact_logits' row
+MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
 RING_SLOTS = 2  # the op writes one slot while the host copies the other
 _REGISTRY: dict[int, "GraphStats"] = {}
 _KEYS = itertools.count(1)
+
+
+def registered(key: int) -> "GraphStats | None":
+    """The live GraphStats of `key` (a traced hook's constant), None once it closed."""
+    return _REGISTRY.get(key)
 
 
 @dataclass
@@ -89,10 +94,19 @@ class GraphStats:
         self._order: list[int] | None = None
         self._idx: dict[str, Any] | None = None
         self._gathers: dict[bytes, Any] = {}
-        self._host: list[torch.Tensor] | None = None  # pinned copies of one slot (GPU)
-        self._event: Any = None
+        # a GPU: pinned copies of each slot (segments, logits figures, input ids), allocated
+        # once; the step each holds and the event that says its copy is done
+        self._host: dict[int, list[torch.Tensor]] = {}
+        self._event: dict[int, Any] = {}
+        self._copied: dict[int, int] = {}
         self._step = 0  # the step of the last `begin`
-        self._copied_step = -1
+        self.root_mid: int | None = None  # the logits' entry (recorded outside the graph)
+        # outside the graph, per slot: the logits' 18 figures (reduce.exact_logits) and the
+        # step's input ids (their count in `ids_n`), read with the slot
+        self.figs = torch.full((self.slots, LOGITS_FIGURES), float("nan"), dtype=torch.float32,
+                               device=device)
+        self.ids = torch.zeros((self.slots, MAX_IDS), dtype=torch.int64, device=device)
+        self.ids_n = [0] * self.slots
         _REGISTRY[self.key] = self
 
     # -- trace time --------------------------------------------------------------------------
@@ -122,7 +136,7 @@ class GraphStats:
             setattr(self, f"r{len(self.segments)}", seg)  # read by name in the traced hook
             self.segments.append(seg)
             self._used.append(0)
-            self._host = None
+            self._host = {}
         e = len(self.entries)
         ent = Entry(mid, io, slot, width, dt, nonfloat, keep, len(self.segments) - 1,
                     self._used[-1], cap, tok)
@@ -147,33 +161,72 @@ class GraphStats:
         self._step = int(step)
         self.step_t.fill_(self._step)
 
-    def start_copy(self, rows: int | None = None) -> None:
-        """After the forward, on a GPU: this step's slot of every segment copied asynchronously
-        into pinned host buffers (allocated once), read in `collect`. On CPU: nothing."""
-        if not self.entries or self.device.type == "cpu":
+    def put_step_extras(self, step: int, figures: torch.Tensor | None,
+                        ids: torch.Tensor | None) -> None:
+        """A GPU: the logits' figures and the input ids of `step` into its slot, on the device
+        (read with the slot, one step late: no sync)."""
+        slot = step % self.slots
+        if figures is not None:
+            self.figs[slot].copy_(figures.reshape(-1)[:LOGITS_FIGURES], non_blocking=True)
+        else:
+            self.figs[slot].fill_(float("nan"))
+        n = 0
+        if ids is not None:
+            flat = ids.reshape(-1)
+            n = min(int(flat.numel()), MAX_IDS)
+            self.ids[slot, :n].copy_(flat[:n], non_blocking=True)
+        self.ids_n[slot] = n
+
+    def start_copy(self, step: int | None = None) -> None:
+        """After the step (on a GPU): its slot of every segment, with its logits figures and
+        input ids, copied asynchronously into pinned host buffers allocated once per slot;
+        read in `collect`. On CPU: nothing (collect reads the ring in place)."""
+        if self.device.type == "cpu":
             return
-        if self._host is None:
-            self._host = [torch.empty(u, dtype=torch.float32, pin_memory=True)
-                          for u in self._used]
-        slot = self._step % self.slots
-        for dst, seg, used in zip(self._host, self.segments, self._used):
-            dst.copy_(seg[slot, :used], non_blocking=True)
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record()
-        self._copied_step = self._step
+        step = self._step if step is None else int(step)
+        slot = step % self.slots
+        host = self._host.get(slot)
+        if host is None or len(host) != len(self.segments) + 2:
+            host = self._host[slot] = [
+                torch.empty(int(seg.shape[1]), dtype=torch.float32, pin_memory=True)
+                for seg in self.segments] + [
+                torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=True),
+                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=True)]
+        for dst, seg, used in zip(host, self.segments, self._used):
+            dst[:used].copy_(seg[slot, :used], non_blocking=True)
+        host[-2].copy_(self.figs[slot], non_blocking=True)
+        n = self.ids_n[slot]
+        if n:
+            host[-1][:n].copy_(self.ids[slot, :n], non_blocking=True)
+        ev = self._event.get(slot)
+        if ev is None:
+            ev = self._event[slot] = torch.cuda.Event()
+        ev.record()
+        self._copied[slot] = step
+
+    def _host_slot(self, step: int) -> list[np.ndarray]:
+        """The host copy of `step`'s slot (a GPU), its copy started if it was not."""
+        slot = step % self.slots
+        if self._copied.get(slot) != step:
+            self.start_copy(step)
+        self._event[slot].synchronize()  # one step late: long done
+        return [h.numpy() for h in self._host[slot]]
 
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""
         slot = step % self.slots
         if self.device.type == "cpu":
             return [seg[slot, :used].numpy() for seg, used in zip(self.segments, self._used)]
-        if self._host is None or self._copied_step != step:
-            self._step = step
-            self.start_copy()
-        assert self._host is not None and self._event is not None
-        self._event.synchronize()
-        return [h.numpy() for h in self._host]
+        return self._host_slot(step)[:len(self.segments)]
+
+    def step_extras(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The logits figures and input ids put for `step` (`put_step_extras`)."""
+        slot = step % self.slots
+        n = self.ids_n[slot]
+        if self.device.type == "cpu":
+            return self.figs[slot].numpy().astype(np.float64), self.ids[slot, :n].numpy().copy()
+        host = self._host_slot(step)
+        return host[-2].astype(np.float64), host[-1][:n].copy()
 
     def _index(self) -> dict[str, Any]:
         """Per entry, fixed once the graph is traced: its segment, where its scalars, channel
@@ -215,8 +268,10 @@ class GraphStats:
         rec = np.zeros(len(ran), dtype=schema.record_dtype())
         mids = np.array([e.mid for e in ent], np.int64)
         order = self.call_order()
-        rank = np.zeros(max(order) + 1, np.int64)
+        rank = np.zeros(int(max(order + [int(mids.max())])) + 1, np.int64)
         rank[order] = np.arange(len(order))
+        if self.root_mid is not None:  # the logits' call comes after the compiled ones
+            rank[self.root_mid] = len(order)
         rec["call_index"] = first_call + rank[mids]
         rec["step"] = step
         rec["module_id"] = mids
@@ -291,11 +346,13 @@ class GraphStats:
         return got
 
     def call_order(self) -> list[int]:
-        """Modules in the order their hooks first ran (each module's call once a step)."""
+        """Modules in the order their hooks first ran (each module's call once a step); the
+        root (the logits' entry, recorded outside the graph) left out."""
         if self._order is None:
             seen: dict[int, None] = {}
             for e in self.entries:
-                seen.setdefault(e.mid, None)
+                if e.mid != self.root_mid:
+                    seen.setdefault(e.mid, None)
             self._order = list(seen)
         return self._order
 
@@ -323,114 +380,3 @@ class GraphStats:
 
     def close(self) -> None:
         _REGISTRY.pop(self.key, None)
-
-
-@torch._dynamo.assume_constant_result
-def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
-           ) -> tuple[int, int, int, int, int]:
-    """Run by Dynamo once, at trace time (its result is a constant of the graph); called
-    eagerly it is a dict look-up. Entry -1: no entry."""
-    gs = _REGISTRY.get(key)
-    return (-1, 0, 0, 0, 0) if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
-
-
-def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
-            t: torch.Tensor) -> None:
-    """One tensor's statistics into its entry's row of the ring: one op call, whose every
-    argument but the tensor is a constant of the graph or a static buffer."""
-    if not t.is_floating_point() and t.dtype != torch.bool and not _is_int(t.dtype):
-        return
-    e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
-                                   dtype_code(t.dtype), not t.is_floating_point())
-    if e < 0:
-        return
-    torch.ops.qforensics.stats(t.detach(), getattr(gs, f"r{seg}"), gs.first, gs.step_t, off,
-                               cap, tok, e)
-
-
-def _is_int(dt: torch.dtype) -> bool:
-    return dt in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-
-
-def _tensors(items: Iterable[Any], limit: int) -> list[torch.Tensor]:
-    """The first `limit` tensors among `items`."""
-    out: list[torch.Tensor] = []
-    for a in items:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-            if len(out) >= limit:
-                break
-    return out
-
-
-_WIDTH_ATTRS = ("in_features", "out_features", "input_size", "output_size",
-                "input_size_per_partition", "output_size_per_partition", "embedding_dim",
-                "hidden_size", "normalized_shape")
-
-
-def width_bound(module: torch.nn.Module, channel_limit: int) -> int:
-    """The most channels any tensor of this module's calls is expected to have, known before
-    it runs: its widest parameter dimension or declared size (packed INT4 weights are narrower
-    than the layer), at most `channel_limit`."""
-    dims = [int(d) for p in module.parameters(recurse=True) for d in p.shape[-2:]]
-    for sub in module.modules():
-        for a in _WIDTH_ATTRS:
-            v = getattr(sub, a, None)
-            if isinstance(v, int):
-                dims.append(v)
-            elif isinstance(v, (tuple, list)) and v and isinstance(v[-1], int):
-                dims.append(int(v[-1]))
-    return max(1, min(max(dims, default=channel_limit), channel_limit))
-
-
-def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
-              max_outputs: int):
-    """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
-    `_on_call` takes (its first tensor arguments, else a hidden-state keyword; its first
-    outputs; a decoder block one of each)."""
-    key = gs.key
-    n_in_max = 1 if is_block else max_inputs
-    n_out_max = 1 if is_block else max_outputs
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        ins = _tensors(args, n_in_max)
-        if not ins:
-            ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
-        for slot, a in enumerate(ins):
-            _record(gs, key, mid, schema.IO_INPUT, slot, bound, a)
-        outs = (output,) if isinstance(output, torch.Tensor) else (
-            output if isinstance(output, (tuple, list)) else ())
-        for slot, o in enumerate(_tensors(outs, n_out_max)):
-            _record(gs, key, mid, schema.IO_OUTPUT, slot, bound, o)
-
-    return hook
-
-
-def max_entries(is_block: list[bool], max_inputs: int, max_outputs: int) -> int:
-    """Entries a capture may place at most: each module's recorded inputs and outputs."""
-    return sum(2 if blk else max_inputs + max_outputs for blk in is_block)
-
-
-def selftest(device: torch.device) -> str | None:
-    """Trace a hooked toy module the way vLLM compiles (full graph, backend eager): None when
-    it traces, else why not (then capture records no layer in compiled regions)."""
-    try:
-        lin = torch.nn.Linear(8, 4).to(device)
-        gs = GraphStats(entries=4, tok_rows=16, device=device, channel_limit=64,
-                        channel_io="all")
-        try:
-            h = lin.register_forward_hook(make_hook(gs, 0, False, 8, 2, 2), with_kwargs=True)
-            fn = torch.compile(lambda x: lin(x) * 2, fullgraph=True, backend="eager",
-                               dynamic=True)
-            x = torch.ones(3, 8, device=device)
-            gs.begin(5)
-            fn(x)
-            h.remove()
-            got = gs.collect(5, 0, True)
-            if got is None or len(got["records"]) != 2 or got["records"]["rows"][0] != 3:
-                return "a traced hook wrote nothing"
-        finally:
-            gs.close()
-        return None
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not trust the path
-        return f"{type(exc).__name__}: {str(exc)[:300]}"

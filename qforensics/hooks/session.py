@@ -18,6 +18,7 @@ is logged once and capture degrades (stops recording) while the run goes on.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -136,6 +137,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             compiled = engine_compiles if engine_compiles is not None else is_compiled(model)
         self._graph_mode = bool(compiled)
         self._gs = None
+        self._late: collections.deque = collections.deque()  # compiled steps not yet emitted
         self._graph_why: str | None = None
         self._graph_step = -1
         self._graph_first = 0
@@ -332,7 +334,11 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         if not self._in_step:
             return
         try:
-            self._reduce_pending(final=True, complete=complete)
+            if self._graph_owns_step():  # compiled: the ring holds it all (hooks/graphmode.py)
+                self._graph_end(complete)
+            else:
+                self._graph_drain()  # steps noted before it go first
+                self._reduce_pending(final=True, complete=complete)
         finally:
             self._in_step = False
             self._root_depth = 0
@@ -348,6 +354,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             log.error("qforensics: capture error (%s); recording stops, the run continues",
                       self._degraded, exc_info=True)
         self._pending.clear()
+        self._late.clear()
 
     @property
     def degraded(self) -> str | None:
@@ -372,6 +379,11 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 if self._in_step and not self._degraded:
                     try:
                         self._end_step(complete=status is None or status.get("state") == "complete")
+                    except Exception as exc:
+                        self._degrade(exc)
+                if not self._degraded:
+                    try:
+                        self._graph_drain()  # compiled steps still waiting to be emitted
                     except Exception as exc:
                         self._degrade(exc)
                 params = self._watch_close()  # the parameters as the run leaves them

@@ -179,25 +179,37 @@ class StepEnd:
         def _graph_part(self) -> dict[str, Any] | None: ...
 
     def _emit(self, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool) -> None:
+        """The open step's batch, from the parts its reductions left (`_partial`)."""
+        incidents, self._incidents = self._incidents, []
+        self._emit_batch(self._partial, step=self.step, t0=self._step_t0, t_end=None,
+                         first_call=self._step_first_call, next_call=self._next_call,
+                         logits_row=logits_row, ids=ids, complete=complete,
+                         incidents=incidents, kind=self.adapter.step_kind())
+
+    def _emit_batch(self, parts: list[dict[str, Any]], *, step: int, t0: float,
+                    t_end: float | None, first_call: int, next_call: int,
+                    logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
+                    incidents: list[np.ndarray], kind: dict[str, Any]) -> None:
+        """One step's batch to the flight recorder and the writer: now, or (compiled mode on
+        a GPU, hooks/graphmode.py) a step late, from what the host noted at its end."""
         assert self._writer is not None and self._snaps is not None
         snaps, data = self._snaps.take()
-        incidents = (np.concatenate(self._incidents) if self._incidents
-                     else np.zeros(0, schema.incident_dtype()))
-        self._incidents = []
         batch = build_batch(
-            self._partial, step=self.step, t0=self._step_t0, first_call=self._step_first_call,
-            next_call=self._next_call, logits_row=logits_row, ids=ids, complete=complete,
-            snaps=snaps, data=data, incidents=incidents,
+            parts, step=step, t0=t0, t_end=t_end, first_call=first_call,
+            next_call=next_call, logits_row=logits_row, ids=ids, complete=complete,
+            snaps=snaps, data=data,
+            incidents=(np.concatenate(incidents) if incidents
+                       else np.zeros(0, schema.incident_dtype())),
             channel_dtype=self.options["channel_dtype"])
         if self._watch is not None:  # every N steps, and at once on a non-finite step
             try:
                 st = batch.steps  # a NaN/Inf in a record or in the logits: the trigger
                 bad = ((st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0)
                        | (st["logits_inf"] > 0)).any()
-                batch.params = self._watch.step_end(self.step, bool(bad))
+                batch.params = self._watch.step_end(step, bool(bad))
             except Exception as exc:  # noqa: BLE001 - never break the run: stop watching
                 log.warning("qforensics: parameter watch off (%s)", exc)
                 self._watch = None
         if self._recorder is not None:
-            self._recorder.apply(batch, **self.adapter.step_kind())
+            self._recorder.apply(batch, **kind)
         self._writer.submit(batch)

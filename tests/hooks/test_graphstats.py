@@ -11,7 +11,7 @@ from torch import nn
 
 import qforensics
 from qforensics.errors import CaptureError
-from qforensics.hooks import graphmode, graphstats
+from qforensics.hooks import graphhooks, graphmode, graphstats
 from qforensics.trace import schema
 
 from capture_models import Tiny
@@ -27,7 +27,7 @@ def _hooked_mlp(bound: int = 32):
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     gs = _stats()
     for mid, mod in enumerate((m[0], m[2])):
-        mod.register_forward_hook(graphstats.make_hook(gs, mid, False, bound, 4, 2),
+        mod.register_forward_hook(graphhooks.make_hook(gs, mid, False, bound, 4, 2),
                                   with_kwargs=True)
     return m, gs
 
@@ -104,10 +104,10 @@ def test_wider_than_its_bound_keeps_scalars_not_channels():
 
 def test_width_bound_reads_declared_sizes():
     lin = nn.Linear(1536, 576)
-    assert graphstats.width_bound(lin, 8192) == 1536
-    assert graphstats.width_bound(lin, 1000) == 1000
+    assert graphhooks.width_bound(lin, 8192) == 1536
+    assert graphhooks.width_bound(lin, 1000) == 1000
     blk = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
-    assert graphstats.width_bound(blk, 8192) == 24
+    assert graphhooks.width_bound(blk, 8192) == 24
 
 
 def _run(model: nn.Module, path, steps: int, **kw) -> list[int]:
@@ -178,3 +178,35 @@ def test_untraceable_torch_records_logits_only_and_says_why(tmp_path, monkeypatc
 def test_compiled_flag_must_be_a_bool(tmp_path):
     with pytest.raises(CaptureError):
         qforensics.capture(Tiny(), tmp_path / "x.h5", compiled="yes")
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeypatch, nan):
+    """A GPU emits each compiled step at the end of the next one, from its slot of the ring
+    (records, logits figures, input ids), so that no step waits on the device; forced here
+    on the CPU, the trace must be the one written at once, the last step included (drained
+    at close), NaN logits counted from the exact figures."""
+    def run(path, late: bool) -> list[int]:
+        monkeypatch.setattr(graphmode, "LATE_ON_CPU", late)
+        model = Tiny()
+        if nan:
+            with torch.no_grad():
+                model.head.weight[5, 1] = float("nan")
+        return _run(torch.compile(model, dynamic=True), path, 5)
+
+    assert run(tmp_path / "late.h5", True) == run(tmp_path / "now.h5", False)
+    a, b = qforensics.open_trace(tmp_path / "now.h5"), qforensics.open_trace(tmp_path / "late.h5")
+    assert b.steps["step"].tolist() == list(range(5))
+    cols = ["step", "call_index", "module_id", "io", "slot", "rows", "channels", "nan_count",
+            "inf_count", "min", "max", "mean", "std", "absmax"]
+    pd_a, pd_b = a.records()[cols], b.records()[cols]
+    np.testing.assert_array_equal(pd_a.values, pd_b.values)
+    for f in ("first_call", "n_calls", "token_count", "has_logits", "logits_argmax",
+              "logits_nan", "logits_inf", "first_nonfinite_call", "n_nonfinite_records"):
+        assert a.steps[f].tolist() == b.steps[f].tolist(), f
+    np.testing.assert_allclose(b.steps["logits_entropy"], a.steps["logits_entropy"],
+                               rtol=1e-4)
+    for s in range(5):
+        np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
+    # the logits' own NaN count, from the head's weights: row 5 is NaN at every position
+    assert b.steps["logits_nan"].tolist() == ([1] * 5 if nan else [0] * 5)

@@ -1,0 +1,134 @@
+"""The trace-time side of compiled mode: the forward hooks that torch.compile traces into the
+graph (one stats-op call per recorded tensor, `_record`), each tensor's entry in the ring given
+once at trace time (`_place`), the channel bound of a module known before it runs, and the
+self-test that says whether this torch traces the hooks at all. The ring and the host's view of
+it are hooks/graphstats.py's."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
+from qforensics.hooks.graphstats import GraphStats, registered
+from qforensics.hooks.reduce import dtype_code
+from qforensics.trace import schema
+
+
+@torch._dynamo.assume_constant_result
+def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
+           ) -> tuple[int, int, int, int, int]:
+    """Run by Dynamo once, at trace time (its result is a constant of the graph); called
+    eagerly it is a dict look-up. Entry -1: no entry."""
+    gs = registered(key)
+    return (-1, 0, 0, 0, 0) if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
+
+
+def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
+            t: torch.Tensor) -> None:
+    """One tensor's statistics into its entry's row of the ring: one op call, whose every
+    argument but the tensor is a constant of the graph or a static buffer."""
+    if not t.is_floating_point() and t.dtype != torch.bool and not _is_int(t.dtype):
+        return
+    e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
+                                   dtype_code(t.dtype), not t.is_floating_point())
+    if e < 0:
+        return
+    torch.ops.qforensics.stats(t.detach(), getattr(gs, f"r{seg}"), gs.first, gs.step_t, off,
+                               cap, tok, e)
+
+
+def record_root(gs: GraphStats, mid: int, bound: int, logits: torch.Tensor) -> None:
+    """The logits (the root's output, outside the compiled region) into the ring through the
+    same op; their record's call index follows the step's compiled calls (`collect`)."""
+    gs.root_mid = mid
+    _record(gs, gs.key, mid, schema.IO_OUTPUT, 0, bound, logits)
+
+
+def _is_int(dt: torch.dtype) -> bool:
+    return dt in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _tensors(items: Iterable[Any], limit: int) -> list[torch.Tensor]:
+    """The first `limit` tensors among `items`."""
+    out: list[torch.Tensor] = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+            if len(out) >= limit:
+                break
+    return out
+
+
+_WIDTH_ATTRS = ("in_features", "out_features", "input_size", "output_size",
+                "input_size_per_partition", "output_size_per_partition", "embedding_dim",
+                "hidden_size", "normalized_shape")
+
+
+def width_bound(module: torch.nn.Module, channel_limit: int) -> int:
+    """The most channels any tensor of this module's calls is expected to have, known before
+    it runs: its widest parameter dimension or declared size (packed INT4 weights are narrower
+    than the layer), at most `channel_limit`."""
+    dims = [int(d) for p in module.parameters(recurse=True) for d in p.shape[-2:]]
+    for sub in module.modules():
+        for a in _WIDTH_ATTRS:
+            v = getattr(sub, a, None)
+            if isinstance(v, int):
+                dims.append(v)
+            elif isinstance(v, (tuple, list)) and v and isinstance(v[-1], int):
+                dims.append(int(v[-1]))
+    return max(1, min(max(dims, default=channel_limit), channel_limit))
+
+
+def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
+              max_outputs: int):
+    """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
+    `_on_call` takes (its first tensor arguments, else a hidden-state keyword; its first
+    outputs; a decoder block one of each)."""
+    key = gs.key
+    n_in_max = 1 if is_block else max_inputs
+    n_out_max = 1 if is_block else max_outputs
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        ins = _tensors(args, n_in_max)
+        if not ins:
+            ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
+        for slot, a in enumerate(ins):
+            _record(gs, key, mid, schema.IO_INPUT, slot, bound, a)
+        outs = (output,) if isinstance(output, torch.Tensor) else (
+            output if isinstance(output, (tuple, list)) else ())
+        for slot, o in enumerate(_tensors(outs, n_out_max)):
+            _record(gs, key, mid, schema.IO_OUTPUT, slot, bound, o)
+
+    return hook
+
+
+def max_entries(is_block: list[bool], max_inputs: int, max_outputs: int) -> int:
+    """Entries a capture may place at most: each module's recorded inputs and outputs."""
+    return sum(2 if blk else max_inputs + max_outputs for blk in is_block)
+
+
+def selftest(device: torch.device) -> str | None:
+    """Trace a hooked toy module the way vLLM compiles (full graph, backend eager): None when
+    it traces, else why not (then capture records no layer in compiled regions)."""
+    try:
+        lin = torch.nn.Linear(8, 4).to(device)
+        gs = GraphStats(entries=4, tok_rows=16, device=device, channel_limit=64,
+                        channel_io="all")
+        try:
+            h = lin.register_forward_hook(make_hook(gs, 0, False, 8, 2, 2), with_kwargs=True)
+            fn = torch.compile(lambda x: lin(x) * 2, fullgraph=True, backend="eager",
+                               dynamic=True)
+            x = torch.ones(3, 8, device=device)
+            gs.begin(5)
+            fn(x)
+            h.remove()
+            got = gs.collect(5, 0, True)
+            if got is None or len(got["records"]) != 2 or got["records"]["rows"][0] != 3:
+                return "a traced hook wrote nothing"
+        finally:
+            gs.close()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not trust the path
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
