@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qforensics.errors import TraceFormatError
+from qforensics.formats import canonical_quant
 from qforensics.trace.moduleinfo import module_layout
 from qforensics.trace.reader import Trace
 from qforensics.trace.validate import parse_json
@@ -32,7 +33,8 @@ def module_info_dict(raw: str) -> dict[str, Any] | None:
 # -- quantization per module -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModuleQuant:
-    format: str  # e.g. "fp8-e4m3-nosat", "int4-per-tensor"
+    format: str  # our fake quant's scheme ("fp8-e4m3-nosat", "int4-per-tensor"), or the layout
+    # capture names (qforensics.formats.LAYOUTS: "awq-gemm", "fp8"; older names mapped)
     target: str  # "activations" | "weights" | ""
     bits: int | None
     layout: str = ""  # the weight layout, by qforensics.layouts.detect ("awq-gemm", "fp8", ...)
@@ -47,6 +49,7 @@ def read_quant(trace: Trace) -> dict[str, ModuleQuant]:
         q = info.get("quant") if info else None
         if not isinstance(q, dict):
             continue
+        q = canonical_quant(q)  # capture's older names ("awq", "fp8-e4m3fn") -> the one vocabulary
         fmt = q.get("format")
         if not isinstance(fmt, str) or not fmt:
             continue

@@ -23,6 +23,7 @@ from torch import nn
 
 from qforensics.guard.policy import GuardError, GuardPolicy
 from qforensics.layerkinds import LINEAR_CLASS_NAME, QUANT_ATTRS, is_linear_like
+from qforensics.layouts.torch_adapters import FP8_TORCH_DTYPES
 
 __all__ = [
     "FALLBACKS",
@@ -143,7 +144,7 @@ class DenseLinear(Fallback):
         w = getattr(module, "weight", None)
         if not isinstance(w, torch.Tensor):
             return False, "no weight tensor"
-        if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if not w.is_floating_point() or w.dtype in FP8_TORCH_DTYPES:
             return False, f"its weight is {str(w.dtype).replace('torch.', '')}, not a float dtype"
         if w.dim() != 2:
             return False, f"its weight has {w.dim()} dimensions, not 2"
@@ -215,7 +216,7 @@ def is_quantized(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     if isinstance(w, torch.Tensor) and not w.is_floating_point():
         return True
-    if isinstance(w, torch.Tensor) and w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if isinstance(w, torch.Tensor) and w.dtype in FP8_TORCH_DTYPES:
         return True
     name = type(module).__name__
     return bool(LINEAR_CLASS_NAME.search(name)) and name not in ("Linear", "Conv1D")

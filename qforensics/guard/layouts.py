@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from qforensics.guard.fallbacks import Fallback
-from qforensics.layouts.torch_adapters import AwqModule, CompressedModule, Fp8Module, GptqModule
+from qforensics.layouts.torch_adapters import (
+    FP8_TORCH_DTYPES,
+    AwqModule,
+    CompressedModule,
+    Fp8Module,
+    GptqModule,
+)
 
 __all__ = [
     "QUANTIZED_FALLBACKS",
@@ -37,7 +43,7 @@ __all__ = [
     "QuantoWeight",
 ]
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = FP8_TORCH_DTYPES  # by the names of qforensics.formats
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:

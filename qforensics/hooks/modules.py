@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from qforensics.formats import (
+    FP8_FORMAT_NAMES,
     GEMM_KINDS,
     KIND_BLOCK,
     KIND_LINEAR,
     KIND_OTHER,
     KIND_QUANTIZED_LINEAR,
     KIND_ROOT,
+    canonical_format,
 )
 from qforensics.hooks.params import (
     packed_levels,
@@ -25,6 +27,7 @@ from qforensics.hooks.params import (
 )
 
 from qforensics.layerkinds import is_linear_like
+from qforensics.layouts.detect import detect
 from qforensics.trace.layout import json_attr
 
 _QUANT_ATTRS = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale",
@@ -108,23 +111,27 @@ def _quant_meta(module: nn.Module) -> dict[str, Any]:
         if isinstance(v, int) and not isinstance(v, bool) and key not in meta:
             meta[key] = v
     tname = type(module).__name__
+    # `format`: the layout's name in the one vocabulary (qforensics.formats.LAYOUTS), as the
+    # detector (qforensics.layouts.detect) names the layer's checkpoint packing; FP8 adds the
+    # weight's element format (`weight_format`, a canonical number format name)
     if hasattr(module, "qweight"):
-        meta["format"] = "awq" if "WQLinear" in tname else "gptq"
-        qw = module.qweight
         if "bits" not in meta:
             meta["bits"] = 4
+        meta["format"] = _packing(module, tname, meta["bits"])
+        qw = module.qweight
         sc = getattr(module, "scales", None)
         if isinstance(sc, torch.Tensor) and sc.dim() == 2 and "group_size" not in meta:
-            k = qw.shape[0] if meta["format"] == "awq" else qw.shape[0] * 32 // meta["bits"]
+            k = qw.shape[0] if meta["format"] == "awq-gemm" else qw.shape[0] * 32 // meta["bits"]
             meta["group_size"] = k // max(1, sc.shape[0])
     elif "Linear4bit" in tname:
         meta.update(format="bitsandbytes-nf4", bits=4)
     elif "Linear8bitLt" in tname:
         meta.update(format="bitsandbytes-int8", bits=8)
     w = getattr(module, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        meta.update(format=f"fp8-{str(w.dtype).split('_')[1]}", bits=8)
-    if isinstance(w, torch.Tensor) and w.dtype == torch.int8 and "format" not in meta:
+    wfmt = canonical_format(str(w.dtype)) if isinstance(w, torch.Tensor) else None
+    if wfmt in FP8_FORMAT_NAMES:
+        meta.update(format="fp8", weight_format=wfmt, bits=8)
+    if wfmt == "int8" and "format" not in meta:
         meta.update(format="int8", bits=8)
     sc = getattr(module, "input_scale", None)
     if isinstance(sc, (torch.Tensor, float)) and not isinstance(sc, bool):
@@ -133,6 +140,19 @@ def _quant_meta(module: nn.Module) -> dict[str, Any]:
     if isinstance(extra, dict):
         meta.update({k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))})
     return meta
+
+
+def _packing(module: nn.Module, tname: str, bits: int) -> str:
+    """"awq-gemm" or "gptq": the detector's name for a `qweight` layer's packing, from its class
+    and its tensors' shapes (never an engine's repack: that is the info's `layout`); "gptq"
+    when the shapes fit neither, as capture always said for a non-AutoAWQ layer."""
+    tensors = {n: getattr(module, n) for n in ("qweight", "scales", "g_idx")
+               if isinstance(getattr(module, n, None), torch.Tensor)}
+    try:
+        name = detect(tensors, tname, bits=bits if bits in (2, 4, 8) else None).name
+    except Exception:  # noqa: BLE001 - odd shapes: fall back, never break the host run
+        name = ""
+    return name if name in ("awq-gemm", "gptq") else "gptq"
 
 
 _HEALTH_CACHE: dict[tuple, dict[str, Any]] = {}
@@ -182,7 +202,7 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001 - an odd layer: note it, go on
             info["layout_error"] = str(exc)[:200]
         q = quant or {}
-        if "qweight" in health and q.get("format") in ("awq", "gptq") and "error" not in health[
+        if "qweight" in health and q.get("format") in ("awq-gemm", "gptq") and "error" not in health[
                 "qweight"]:
             try:
                 lv = packed_levels(module.qweight, int(q.get("bits", 4)),

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from qforensics.formats import E4M3_MAX, E5M2_MAX, symmetric_qmax
+from qforensics.formats import canonical_format, canonical_layout, number_format
 from qforensics.layouts.bits import unpack_awq, unpack_bits
+from qforensics.layouts.torch_adapters import FP8_TORCH_DTYPES
 
 __all__ = ["DOMINANCE_RATIO", "SAMPLE_ROWS", "param_health", "static_input", "tied_groups"]
 
@@ -28,7 +29,7 @@ SAMPLE_ROWS = 32  # rows read for the per-group summaries (levels, dominance)
 DEFAULT_GROUP = 128  # quantization group along the input dim when the module names none
 DOMINANCE_RATIO = 2.0  # a group's absmax >= this x its second-largest |value|: one weight sets
 # the group's scale and every other weight in it uses at most half of the grid
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = FP8_TORCH_DTYPES  # torch's FP8 dtypes, by the names of qforensics.formats
 ZERO_POINT_NAMES = ("weight_zero_point", "zeros", "input_zero_point", "zero_point")
 SCALE_NAMES = ("scales", "weight_scale", "input_scale", "SCB", "scale", "weight_scale_inv")
 
@@ -80,10 +81,14 @@ def packed_levels(qweight: torch.Tensor, bits: int, group: int, layout: str
     """Distinct codes per quantization group of a packed int32 `qweight` (GPTQ: [K * bits / 32,
     N], packed along K; AWQ: [K, N * bits / 32], packed along N), on at most `SAMPLE_ROWS`
     sampled packed columns. Codes map one-to-one onto a group's dequantized levels. The words
-    are decoded by `qforensics.layouts.bits` (the one definition of both packings)."""
+    are decoded by `qforensics.layouts.bits` (the one definition of both packings). `layout`:
+    "awq-gemm" or "gptq" (or a name older traces carry for them, such as "awq")."""
+    layout = canonical_layout(layout) or layout
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or bits not in (2, 4, 8):
         return None
-    if layout == "awq" and bits != 4:
+    if layout not in ("awq-gemm", "gptq"):
+        return None
+    if layout == "awq-gemm" and bits != 4:
         return None  # AWQ's interleaved order is defined for 4-bit codes only
     idx = torch.linspace(0, qweight.shape[1] - 1, steps=min(qweight.shape[1], SAMPLE_ROWS),
                          device=qweight.device).round().long()
@@ -227,11 +232,11 @@ def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, A
         lo = hi = v
         numel = 1
     q = quant or {}
-    fmt = str(q.get("act_format") or "")
+    fmt = canonical_format(q.get("act_format")) or ""
     w = getattr(module, "weight", None)
     zp = _zero_point(module)
-    if not fmt:
-        fmt_hint = str(q.get("format") or "").lower()
+    if fmt not in ("int8", "fp8-e4m3", "fp8-e5m2"):
+        fmt_hint = str(q.get("weight_format") or q.get("format") or "").lower()
         if "int8" in fmt_hint or zp is not None or _int8_kernel(module) or (
                 isinstance(w, torch.Tensor) and w.dtype == torch.int8):
             fmt = "int8"
@@ -239,7 +244,7 @@ def static_input(module: nn.Module, quant: dict[str, Any] | None) -> dict[str, A
             fmt = "fp8-e5m2"
         else:
             fmt = "fp8-e4m3"
-    qmax = {"int8": float(symmetric_qmax(8)), "fp8-e4m3": E4M3_MAX, "fp8-e5m2": E5M2_MAX}.get(fmt, E4M3_MAX)
+    qmax = number_format(fmt).max  # 127 for INT8 (symmetric), 448 for e4m3, 57344 for e5m2
     out = {"scale": hi, "scale_min": lo, "numel": numel, "format": fmt, "qmax": qmax,
            "range": hi * qmax}
     if fmt == "int8" and zp is not None and zp != 0 and numel == 1:

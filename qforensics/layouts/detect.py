@@ -3,8 +3,8 @@
 It reads only what a trace (or a checkpoint header) states about a layer: its tensors' names,
 dtypes and shapes, the layer's class name, a quantization method from a config, and an engine's
 own statement (vLLM's CPU kernels say at load whether they repacked to W4A16 or W4A8). The
-names are the layout names of `qforensics.layouts.registry` plus those the project recognises
-but does not decode itself.
+names are `qforensics.formats.LAYOUTS`: the layout names of `qforensics.layouts.registry` plus
+those the project recognises but does not decode itself.
 """
 
 from __future__ import annotations
@@ -13,26 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qforensics.formats import LAYOUTS, canonical_layout
 from qforensics.layouts import awq, gptq
 
 __all__ = ["DECODED", "FORMATS", "Detected", "detect", "packed_method", "param_specs"]
 
-# name -> what it is (one spelling each; the trace records these)
-FORMATS: dict[str, str] = {
-    "dense": "a float weight (no quantization)",
-    "awq-gemm": "AWQ INT4, AutoAWQ's GEMM pack",
-    "gptq": "GPTQ, packed along K",
-    "ct-pack-quantized": "compressed-tensors pack-quantized (W4A16 and other int widths)",
-    "fp8": "FP8 weight (e4m3 / e5m2) with per-tensor, per-channel or block scales",
-    "int8": "INT8 weight with scales (W8A8)",
-    "vllm-cpu-w4a16": "vLLM's CPU W4A16 repack of an AWQ/GPTQ layer",
-    "vllm-cpu-w4a8": "vLLM's CPU W4A8 blocked repack (AMX)",
-    "marlin": "Marlin's tile-order repack",
-    "exllama": "exllama's shuffled GPTQ",
-    "bitsandbytes-nf4": "bitsandbytes 4-bit (NF4 / FP4)",
-    "bitsandbytes-int8": "bitsandbytes LLM.int8 (CB / SCB)",
-    "quanto": "optimum-quanto QTensor weight",
-}
+# name -> what it is (one spelling each; the trace records these): the one vocabulary, kept in
+# qforensics.formats so that capture, analyze and guard read the same names
+FORMATS: dict[str, str] = LAYOUTS
 # formats this package decodes (the others are decoded by their library, or refused)
 DECODED = ("dense", "awq-gemm", "gptq", "ct-pack-quantized", "fp8", "vllm-cpu-w4a16")
 
@@ -88,9 +76,10 @@ def detect(params: Mapping[str, Any], module_type: str = "", *, method: str | No
     if "weight_packed" in p:
         return Detected("ct-pack-quantized", "it holds weight_packed")
     if "qweight" in p:
-        if "WQLinear" in mt or (method or "").lower() == "awq":
+        said = canonical_layout(method)  # a config's "awq" names the layout "awq-gemm"
+        if "WQLinear" in mt or said == "awq-gemm":
             return Detected("awq-gemm", f"layer class {mt}" if "WQLinear" in mt else "the config says awq")
-        if (method or "").lower() == "gptq":
+        if said == "gptq":
             return Detected("gptq", "the config says gptq")
         if "scales" in p:
             got = packed_method(p["qweight"][1], p["scales"][1], bits or 4, "g_idx" in p)

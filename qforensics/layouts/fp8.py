@@ -20,15 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from qforensics.formats import E4M3_MAX, E5M2_MAX
+from qforensics.formats import FP8_FORMAT_NAMES, NUMBER_FORMATS, canonical_format
 from qforensics.layouts.bits import LayoutError
 
-__all__ = ["E8M0_DECODE", "FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "FP8_NAMES", "SAFETENSORS_NAMES", "block_of", "decode_bf16", "decode_fp8",
+__all__ = ["E8M0_DECODE", "FP8_DECODE", "FP8_DTYPES", "FP8_MAX", "FP8_NAMES", "SAFETENSORS_NAMES", "block_of", "decode_bf16", "decode_fp8", "dtype_name",
            "dequantize_fp8", "encode_fp8", "expand_scale", "quantize_fp8", "scale_kind"]
 
-# the names the code and the trace use for the FP8 element formats (torch's dtype names)
-FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
-FP8_MAX = {"float8_e4m3fn": E4M3_MAX, "float8_e5m2": E5M2_MAX}
+# the FP8 element formats by their dtype names (torch's and ml_dtypes'), read from the one table
+# in qforensics.formats; any other spelling of them ("fp8-e4m3", "e4m3fn") is read through
+# its alias map
+FP8_NAMES = tuple(NUMBER_FORMATS[n].dtype for n in FP8_FORMAT_NAMES)  # float8_e4m3fn, float8_e5m2
+FP8_MAX = {NUMBER_FORMATS[n].dtype: NUMBER_FORMATS[n].max for n in FP8_FORMAT_NAMES}
 _ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
@@ -39,7 +41,7 @@ def _tables() -> dict[str, Any]:
     decodes an FP8 byte should not pay."""
     import ml_dtypes
 
-    dtypes = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    dtypes = {n: getattr(ml_dtypes, n) for n in FP8_NAMES}
     return {"FP8_DTYPES": dtypes, "bfloat16": ml_dtypes.bfloat16,
             "FP8_DECODE": {n: _ALL_CODES.view(dt).astype(np.float64) for n, dt in dtypes.items()},
             "E8M0_DECODE": _ALL_CODES.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)}
@@ -50,14 +52,21 @@ def __getattr__(name: str) -> Any:  # FP8_DTYPES, FP8_DECODE, E8M0_DECODE: built
         return _tables()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# the same formats under the names safetensors headers use
-SAFETENSORS_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+# the same formats (and the MX scale format) under the names safetensors headers use
+SAFETENSORS_NAMES = {NUMBER_FORMATS[n].safetensors: NUMBER_FORMATS[n].dtype
+                     for n in (*FP8_FORMAT_NAMES, "fp8-e8m0")}
+
+
+def dtype_name(fmt: str) -> str:
+    """The dtype name ("float8_e4m3fn") of an FP8 element format given by any of its names."""
+    canon = canonical_format(fmt)
+    if canon not in FP8_FORMAT_NAMES:
+        raise LayoutError(f"unknown FP8 dtype {fmt!r}; known: {', '.join(FP8_NAMES)}")
+    return NUMBER_FORMATS[canon].dtype
 
 
 def _table(dtype: str) -> np.ndarray:
-    if dtype not in FP8_NAMES:
-        raise LayoutError(f"unknown FP8 dtype {dtype!r}; known: {', '.join(FP8_NAMES)}")
-    return _tables()["FP8_DECODE"][dtype]
+    return _tables()["FP8_DECODE"][dtype_name(dtype)]
 
 
 def decode_fp8(bits: np.ndarray, dtype: str = "float8_e4m3fn") -> np.ndarray:

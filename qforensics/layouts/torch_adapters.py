@@ -14,13 +14,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from qforensics.formats import FP8_FORMAT_NAMES, NUMBER_FORMATS
 from qforensics.layouts import awq, compressed, fp8, gptq
 from qforensics.layouts.detect import Detected, detect
 
-__all__ = ["ADAPTERS", "AwqModule", "CompressedModule", "Fp8Module", "GptqModule", "detect_module",
-           "to_numpy"]
+__all__ = ["ADAPTERS", "FP8_TORCH_DTYPES", "TORCH_DTYPES", "AwqModule", "CompressedModule",
+           "Fp8Module", "GptqModule", "detect_module", "to_numpy"]
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# canonical format name (qforensics.formats) -> this torch's dtype, mapped by the table's dtype
+# name; a format this torch lacks is left out
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, f.dtype) for n, f in NUMBER_FORMATS.items()
+    if f.kind == "float" and isinstance(getattr(torch, f.dtype, None), torch.dtype)}
+FP8_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(
+    TORCH_DTYPES[n] for n in FP8_FORMAT_NAMES if n in TORCH_DTYPES)
+_FP8 = FP8_TORCH_DTYPES
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from qforensics.formats import E4M3_MAX, E5M2_MAX
+from qforensics.formats import FP8_FORMAT_NAMES, NUMBER_FORMATS, canonical_format
 from qforensics.quant.errors import QuantSchemeError
 from qforensics.quant.integer import work_dtype
 
@@ -54,17 +54,23 @@ class FP8Format:
         return 2.0 ** (self.min_exponent - self.mantissa_bits)
 
 
+def _row(canonical: str) -> FP8Format:
+    f = NUMBER_FORMATS[canonical]  # the one table (qforensics.formats)
+    return FP8Format(canonical.removeprefix("fp8-"), f.mantissa_bits, f.min_exponent, f.max,
+                     f.dtype)  # type: ignore[arg-type]
+
+
+# keyed by the short names schemes use ("e4m3", "e5m2"), an alias of each table row
 FP8_FORMATS: dict[str, FP8Format] = {
-    "e4m3": FP8Format("e4m3", 3, -6, E4M3_MAX, "float8_e4m3fn"),
-    "e5m2": FP8Format("e5m2", 2, -14, E5M2_MAX, "float8_e5m2"),
-}
+    _row(n).name: _row(n) for n in FP8_FORMAT_NAMES}
 
 
 def _format(fmt: str) -> FP8Format:
-    key = {"e4m3fn": "e4m3"}.get(fmt, fmt)
-    if key not in FP8_FORMATS:
+    """The format by any of its names ("e4m3", "e4m3fn", "fp8-e4m3", "float8_e4m3fn")."""
+    canon = canonical_format(fmt)
+    if canon not in FP8_FORMAT_NAMES:
         raise QuantSchemeError(f"unknown FP8 format {fmt!r}; valid: {', '.join(FP8_FORMATS)}")
-    return FP8_FORMATS[key]
+    return FP8_FORMATS[canon.removeprefix("fp8-")]  # type: ignore[union-attr]
 
 
 def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from qforensics.formats import canonical_format
 from qforensics.quant.errors import QuantSchemeError
 
 __all__ = ["QuantScheme", "Target", "VALID_FORMS", "parse_scheme"]
@@ -154,7 +155,7 @@ def parse_scheme(
             raise _bad(spec, "a modifier is repeated")
         if keep_salient is not None:
             raise _bad(spec, "salient-channel protection applies to INT weight schemes only")
-        fmt = "e4m3" if m.group("fmt") == "e4m3fn" else m.group("fmt")
+        fmt = str(canonical_format(m.group("fmt"))).removeprefix("fp8-")  # e4m3fn -> e4m3
         return QuantScheme(
             kind="fp8",
             target=target,

@@ -20,8 +20,9 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from qforensics.formats import FP8_FORMAT_NAMES, canonical_format, number_format
 from qforensics.quant.errors import QuantApplyError
-from qforensics.quant.fp8 import FP8_FORMATS, fake_quant_fp8
+from qforensics.quant.fp8 import fake_quant_fp8
 from qforensics.quant.model import find_linears
 
 __all__ = ["StaticFP8Linear", "StaticFP8Linears", "calibrate_input_scales", "emulate_static_fp8"]
@@ -40,11 +41,14 @@ class StaticFP8Linear(nn.Linear):
         self.out_features = base.out_features
         self.weight = base.weight
         self.bias = base.bias
+        canon = canonical_format(fmt)  # the trace records the format's canonical name
+        if canon not in FP8_FORMAT_NAMES:
+            raise QuantApplyError(f"unknown FP8 format {fmt!r}; valid: e4m3, e5m2")
         self.fmt = fmt
         self._scale = float(input_scale)  # no device read in forward
         self.register_buffer("input_scale", torch.tensor(self._scale, dtype=torch.float32))
-        self.qforensics_quant = {"format": f"fp8-{fmt}-static", "target": "activations",
-                                 "bits": 8, "act_format": f"fp8-{fmt}"}
+        self.qforensics_quant = {"format": f"{canon}-static", "target": "activations",
+                                 "bits": 8, "act_format": canon}
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         q = fake_quant_fp8(input, self.fmt, saturate=True, scale=self._scale)  # type: ignore
@@ -72,7 +76,7 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], *, fmt: str
                            ) -> dict[str, float]:
     """{Linear name: absmax of its input / the format's max} over one call of `run` (hooks
     removed afterwards). `skip_tokens` leaves out the first positions of each sequence."""
-    qmax = FP8_FORMATS[fmt].max
+    qmax = number_format(fmt).max
     store: dict[str, torch.Tensor] = {}
     handles = [mod.register_forward_pre_hook(functools.partial(_record, name, skip_tokens, store))
                for name, mod in find_linears(model, exclude)]

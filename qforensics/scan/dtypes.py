@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qforensics.formats import BF16_MAX, E4M3_MAX, E5M2_MAX, FP16_MAX
+from qforensics.formats import BF16_MAX, E4M3_MAX, E5M2_MAX, FP16_MAX, NUMBER_FORMATS
 from qforensics.layouts.fp8 import E8M0_DECODE, FP8_DECODE, SAFETENSORS_NAMES, decode_bf16
 
 __all__ = [
@@ -97,7 +97,8 @@ def _decode_e8m0(r: np.ndarray) -> np.ndarray:
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _F16_TINY = float(np.finfo(np.float16).tiny)
 
-# Keys are safetensors dtype names; GGUF reuses F32/F16/BF16/F64.
+# Keys are safetensors dtype names; GGUF reuses F32/F16/BF16/F64. FP8 limits: qforensics.formats.
+_NORMAL = {n: float(NUMBER_FORMATS[n].min_normal) for n in ("fp8-e4m3", "fp8-e5m2")}  # type: ignore[arg-type]
 FLOAT_FORMATS: dict[str, FloatFormat] = {
     "F64": FloatFormat("F64", 8, np.dtype("<u8"), 0x7FF0000000000000, 0x7FF0000000000000,
                        float(np.finfo(np.float64).tiny), float(np.finfo(np.float64).max),
@@ -108,11 +109,11 @@ FLOAT_FORMATS: dict[str, FloatFormat] = {
                        _decode_f16),
     "BF16": FloatFormat("BF16", 2, np.dtype("<u2"), 0x7F80, 0x7F80, _F32_TINY, BF16_MAX,
                         _decode_bf16),
-    "F8_E4M3": FloatFormat("F8_E4M3", 1, np.dtype("u1"), 0x7F, 0x7F, 2.0**-6, E4M3_MAX,
+    "F8_E4M3": FloatFormat("F8_E4M3", 1, np.dtype("u1"), 0x7F, 0x7F, _NORMAL["fp8-e4m3"], E4M3_MAX,
                            _decode_e4m3),
-    "F8_E5M2": FloatFormat("F8_E5M2", 1, np.dtype("u1"), 0x7C, 0x7C, 2.0**-14, E5M2_MAX,
+    "F8_E5M2": FloatFormat("F8_E5M2", 1, np.dtype("u1"), 0x7C, 0x7C, _NORMAL["fp8-e5m2"], E5M2_MAX,
                            _decode_e5m2),
-    "F8_E8M0": FloatFormat("F8_E8M0", 1, np.dtype("u1"), 0xFF, 0xFF, 0.0, 2.0**127,
+    "F8_E8M0": FloatFormat("F8_E8M0", 1, np.dtype("u1"), 0xFF, 0xFF, 0.0, NUMBER_FORMATS["fp8-e8m0"].max,
                            _decode_e8m0),
 }
 

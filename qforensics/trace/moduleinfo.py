@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qforensics.formats import canonical_format, canonical_quant
 from qforensics.layouts.detect import FORMATS, detect
 from qforensics.trace.reader import Trace
 
@@ -201,7 +202,8 @@ def _static(module: str, d: Any) -> StaticInput | None:
     if zp is not None and (isinstance(zp, bool) or not isinstance(zp, int)
                            or not -(2 ** 31) <= zp < 2 ** 31):
         return None
-    return StaticInput(module, scale, smin, fmt[:40], qmax, rng,  # type: ignore[arg-type]
+    fmt = canonical_format(fmt) or fmt[:40]  # "fp8-e4m3fn" and the like read as "fp8-e4m3"
+    return StaticInput(module, scale, smin, fmt, qmax, rng,  # type: ignore[arg-type]
                        applied, _text(d.get("kernel")), _text(d.get("why")), lo, hi, zp)
 
 
@@ -212,16 +214,16 @@ def _text(v: Any) -> str:
 def _quant(q: Any) -> dict[str, Any] | None:
     if not isinstance(q, dict):
         return None
-    return {str(k)[:40]: v for k, v in list(q.items())[:32]
-            if isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 200)}
+    return canonical_quant({str(k)[:40]: v for k, v in list(q.items())[:32]
+                            if isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 200)})
 
 
 def module_layout(module_type: str, info: dict[str, Any]) -> str:
     """The layout of a module from its info JSON, named by the one detector: what capture
     recorded (`layout`, the detector run on the live layer), else the detector on what the
     trace holds (its tensors' dtypes and shapes, its class, the engine's statement); "" when
-    unknown. Capture's `quant.format` is not used: it calls every non-AutoAWQ ``qweight``
-    layer "gptq" (vLLM's AWQ layers too)."""
+    unknown. Capture's `quant.format` is not used: traces written before it was the
+    detector's name call every non-AutoAWQ ``qweight`` layer "gptq" (vLLM's AWQ layers too)."""
     if info.get("layout") in FORMATS and info.get("layout") != "dense":
         return str(info["layout"])
     params = info.get("params")

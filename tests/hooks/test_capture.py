@@ -340,7 +340,8 @@ def test_awq_module_is_recognised_and_snapshotted_packed(tmp_path):
         mods = t.modules.set_index("name")
         assert mods.loc["1", "kind"] == "quantized_linear"
         info = t.module_info(int(np.nonzero(t.modules.name.to_numpy() == "1")[0][0]))
-        assert info["quant"] == {"bits": 4, "format": "awq", "group_size": 8}
+        assert info["quant"] == {"bits": 4, "format": "awq-gemm", "group_size": 8}
+        assert info["layout"] == "awq-gemm"  # the detector's name, in both places
         assert info["health"]["scales"]["nan"] == 1
         kept = t.snapshot_tensors(1)
         assert kept["qweight"].dtype == np.int32 and kept["qweight"].shape == (16, 2)

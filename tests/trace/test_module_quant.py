@@ -56,7 +56,8 @@ def test_layouts_are_named_by_the_one_detector(tmp_path):
     assert [infos.layouts.get(n) for n in names[1:4]] == ["awq-gemm", "fp8", "dense"]
     assert set(infos.layouts.values()) <= set(FORMATS)
     assert quant[names[1]].layout == "awq-gemm" and quant[names[2]].layout == "fp8"
-    assert quant[names[2]].format == "fp8-e4m3"  # capture's words stay as recorded
+    assert quant[names[2]].format == "fp8"  # capture's older words read in the one vocabulary
+    assert infos.quant[names[2]]["weight_format"] == "fp8-e4m3"
 
 
 def test_the_layout_capture_recorded_is_taken_and_a_bad_one_ignored(tmp_path):
