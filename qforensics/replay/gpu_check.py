@@ -25,6 +25,7 @@ recorded with its error and the others still run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 from qforensics.jsondoc import write as write_json
 from qforensics.layouts import awq
 from qforensics.replay.build import build_bundle, build_bundle_from_trace
-from qforensics.replay.bundle import Bundle
+from qforensics.replay.bundle import Bundle, write_bundle
 from qforensics.layouts.fp8 import FP8_MAX, encode_fp8, quantize_fp8
 from qforensics.replay.judge import judge_numeric
 from qforensics.replay.kernel import build_kernel, detect_arch, run_project_kernel
@@ -66,6 +67,67 @@ def tile_bundles(trace: Path) -> dict[str, Bundle]:
     planted = build_bundle({"input.0": x[:3], "qweight": qw, "qzeros": qz, "scales": sc},
                            {**base, "layout": "awq-gemm", "group_size": 128})
     return {"dense": dense, "fp8": fp8, "int4": int4, "planted": planted}
+
+
+def case_bundle(bundle: Bundle, work_dir: Path) -> Bundle:
+    """A copy of `bundle` owned by one case: written to work_dir/bundle.h5, so no other case's
+    clean-up can remove the file its launcher opens (the 2026-12-04 run's torch_compile_triton
+    memcheck opened the int4pack case's bundle.h5 from a folder already removed)."""
+    own = dataclasses.replace(bundle, tensors=dict(bundle.tensors), meta=dict(bundle.meta), path=None,
+                              notes=list(bundle.notes))
+    write_bundle(own, Path(work_dir) / "bundle.h5")
+    return own
+
+
+def run_case(name: str, expect: set[Verdict], fn: Any, *, out: Path, work_root: Path,
+             summary: dict[str, Any]) -> bool:
+    """One case in a work folder of its own (work_root/NAME), removed after the case and only
+    then; its raw sanitizer outputs are copied flat into `out` first. Records the entry in
+    summary["cases"][name] and prints it; returns whether every verdict was expected."""
+    t1 = time.time()
+    entry: dict[str, Any] = {"expected": sorted(v.value for v in expect)}
+    work = Path(work_root) / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    entry["work_dir"] = str(work)
+    try:
+        results = fn(work)
+        entry["results"] = [r.to_dict() for r in results]
+        entry["lines"] = [r.line() for r in results]
+        entry["passed"] = all(r.verdict in expect for r in results)
+        for raw in work.rglob("sanitizer-*.txt"):
+            shutil.copy(raw, out / f"{name}.{raw.name}")
+    except Exception:
+        entry["error"] = traceback.format_exc()[-3000:]
+        entry["passed"] = False
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    entry["seconds"] = round(time.time() - t1, 2)
+    summary.setdefault("cases", {})[name] = entry
+    sys.stdout.write(f"{'PASS' if entry['passed'] else 'FAIL'} {name} ({entry['seconds']} s)\n")
+    for line in entry.get("lines", []) or [entry.get("error", "")[-600:]]:
+        sys.stdout.write(f"    {line}\n")
+    sys.stdout.flush()
+    return bool(entry["passed"])
+
+
+def torch_case(bundle: Bundle, kernel: str, *, sanitizer: str | None, timeout: float,
+               device: str = "cuda") -> Any:
+    """A case's body: `kernel`'s CUDA launch under memcheck on the case's own copy of `bundle`,
+    then its numeric leg on `device` judged by the kernel's bound model (replay/bounds.py)."""
+    def run(work: Path) -> list[Any]:
+        b = case_bundle(bundle, work)  # this case's own bundle.h5, in this case's folder
+        san = sanitizer_leg(b, kernel=kernel, launcher=None, work_dir=work, tool="memcheck", sanitizer=sanitizer,
+                            kernel_name=None, print_limit=100, timeout=timeout)
+        label = f"{kernel} ({device.upper()})"
+        try:
+            y = KERNELS[kernel].run(b.tensors, b.meta, b.layout, device)
+            numeric = judge_numeric(b, y, label, kernel=kernel, device=device)
+        except Exception as exc:  # recorded with the sanitizer result, which still counts
+            numeric = inconclusive("kernel", f"{device.upper()} run failed", f"{kernel} on {device} raised {exc!r}"[:600])
+        return [numeric, san]
+    return run
 
 
 def _tool_info(sanitizer: str | None) -> dict[str, Any]:
@@ -103,59 +165,30 @@ def main(argv: list[str] | None = None) -> int:
     for checked in (True, False):
         build_kernel(arch, checked=checked)
     summary["setup_s"] = round(time.time() - t0, 2)
+    work_root = Path(tempfile.mkdtemp(prefix="qf-gpu-check-"))
     ok = True
 
     def case(name: str, expect: set[Verdict], fn: Any) -> None:
         nonlocal ok
-        t1 = time.time()
-        entry: dict[str, Any] = {"expected": sorted(v.value for v in expect)}
-        with tempfile.TemporaryDirectory(prefix=f"qf-gpu-{name}-") as tmp:
-            try:
-                results = fn(Path(tmp))
-                entry["results"] = [r.to_dict() for r in results]
-                entry["lines"] = [r.line() for r in results]
-                entry["passed"] = all(r.verdict in expect for r in results)
-                for raw in Path(tmp).rglob("sanitizer-*.txt"):
-                    shutil.copy(raw, out / f"{name}.{raw.name}")
-            except Exception:
-                entry["error"] = traceback.format_exc()[-3000:]
-                entry["passed"] = False
-        entry["seconds"] = round(time.time() - t1, 2)
-        ok &= bool(entry["passed"])
-        summary["cases"][name] = entry
-        sys.stdout.write(f"{'PASS' if entry['passed'] else 'FAIL'} {name} ({entry['seconds']} s)\n")
-        for line in entry.get("lines", []) or [entry.get("error", "")[-600:]]:
-            sys.stdout.write(f"    {line}\n")
-        sys.stdout.flush()
+        ok &= run_case(name, expect, fn, out=out, work_root=work_root, summary=summary)
 
     def reference(tmp: Path) -> list[Any]:
         res, _y = run_project_kernel(bundles["dense"], checked=True, work_dir=tmp, sanitizer=args.sanitizer,
                                      arch=arch, timeout=args.timeout)
         return [res]
 
-    def torch_case(key: str, kernel: str) -> Any:
-        def run(tmp: Path) -> list[Any]:
-            b = bundles[key]
-            san = sanitizer_leg(b, kernel=kernel, launcher=None, work_dir=tmp, tool="memcheck",
-                                sanitizer=args.sanitizer, kernel_name=None, print_limit=100, timeout=args.timeout)
-            try:
-                y = KERNELS[kernel].run(b.tensors, b.meta, b.layout, "cuda")
-                numeric = judge_numeric(b, y, f"{kernel} (CUDA)")
-            except Exception as exc:  # recorded with the sanitizer result, which still counts
-                numeric = inconclusive("kernel", "CUDA run failed", f"{kernel} on CUDA raised {exc!r}"[:600])
-            return [numeric, san]
-        return run
-
     def planted(tmp: Path) -> list[Any]:
         res, _y = run_project_kernel(bundles["planted"], checked=False, work_dir=tmp, sanitizer=args.sanitizer,
                                      arch=arch, timeout=args.timeout, padding=4096)
         return [res]
 
+    leg = {"sanitizer": args.sanitizer, "timeout": args.timeout}
     case("reference_kernel", {Verdict.NOT_REPRODUCED}, reference)
-    case("torch_scaled_mm", {Verdict.NOT_REPRODUCED}, torch_case("fp8", "torch-scaled-mm"))
-    case("torch_int4pack_mm", {Verdict.NOT_REPRODUCED}, torch_case("int4", "torch-int4pack"))
-    case("torch_compile_triton", {Verdict.NOT_REPRODUCED}, torch_case("int4", "torch-compile"))
+    case("torch_scaled_mm", {Verdict.NOT_REPRODUCED}, torch_case(bundles["fp8"], "torch-scaled-mm", **leg))
+    case("torch_int4pack_mm", {Verdict.NOT_REPRODUCED}, torch_case(bundles["int4"], "torch-int4pack", **leg))
+    case("torch_compile_triton", {Verdict.NOT_REPRODUCED}, torch_case(bundles["int4"], "torch-compile", **leg))
     case("planted_oob_fixture", {Verdict.KERNEL_FAULT}, planted)
+    shutil.rmtree(work_root, ignore_errors=True)
     summary["total_s"] = round(time.time() - t0, 2)
     write_json(summary, out / "summary.json")
     return 0 if ok else 1

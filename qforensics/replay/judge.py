@@ -11,13 +11,15 @@ reference, turned into KERNEL DIVERGES, DATA or NOT REPRODUCED, with the evidenc
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from qforensics.replay.bundle import Bundle
 from qforensics.layouts.fp8 import FP8_MAX
-from qforensics.replay.torch_kernels import tolerance
+from qforensics.replay.bounds import BoundModel, model_for
+from qforensics.replay.torch_kernels import KERNELS
 from qforensics.replay.verdict import ReplayResult, Verdict
 
 _TOP = 5
@@ -75,8 +77,65 @@ def explain_data(bundle: Bundle, x_seen: np.ndarray, w_kn: np.ndarray) -> tuple[
     return "; ".join(parts), facts
 
 
-def judge_numeric(bundle: Bundle, y_kernel: np.ndarray, kernel_name: str, *, path: str = "kernel") -> ReplayResult:
-    """Compare the kernel's output with the bundle's float64 reference and give the verdict."""
+def _resolve_bound(bundle: Bundle, kernel_name: str, kernel: str | None, device: str | None,
+                   bound: BoundModel | str | None) -> tuple[BoundModel | None, str]:
+    if isinstance(bound, BoundModel):
+        return bound, ""
+    if bound is None:
+        return None, f"{kernel_name} states no error bound"
+    kid = kernel or next((k for k in KERNELS if kernel_name == k or kernel_name.startswith(k + " ")), None)
+    if kid is None:
+        return None, (f"{kernel_name} is not one of qforensics' kernels and states no error bound (a --launcher "
+                      "function states one with an `error_bound` attribute, docs/replay.md)")
+    dev = device or ("cuda" if "(CUDA)" in kernel_name else "cpu")
+    x = bundle.tensors.get("x")
+    w = bundle.tensors.get("weight")
+    return model_for(kid, dev, bundle.meta, x_stored=str(x.dtype) if x is not None else None,
+                     w_stored=str(w.dtype) if w is not None and bundle.layout.name == "dense" else None)
+
+
+def _weight_magnitudes(bundle: Bundle, w_kn: np.ndarray, model: BoundModel) -> np.ndarray:
+    """A_kn >= |w_kn|: what the kernel's weight operand is built from (tinygemm: (q - 8) * scale and
+    zero, each rounded on its own), non-finite entries as 0 (they are DATA, judged apart)."""
+    a = np.abs(w_kn)
+    if model.name.startswith("tinygemm"):
+        from qforensics.replay.torch_kernels import _int4_qzs
+
+        q, z, s, g = _int4_qzs(bundle.tensors, bundle.meta, bundle.layout)
+        idx = np.arange(q.shape[0]) // g
+        with np.errstate(over="ignore", invalid="ignore"):
+            a = np.abs(q - 8.0) * np.abs(s[idx]) + np.abs((8.0 - z[idx]) * s[idx])
+    return np.where(np.isfinite(a), a, 0.0)
+
+
+def _no_bound(bundle: Bundle, ref: np.ndarray, y: np.ndarray, kernel_name: str, path: str, why: str) -> ReplayResult:
+    """No stated bound: never KERNEL DIVERGES; what was measured is reported, not judged."""
+    ref_ok, y_ok = np.isfinite(ref), np.isfinite(y)
+    both = ref_ok & y_ok
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(y - ref)
+    details: dict[str, Any] = {"kernel": kernel_name, "tolerance": None, "bound_model": None, "bound_missing": why,
+                               "compared": int(ref.size), "reference_nonfinite": int((~ref_ok).sum()),
+                               "kernel_nonfinite": int((~y_ok).sum()),
+                               "nonfinite_where_reference_finite": int((ref_ok & ~y_ok).sum())}
+    if both.any():
+        details["max_abs_err"] = float(err[both].max())
+    summary = (f"{kernel_name} ran on the recorded tile but has no stated error bound, so it is not judged: {why}. "
+               f"Measured: max |err| {details.get('max_abs_err', float('nan')):.3g} against the float64 reference, "
+               f"{details['nonfinite_where_reference_finite']} non-finite output(s) where the reference is finite, "
+               f"{details['reference_nonfinite']} non-finite reference output(s)")
+    return ReplayResult(Verdict.INCONCLUSIVE, path, summary, reason="no stated error bound", details=details)
+
+
+def judge_numeric(bundle: Bundle, y_kernel: np.ndarray, kernel_name: str, *, path: str = "kernel",
+                  kernel: str | None = None, device: str | None = None,
+                  bound: BoundModel | str | None = "auto", no_bound_reason: str | None = None) -> ReplayResult:
+    """Compare the kernel's output with the bundle's float64 reference and give the verdict.
+
+    The tolerance is the kernel's own bound model (qforensics.replay.bounds): bound="auto" finds it
+    from `kernel` (or the KERNELS name `kernel_name` starts with) and `device` (or "(CUDA)" in the
+    name); a BoundModel is used as given; None (or an unknown kernel) means no stated bound, which
+    reads INCONCLUSIVE, never KERNEL DIVERGES."""
     ref = bundle.reference
     layout = bundle.layout
     x_seen = layout.effective_input(bundle.tensors["x"], bundle.tensors, bundle.meta)
@@ -89,21 +148,26 @@ def judge_numeric(bundle: Bundle, y_kernel: np.ndarray, kernel_name: str, *, pat
         return ReplayResult(Verdict.INCONCLUSIVE, path,
                             f"{kernel_name} returned shape {list(y.shape)}, the reference is {list(ref.shape)}",
                             reason="output shape mismatch")
-    operand = str(bundle.meta.get("compute_dtype") or "float32")
-    if kernel_name.startswith("torch-int4pack"):
-        operand = "bfloat16"
-    elif kernel_name.startswith("torch-scaled-mm"):
-        operand = "float32"  # the reference already holds the FP8-rounded operands
+    model, why = _resolve_bound(bundle, kernel_name, kernel, device, bound)
+    why = no_bound_reason or why
+    k = int(x_seen.shape[-1])
+    if model is not None and not math.isfinite(model.coefficients(k)[0]):
+        why, model = f"{model.statement(k)} is no bound at K={k} (n u >= 1)", None
+    if model is None:
+        return _no_bound(bundle, ref, y, kernel_name, path, why)
     finite_x = np.where(np.isfinite(x_seen), np.abs(x_seen), 0.0)
-    finite_w = np.where(np.isfinite(w_kn), np.abs(w_kn), 0.0)
-    tol, stated = tolerance(finite_x, finite_w, operand)
+    mags = _weight_magnitudes(bundle, w_kn, model)
+    with np.errstate(over="ignore", invalid="ignore"):
+        tol = model.evaluate(finite_x @ mags, ref, k)
+    stated = model.statement(k)
     ref_ok = np.isfinite(ref)
     y_ok = np.isfinite(y)
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.abs(y - ref)
     bad_nan = ref_ok & ~y_ok
     bad_far = ref_ok & y_ok & (err > tol)
-    details: dict[str, Any] = {"kernel": kernel_name, "tolerance": stated, "compared": int(ref.size),
+    details: dict[str, Any] = {"kernel": kernel_name, "tolerance": stated, "bound_model": model.to_dict(k),
+                               "compared": int(ref.size),
                                "reference_nonfinite": int((~ref_ok).sum()), "kernel_nonfinite": int((~y_ok).sum())}
     both = ref_ok & y_ok
     if both.any():
@@ -123,14 +187,16 @@ def judge_numeric(bundle: Bundle, y_kernel: np.ndarray, kernel_name: str, *, pat
                    f"rows [{bundle.meta.get('row_start', 0)}, {bundle.meta.get('row_stop')}), columns "
                    f"[{bundle.meta.get('col_start', 0)}, {bundle.meta.get('col_stop')})): {what}; first at "
                    f"{details['first'][0]}; tolerance {stated}")
-        return ReplayResult(Verdict.KERNEL_DIVERGES, path, summary, errors=int(mask.sum()), details=details)
+        return ReplayResult(Verdict.KERNEL_DIVERGES, path, summary, errors=int(mask.sum()), details=details,
+                            bound_model=details["bound_model"])
     if not ref_ok.all():
         agree = bool(np.array_equal(~ref_ok, ~y_ok))
         why, facts = explain_data(bundle, x_seen, w_kn)
         details.update(facts=facts, kernel_matches_reference_nonfinite=agree, first=_coords(~ref_ok, bundle))
         summary = (f"{kernel_name} agrees with the float64 reference, which is itself non-finite in "
                    f"{int((~ref_ok).sum())} of {ref.size} outputs (first at {details['first'][0]}): {why}")
-        return ReplayResult(Verdict.DATA, path, summary, errors=int((~ref_ok).sum()), details=details)
+        return ReplayResult(Verdict.DATA, path, summary, errors=int((~ref_ok).sum()), details=details,
+                            bound_model=details["bound_model"])
     observed = bundle.observed
     seen_bad = int((~np.isfinite(observed)).sum()) if observed is not None else 0
     details["observed_nonfinite"] = seen_bad
@@ -139,4 +205,4 @@ def judge_numeric(bundle: Bundle, y_kernel: np.ndarray, kernel_name: str, *, pat
             if seen_bad else "")
     summary = (f"{kernel_name} agrees with the finite float64 reference on all {ref.size} outputs "
                f"(max |err| {details.get('max_abs_err', 0.0):.3g}, within {stated}){tail}")
-    return ReplayResult(Verdict.NOT_REPRODUCED, path, summary, details=details)
+    return ReplayResult(Verdict.NOT_REPRODUCED, path, summary, details=details, bound_model=details["bound_model"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 5
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    stated = getattr(fn, "error_bound", None)  # the launcher's own error bound (replay/bounds.py)
+    if stated is not None:
+        (out_dir / "bound.json").write_text(json.dumps(stated))
     if arr is not None:
         arr.astype("<f4").tofile(out_dir / "y.bin")
         print(f"qforensics-launcher: output shape {list(arr.shape)}", flush=True)

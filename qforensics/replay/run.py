@@ -11,6 +11,7 @@ No temporary file outlives a call unless the caller asked for a work_dir or bund
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ import numpy as np
 
 from qforensics.trace import validate
 from qforensics.errors import ReplayError
+from qforensics.replay.bounds import BoundModel
 from qforensics.replay.build import build_bundle_from_trace
 from qforensics.replay.bundle import Bundle, is_bundle, read_bundle, write_bundle
 from qforensics.replay.judge import judge_numeric
@@ -99,6 +101,19 @@ def load_bundle(source: str | os.PathLike[str], *, call: int | None = None, bund
     return build_bundle_from_trace(src, bundle_out, call, open_trace=open_trace)
 
 
+def launcher_bound(spec: str, out_dir: Path) -> tuple[BoundModel | None, str]:
+    """The bound a launcher stated (its function's `error_bound`, written by the child as
+    bound.json); (None, why) when it stated none or an unusable one."""
+    p = out_dir / "bound.json"
+    if not p.is_file():
+        return None, (f"{spec} states no error bound (give its function an `error_bound` attribute: "
+                      "\"float32\" or a dict, docs/replay.md)")
+    try:
+        return BoundModel.from_spec(json.loads(p.read_text()), kernel=spec, device="launcher"), ""
+    except (ValueError, TypeError) as exc:
+        return None, f"{spec} states an unusable error bound: {exc}"
+
+
 def _run_launcher(bundle_path: Path, spec: str, out_dir: Path, m: int, n: int, timeout: float) -> tuple[np.ndarray | None, str]:
     """The user's launcher in a child process (a crash there is a finding, not ours)."""
     argv = [sys.executable, "-m", "qforensics.replay.launcher", "--bundle", str(bundle_path), "--launcher", spec,
@@ -125,7 +140,8 @@ def numeric_leg(bundle: Bundle, *, kernel: str | None, launcher: str | None, wor
         y, why = _run_launcher(Path(path), launcher, work_dir / "launcher-out", bundle.meta["M"], bundle.meta["N"], timeout)
         if y is None:
             return inconclusive("launcher", "launcher failed", f"{launcher}: {why}"), None
-        return judge_numeric(bundle, y, launcher, path="launcher"), y
+        model, why = launcher_bound(launcher, work_dir / "launcher-out")
+        return judge_numeric(bundle, y, launcher, path="launcher", bound=model, no_bound_reason=why), y
     name = kernel or bundle.meta.get("kernel")
     fits = [k for k, kern in KERNELS.items() if kern.can_run(bundle.tensors, bundle.meta, layout)[0]]
     if name is None or name not in KERNELS:

@@ -18,7 +18,6 @@ The module-level ``cuda_int4pack_mm`` and ``cuda_scaled_mm`` are ``--launcher`` 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,25 +286,3 @@ def cuda_scaled_mm(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Any:
 
 def cuda_compiled_dequant_mm(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Any:
     return _launch("torch-compile", tensors, meta)
-
-
-UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
-                 "float8_e4m3fn": 2.0 ** -4}
-
-
-def tolerance(x_abs: np.ndarray, w_abs_kn: np.ndarray, operand_dtype: str,
-              accumulate_dtype: str = "float32") -> tuple[np.ndarray, str]:
-    """Per-output bound on |kernel - reference| for dot products of length K, and its statement.
-
-    (3 u_op + sqrt(K) u_acc) * sum_k |x_k| |w_kn|: rounding the two operands and the output into
-    the operand dtype (u_op each, deterministic), plus Higham's probabilistic bound for summing K
-    terms in the accumulate dtype. u is the unit roundoff (2**-8 for bfloat16, 2**-24 for float32).
-    """
-    u_op = UNIT_ROUNDOFF.get(operand_dtype, 2.0 ** -8)
-    u_acc = UNIT_ROUNDOFF.get(accumulate_dtype, 2.0 ** -24)
-    k = x_abs.shape[-1]
-    factor = 3 * u_op + math.sqrt(k) * u_acc
-    with np.errstate(over="ignore", invalid="ignore"):
-        tol = factor * (x_abs @ w_abs_kn) + 1e-30
-    return tol, (f"|kernel - reference| <= {factor:.3g} * sum_k |x_k||w_kn| "
-                 f"(3 u_{operand_dtype} + sqrt(K={k}) u_{accumulate_dtype})")

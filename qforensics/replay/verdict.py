@@ -47,6 +47,7 @@ class ReplayResult:
     first: AccessRecord | ApiError | OtherError | None = None
     errors: int = 0
     details: dict[str, Any] = field(default_factory=dict)
+    bound_model: dict[str, Any] | None = None  # numeric legs: the error-bound model judged by (bounds.py)
 
     @property
     def failing(self) -> bool:
@@ -58,7 +59,7 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict.value, "path": self.path, "summary": self.summary, "reason": self.reason,
                 "errors": self.errors, "first": self.first.to_dict() if self.first is not None else None,
-                "details": self.details}
+                "bound_model": self.bound_model, "details": self.details}
 
 
 def judge_sanitizer(report: SanitizerReport, *, kernel_ran: bool, print_limit: int, path: str = "sanitizer",

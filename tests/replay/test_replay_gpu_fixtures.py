@@ -52,3 +52,28 @@ def test_summary_matches_the_raw_outputs():
     scaled = cases["torch_scaled_mm"]["results"][0]
     assert scaled["verdict"] == "KERNEL DIVERGES" and scaled["details"]["kernel_nonfinite"] == 0
     assert cases["torch_int4pack_mm"]["results"][0]["verdict"] == "NOT REPRODUCED"
+
+
+FIX_1204 = Path(__file__).parent / "fixtures" / "gpu-h200-2026-12-04"
+
+
+def test_2026_12_04_run_raw_outputs_and_the_shared_bundle_bug_it_recorded():
+    summary = json.loads((FIX_1204 / "summary.json").read_text())
+    assert "H200" in summary["tools"]["nvidia_smi"] and summary["tools"]["torch"] == "2.11.0+cu130"
+    for name, marker in (("reference_kernel", "qforensics-replay: kernel-done"),
+                         ("torch_scaled_mm", "qforensics-launcher: done"),
+                         ("torch_int4pack_mm", "qforensics-launcher: done")):
+        report = parse_sanitizer_output((FIX_1204 / f"{name}.sanitizer-memcheck.txt").read_text())
+        ran = any(marker in line for line in report.host_lines)
+        assert judge_sanitizer(report, kernel_ran=ran, print_limit=100).verdict is Verdict.NOT_REPRODUCED, name
+    report = parse_sanitizer_output((FIX_1204 / "planted_oob_fixture.sanitizer-memcheck.txt").read_text())
+    attribute_buffers(report, parse_host_allocations(report.host_lines))
+    res = judge_sanitizer(report, kernel_ran=False, print_limit=100)
+    assert res.verdict is Verdict.KERNEL_FAULT and report.records[0].buffer == "x" and report.records[0].line == 94
+    # the torch.compile case's memcheck opened the int4pack case's bundle, from a folder already removed
+    raw = (FIX_1204 / "torch_compile_triton.sanitizer-memcheck.txt").read_text()
+    assert "qf-gpu-torch_int4pack_mm-" in raw and "no such file" in raw
+    res = judge_sanitizer(parse_sanitizer_output(raw), kernel_ran=False, print_limit=100)
+    assert res.verdict is Verdict.INCONCLUSIVE
+    argv = summary["cases"]["torch_compile_triton"]["results"][1]["details"]["sanitizer"]["argv"]
+    assert "torch_int4pack_mm" in argv[argv.index("--bundle") + 1]
