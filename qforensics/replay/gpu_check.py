@@ -18,6 +18,7 @@ Cases, each under `compute-sanitizer --tool memcheck`:
    3 of the tile's rows, fewer than its 8-row tile - expects KERNEL FAULT, a read past `x`.
 
 Raw sanitizer output of every case and summary.json land flat in OUT_DIR (tests parse them).
+Every case runs in a work folder of its own, with its own copy of its bundle (run_case).
 Exit 0 when every expectation held, 1 otherwise. Each case is independent: one failing to run is
 recorded with its error and the others still run.
 """
