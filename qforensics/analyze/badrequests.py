@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qforensics.analyze.badtext import SameSpot, _head, _line, _same_spots, _via_kv_cache
+from qforensics.analyze.badtext import (
+    BadRequest,
+    SameSpot,
+    group_same_spots,
+    mark_via_kv_cache,
+    request_head,
+    request_line,
+)
 from qforensics.trace import schema
 from qforensics.trace.hits import earliest_bad
 from qforensics.trace.reader import Trace
@@ -39,36 +46,6 @@ class RequestHit:
     positions: list[int]  # their positions in the request (at most 8)
     phase: str  # prefill | decode | mixed | unknown
     logits: bool  # its row of the logits is non-finite
-
-
-@dataclass
-class BadRequest:
-    """One request that went bad, at the first step its rows or its logits row held NaN/Inf."""
-
-    request_id: str
-    step: int
-    position: int | None  # where its NaN/Inf appeared first (None: not recorded)
-    length: int | None  # its sequence length after that step's tokens (last position + 1)
-    prompt_tokens: int | None
-    phase: str
-    rows: int
-    logits: bool
-    token: int | None  # the input token id at `position` in that step (None: not recorded)
-    first_module: str  # the earliest hooked call of that forward holding its NaN/Inf ("")
-    # independent_same_position | independent_same_length | independent | possibly_spread |
-    # possibly_via_kv_cache | undetermined
-    kind: str = "undetermined"
-    spread_from: list[str] = field(default_factory=list)  # bad before, NaN in the same forward
-    # others bad at an earlier op of that forward that the trace cannot name (its step's full
-    # detail is past the budget; /engine/hits counts them)
-    spread_unnamed: int = 0
-    # bad before it in the run, when its NaN/Inf came first out of its own attention (its
-    # inputs there finite): KV blocks they left may be what it read
-    kv_from: list[str] = field(default_factory=list)
-    together_with: list[str] = field(default_factory=list)  # first bad in the same forward too
-    same_position_as: list[str] = field(default_factory=list)  # same first bad position
-    same_length_as: list[str] = field(default_factory=list)  # same length there
-    line: str = ""
 
 
 @dataclass
@@ -254,13 +231,13 @@ def from_hits(trace: Trace, hits: Table, reqs: Table, known: set[str]) -> list[B
                        int(hits["rows"][k]), bool(hits["logits"][k]), opt("token"),
                        str(names[mod]) if 0 <= mod < len(names) else "")
         if int(hits["call_index"][k]) < 0:
-            b.line = _head(b) + ": its row flags say so; the op is not recorded"
+            b.line = request_head(b) + ": its row flags say so; the op is not recorded"
         elif int(hits["earlier"][k]):
             b.kind, b.spread_unnamed = "possibly_spread", int(hits["earlier"][k])
-            b.line = _line(b, [], {}, [])
+            b.line = request_line(b, [], {}, [])
         else:
             b.kind = "independent"
-            b.line = _head(b) + (": on its own (no other request held NaN/Inf at an earlier "
+            b.line = request_head(b) + (": on its own (no other request held NaN/Inf at an earlier "
                                  "op of that forward)")
         out.append(b)
     return out
@@ -308,12 +285,12 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
             b.kind = "independent"
         elif any(x in carriers for x in cands) or not unknown:
             b.kind, b.spread_from = "possibly_spread", cands
-        b.line = _line(b, carriers, since, others, same)
+        b.line = request_line(b, carriers, since, others, same)
         out.append(b)
     if hits is not None and len(hits):
         out = sorted(out + from_hits(trace, hits, reqs, set(first)), key=lambda b: b.step)
-    _via_kv_cache(out)
-    spots = _same_spots(out)
+    mark_via_kv_cache(out)
+    spots = group_same_spots(out)
     for b in out:
         b.same_position_as = [x.request_id for x in out if x is not b and b.position is not None
                               and x.position == b.position]
@@ -322,5 +299,5 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
     for sp in spots:  # lines again: the kinds the groups gave
         for b in out:
             if b.request_id in sp.requests and b.kind == f"independent_same_{sp.by}":
-                b.line = _line(b, [x for x in sp.requests if x != b.request_id], since, [])
+                b.line = request_line(b, [x for x in sp.requests if x != b.request_id], since, [])
     return out, spots

@@ -1,16 +1,43 @@
-"""The text of the bad-request findings (analyze/badrequests.py): each request's line, the
-groups that went bad on their own at one position or length, and the requests that went bad
-first in their own attention after others (the KV cache). No torch import."""
+"""A request that went bad in a serving-engine run (BadRequest; analyze/badrequests.py finds
+them) and the text of those findings: each request's line, the groups that went bad on their own
+at one position or length, and the requests that went bad first in their own attention after
+others (the KV cache). No torch import."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from qforensics.analyze.badrequests import BadRequest
+from dataclasses import dataclass, field
 
 CAUSES = "a rotary table, a kernel that switches at a size, a KV block boundary"
+
+
+@dataclass
+class BadRequest:
+    """One request that went bad, at the first step its rows or its logits row held NaN/Inf."""
+
+    request_id: str
+    step: int
+    position: int | None  # where its NaN/Inf appeared first (None: not recorded)
+    length: int | None  # its sequence length after that step's tokens (last position + 1)
+    prompt_tokens: int | None
+    phase: str
+    rows: int
+    logits: bool
+    token: int | None  # the input token id at `position` in that step (None: not recorded)
+    first_module: str  # the earliest hooked call of that forward holding its NaN/Inf ("")
+    # independent_same_position | independent_same_length | independent | possibly_spread |
+    # possibly_via_kv_cache | undetermined
+    kind: str = "undetermined"
+    spread_from: list[str] = field(default_factory=list)  # bad before, NaN in the same forward
+    # others bad at an earlier op of that forward that the trace cannot name (its step's full
+    # detail is past the budget; /engine/hits counts them)
+    spread_unnamed: int = 0
+    # bad before it in the run, when its NaN/Inf came first out of its own attention (its
+    # inputs there finite): KV blocks they left may be what it read
+    kv_from: list[str] = field(default_factory=list)
+    together_with: list[str] = field(default_factory=list)  # first bad in the same forward too
+    same_position_as: list[str] = field(default_factory=list)  # same first bad position
+    same_length_as: list[str] = field(default_factory=list)  # same length there
+    line: str = ""
 
 
 @dataclass
@@ -29,11 +56,10 @@ def _ids(xs: list[str]) -> str:
     return ", ".join(xs[:4]) + (f" (+{len(xs) - 4} more)" if len(xs) > 4 else "")
 
 
-
 _ATTN_OUT = "self_attn.o_proj"  # its input is the attention's output (Llama-family names)
 
 
-def _via_kv_cache(bad: list[BadRequest]) -> None:
+def mark_via_kv_cache(bad: list[BadRequest]) -> None:
     """A request on its own in its forward whose NaN/Inf appeared first in its attention's
     output, after requests went bad earlier in the run: it read KV blocks, and a freed block
     the engine did not clear (or a shared prefix block) can hold their NaN."""
@@ -41,10 +67,10 @@ def _via_kv_cache(bad: list[BadRequest]) -> None:
         before = [x.request_id for x in bad if x.step < b.step]
         if b.kind == "independent" and b.first_module.endswith(_ATTN_OUT) and before:
             b.kind, b.kv_from = "possibly_via_kv_cache", before[::-1][:4]
-            b.line = _line(b, [], {}, [])
+            b.line = request_line(b, [], {}, [])
 
 
-def _same_spots(bad: list[BadRequest]) -> list[SameSpot]:
+def group_same_spots(bad: list[BadRequest]) -> list[SameSpot]:
     spots: list[SameSpot] = []
     for by in ("position", "length"):
         groups: dict[int, list[BadRequest]] = {}
@@ -74,7 +100,7 @@ def _same_spots(bad: list[BadRequest]) -> list[SameSpot]:
     return spots
 
 
-def _head(b: BadRequest) -> str:
+def request_head(b: BadRequest) -> str:
     where = f"position {b.position}" if b.position is not None else "an unrecorded position"
     extra = [f"length {b.length}"] if b.length is not None else []
     if b.prompt_tokens is not None:
@@ -84,12 +110,12 @@ def _head(b: BadRequest) -> str:
             + (f", first in {b.first_module or '(model output)'}" if b.first_module else ""))
 
 
-def _line(b: BadRequest, carriers: list[str], since: dict[str, int], others: list[str],
+def request_line(b: BadRequest, carriers: list[str], since: dict[str, int], others: list[str],
           same: list[str] = ()) -> str:
     """`carriers`: the requests bad before it in that forward (for a same-position or -length
     kind: the others of its group); `others`: every other request bad in that forward; `same`:
     those of them that went bad at the same op, for the first time."""
-    head = _head(b)
+    head = request_head(b)
     if b.kind.startswith("independent_same_"):
         return head + (f": on its own, at the same {b.kind.rsplit('_', 1)[1]} as "
                        + _ids(carriers))

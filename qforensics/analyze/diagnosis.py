@@ -1,5 +1,6 @@
 """The parts of the findings that say why: the cause of a failure, the silent-failure evidence,
-what non-finite logits did to decoding, and the comparison with a reference trace. Plain
+what non-finite logits did to decoding, and the comparison with a reference trace (with the
+record-by-record Divergence it ranks). Plain
 dataclasses, re-exported by `qforensics.analyze.findings` (their JSON is part of
 docs/analyze-json.md). No torch import.
 """
@@ -7,12 +8,9 @@ docs/analyze-json.md). No torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from qforensics.analyze.findings import Divergence
-
-__all__ = ["Cause", "Evidence", "NonfiniteLogits", "ReferenceComparison"]
+__all__ = ["Cause", "Divergence", "Evidence", "NonfiniteLogits", "ReferenceComparison"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,34 @@ class NonfiniteLogits:
     argmax: int
     next_token: int | None
     symptom: str
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One record aligned by (module, step, io, slot) across a reference and a suspect trace.
+
+    rel_* are |suspect - reference| / max(|reference|, eps) of the record statistics;
+    `channel_div` the largest per-channel range difference relative to the reference absmax
+    (None when either side lacks channel ranges); `sqnr_db` / `cosine` from snapshot tensors
+    when both traces kept one for the call (else None). `score` is what is ranked; `jump` is the
+    score minus the largest score of the records before it in call order.
+    """
+
+    module: str
+    step: int
+    io: int
+    slot: int
+    call_index: int  # in the reference trace
+    suspect_call_index: int
+    rel_absmax: float
+    rel_std: float
+    rel_mean: float
+    channel_div: float | None
+    sqnr_db: float | None
+    cosine: float | None
+    score: float
+    jump: float
+    nonfinite: bool  # the suspect record has NaN/Inf and the reference does not
 
 
 @dataclass

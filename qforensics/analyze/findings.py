@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from qforensics.analyze.diagnosis import (
     Cause,
+    Divergence,
     Evidence,
     NonfiniteLogits,
     ReferenceComparison,
@@ -353,34 +354,6 @@ class MultiRankFindings:
 
 
 # -- diff ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Divergence:
-    """One record aligned by (module, step, io, slot) across a reference and a suspect trace.
-
-    rel_* are |suspect - reference| / max(|reference|, eps) of the record statistics;
-    `channel_div` the largest per-channel range difference relative to the reference absmax
-    (None when either side lacks channel ranges); `sqnr_db` / `cosine` from snapshot tensors
-    when both traces kept one for the call (else None). `score` is what is ranked; `jump` is the
-    score minus the largest score of the records before it in call order.
-    """
-
-    module: str
-    step: int
-    io: int
-    slot: int
-    call_index: int  # in the reference trace
-    suspect_call_index: int
-    rel_absmax: float
-    rel_std: float
-    rel_mean: float
-    channel_div: float | None
-    sqnr_db: float | None
-    cosine: float | None
-    score: float
-    jump: float
-    nonfinite: bool  # the suspect record has NaN/Inf and the reference does not
-
-
 @dataclass
 class DiffFindings:
     reference: str
