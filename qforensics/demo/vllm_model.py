@@ -14,6 +14,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
                     "special_tokens_map.json")
 
 
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def linear_names(sd: dict) -> list[str]:
+    """The quantizable Linears of a SmolLM2 state dict (every block's LINEARS), sorted."""
+    return sorted(k[: -len(".weight")] for k in sd
+                  if k.endswith(".weight") and any(k.endswith(f"{s}.weight") for s in LINEARS))
+
+
 def save_model_folder(dst: Path, tensors: dict, config: dict, tok: object) -> Path:
     """An HF model folder at `dst` that vLLM and transformers load: `tensors` as
     model.safetensors, `config` as config.json, the tokenizer's files. Written beside `dst` and

@@ -14,23 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from qforensics.demo.vllm_checkpoints import (  # noqa: F401  (the corrupted spot: tests read it)
+    AWQ_INF_COLUMN,
+    AWQ_INF_GROUP,
+    AWQ_INF_LAYER,
+    checkpoint_dir,
+)
 from qforensics.errors import UsageError
-
-AWQ_INF_LAYER = "model.layers.5.self_attn.o_proj"
-AWQ_INF_GROUP, AWQ_INF_COLUMN = 3, 17
-
-
-def _awq_inf_scale(sd: dict) -> str:
-    sc = sd[f"{AWQ_INF_LAYER}.scales"].clone()
-    sc[AWQ_INF_GROUP, AWQ_INF_COLUMN] = float("inf")
-    sd[f"{AWQ_INF_LAYER}.scales"] = sc
-    return (f"{AWQ_INF_LAYER}.scales[group {AWQ_INF_GROUP}, output column {AWQ_INF_COLUMN}] "
-            "set to +Inf")
-
-
-CORRUPTIONS: dict[tuple[str, str], Callable[[dict], str]] = {
-    ("awq", "inf-group-scale"): _awq_inf_scale,
-}
 
 
 @dataclass
@@ -81,8 +71,6 @@ def model_dir(sc: VllmScenario) -> Path:
         from qforensics.demo.vllm_model import vllm_model_dir
 
         return vllm_model_dir()
-    from qforensics.demo.vllm_checkpoints import checkpoint_dir
-
     return checkpoint_dir(sc.kind, sc.variant)
 
 
