@@ -31,8 +31,7 @@ import weakref
 from functools import wraps
 from typing import Any, Callable
 
-import numpy as np
-
+from qforensics.engines.vllm_runner import enum_name, note_unmapped, running, unmapped
 from qforensics.importwatch import AfterImport
 
 log = logging.getLogger(__name__)
@@ -42,19 +41,14 @@ _WRAPPED = ("load_model", "execute_model", "sample_tokens")
 # vLLM's fused layers and the HF layers they hold, in order (for `diff` against an HF trace)
 FUSED_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-_state: dict[str, Any] = {"patched": [], "watching": False, "unmapped": []}
+_state: dict[str, Any] = {"patched": [], "watching": False}
 _captures: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  # id(runner)
-_current: dict[int, Any] = {}  # id(runner) -> scheduler output of the forward being run
 _lock = threading.Lock()
 
 
 def owns_process() -> bool:
     """True once a vLLM model runner class was patched here: the generic hooks stand aside."""
     return bool(_state["patched"])
-
-
-def unmapped() -> list[str]:
-    return list(_state["unmapped"])
 
 
 # -- import watching -------------------------------------------------------------------------------
@@ -65,7 +59,7 @@ def install() -> None:
     _state["watching"] = True
     sys.meta_path.insert(0, AfterImport(
         RUNNER_MODULES, patch_runner_module,
-        on_error=lambda name, exc: _note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
+        on_error=lambda name, exc: note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
     for name in RUNNER_MODULES:
         mod = sys.modules.get(name)
         if mod is not None:
@@ -85,12 +79,6 @@ def register_plugin() -> None:
         sys.stderr.write(f"qforensics: vLLM plugin not installed: {exc}\n")
 
 
-def _note_unmapped(what: str) -> None:
-    if what not in _state["unmapped"]:
-        _state["unmapped"].append(what)
-        sys.stderr.write(f"qforensics: vLLM: not mapped: {what}; generic hooks stay in charge\n")
-
-
 def patch_runner_module(module: Any) -> list[str]:
     """Wrap load_model / execute_model / sample_tokens of every *ModelRunner class defined in
     `module`. Returns the names of the classes patched."""
@@ -101,7 +89,7 @@ def patch_runner_module(module: Any) -> list[str]:
             continue
         if "load_model" not in cls.__dict__ and not any(
                 "load_model" in vars(b) for b in cls.__mro__[1:]):
-            _note_unmapped(f"{name} has no load_model (unknown vLLM version)")
+            note_unmapped(f"{name} has no load_model (unknown vLLM version)")
             continue
         for meth in _WRAPPED:
             fn = cls.__dict__.get(meth)
@@ -141,11 +129,8 @@ def _wrap_execute(fn: Callable) -> Callable:
         cap = _captures.get(key)
         if cap is None:
             return fn(self, scheduler_output, *args, **kwargs)
-        _current[key] = scheduler_output
-        try:
+        with running(self, scheduler_output):
             out = fn(self, scheduler_output, *args, **kwargs)
-        finally:
-            _current.pop(key, None)
         cap.adapter.on_runner_output(out)
         return out
     return execute_model
@@ -213,25 +198,6 @@ def parallel_rank(runner: Any) -> dict[str, int]:
     return out
 
 
-def max_batch_tokens(runner: Any) -> int:
-    """The most token rows one forward of this runner carries (the scheduler's
-    max_num_batched_tokens); 8192 when that cannot be read."""
-    try:
-        return max(1, int(runner.vllm_config.scheduler_config.max_num_batched_tokens))
-    except Exception:
-        return 8192
-
-
-def compile_off(runner: Any) -> bool:
-    """True when the runner does not compile the model (torch.compile mode NONE); False when it
-    does or when that cannot be read."""
-    try:
-        mode = _enum_name(getattr(runner.vllm_config.compilation_config, "mode", None))
-    except Exception:
-        return False
-    return mode.upper() in ("NONE", "0")
-
-
 def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
     """What the trace metadata says about the engine: versions, ranks, compile/graph state and
     what capture cannot see, quantization, fused names -> HF names."""
@@ -248,8 +214,8 @@ def describe_engine(runner: Any, model: Any) -> dict[str, Any]:
     try:
         cc = runner.vllm_config.compilation_config
         mc = runner.vllm_config.model_config
-        info["compilation_mode"] = _enum_name(getattr(cc, "mode", None))
-        info["cudagraph_mode"] = _enum_name(getattr(cc, "cudagraph_mode", None))
+        info["compilation_mode"] = enum_name(getattr(cc, "mode", None))
+        info["cudagraph_mode"] = enum_name(getattr(cc, "cudagraph_mode", None))
         info["enforce_eager"] = bool(getattr(mc, "enforce_eager", False))
         info["quantization"] = getattr(mc, "quantization", None)
         info["dtype"] = str(getattr(mc, "dtype", ""))
@@ -308,14 +274,6 @@ def scale_health(module: Any) -> dict[str, Any]:
                 d["min"], d["max"] = float(v[fin].min()), float(v[fin].max())
         out[name] = d
     return out
-
-
-def _enum_name(v: Any) -> str:
-    """NONE / VLLM_COMPILE / FULL_AND_PIECEWISE ... for vLLM's mode enums (int enums print as
-    numbers)."""
-    if v is None:
-        return "unknown"
-    return str(getattr(v, "name", v))
 
 
 def _attach(runner: Any) -> None:
@@ -424,7 +382,7 @@ def _install_shutdown_grace() -> None:
     else:
         sys.meta_path.insert(0, AfterImport(
             (_ENGINE_UTILS,), patch,
-            on_error=lambda name, exc: _note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
+            on_error=lambda name, exc: note_unmapped(f"{name}: {type(exc).__name__}: {exc}")))
 
 
 def _defer_sigterm_seal() -> None:
@@ -432,7 +390,6 @@ def _defer_sigterm_seal() -> None:
     handler) by one that notes the signal and calls vLLM's handler, when vLLM installed one;
     with no handler of the program's own (SIG_DFL), capture's stays: it seals and re-raises."""
     import signal
-    from functools import partial
 
     from qforensics.hooks import registry
 
@@ -442,10 +399,9 @@ def _defer_sigterm_seal() -> None:
         h = signal.getsignal(signal.SIGTERM)
     except Exception:
         return
-    if not (isinstance(h, partial) and h.func is registry._on_signal and h.args
-            and callable(h.args[0])):
+    prev = registry.handed_over_to(h)
+    if prev is None:
         return
-    prev = h.args[0]
 
     def on_sigterm(signum: int, frame: Any) -> None:
         _state["signal"] = signal.Signals(signum).name
@@ -455,24 +411,6 @@ def _defer_sigterm_seal() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
     except Exception:
         pass
-
-
-def runner_rows(runner: Any, sched: Any) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray,
-                                                  np.ndarray]:
-    """(request ids in batch order, prompt lengths, per-row request index into that list,
-    per-row position, per-row phase 0 prefill / 1 decode) of the forward being run, from the
-    runner's host-side input batch (no device access)."""
-    ib = runner.input_batch
-    req_ids = [r for r in list(ib.req_ids) if r is not None]
-    nsched = sched.num_scheduled_tokens
-    counts = np.array([int(nsched.get(r, 0)) for r in req_ids], np.int64)
-    start = np.asarray(ib.num_computed_tokens_cpu[: len(req_ids)], np.int64)
-    prompt = np.asarray(ib.num_prompt_tokens[: len(req_ids)], np.int64)
-    req = np.repeat(np.arange(len(req_ids), dtype=np.int64), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    pos = np.repeat(start, counts) + (np.arange(int(counts.sum()), dtype=np.int64) - first)
-    phase = (pos >= np.repeat(prompt, counts)).astype(np.int8)
-    return req_ids, prompt, req, pos, phase
 
 
 def json_engine(info: dict[str, Any]) -> str:

@@ -23,7 +23,13 @@ from qforensics.formats import KIND_LINEAR
 from qforensics.hooks import reduce
 from qforensics.hooks.adapter import AdapterCalls, EngineAdapter, ModuleRow
 from qforensics.hooks.session import Capture
-from qforensics.engines import vllm as adapter
+from qforensics.engines.vllm_runner import (
+    compile_off,
+    max_batch_tokens,
+    note_unmapped,
+    runner_rows,
+    scheduled,
+)
 from qforensics.trace import schema
 
 log = logging.getLogger(__name__)
@@ -44,8 +50,8 @@ class VllmAdapter(EngineAdapter):
         self._runner = weakref.ref(runner)
         # vLLM compiles the model (its default): the layers get compiled mode's torch-op
         # hooks (hooks/graphmode.py), traced into vLLM's graph
-        self._compiled = not adapter.compile_off(runner)
-        self._tok_rows = adapter.max_batch_tokens(runner)
+        self._compiled = not compile_off(runner)
+        self._tok_rows = max_batch_tokens(runner)
         self._session: "weakref.ref[AdapterCalls] | None" = None
         self._req_index: dict[str, int] = {}
         self._logits_step = -1
@@ -81,7 +87,7 @@ class VllmAdapter(EngineAdapter):
         if isinstance(lp, nn.Module):
             session.hook_output(lp, self.on_logits)
         else:
-            adapter._note_unmapped(f"{type(model).__name__} has no logits_processor: "
+            note_unmapped(f"{type(model).__name__} has no logits_processor: "
                                    "the logits are not recorded")
 
     # -- step boundaries -------------------------------------------------------------------------
@@ -121,7 +127,7 @@ class VllmAdapter(EngineAdapter):
     # -- engine meaning --------------------------------------------------------------------------
     def step_began(self, session: AdapterCalls, args: tuple, kwargs: dict) -> None:
         runner = self._runner()
-        sched = adapter._current.get(id(runner)) if runner is not None else None
+        sched = scheduled(runner) if runner is not None else None
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor):
             ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -135,7 +141,7 @@ class VllmAdapter(EngineAdapter):
             st["warmup"] = 1
             session.submit_engine(steps=st)
             return
-        req_ids, prompt, req, pos, phase = adapter.runner_rows(runner, sched)
+        req_ids, prompt, req, pos, phase = runner_rows(runner, sched)
         self._step_prefill = bool((np.asarray(phase) == 0).any())
         new = np.zeros(0, schema.engine_dtype("requests"))
         idx = np.empty(len(req_ids), np.int64)

