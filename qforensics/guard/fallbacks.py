@@ -8,19 +8,20 @@ dequantized once, on its first trip, to the activation dtype (one layer's memory
 dense weight is reused from then on.
 
 `choose_fallback` walks `FALLBACKS` in order; `select_guarded` says which modules a policy
-guards. Quantized layouts (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes) are in
+guards. The base class and the dense matmul are `qforensics.guard.fallback_base`'s;
+quantized layouts (AWQ, GPTQ, compressed-tensors, FP8, bitsandbytes) are in
 `qforensics.guard.layouts`.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from qforensics.guard.fallback_base import Fallback, dense_linear
+from qforensics.guard.layouts import QUANTIZED_FALLBACKS
 from qforensics.guard.policy import GuardError, GuardPolicy
 from qforensics.layerkinds import LINEAR_CLASS_NAME, QUANT_ATTRS, is_linear_like
 from qforensics.layouts.torch_adapters import FP8_TORCH_DTYPES
@@ -36,75 +37,6 @@ __all__ = [
     "is_quantized",
     "select_guarded",
 ]
-
-_LOW = (torch.float16, torch.bfloat16)
-
-
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ weight.T + bias`` in float32 when any side is half precision, clamped to the
-    output dtype's range (a finite fallback never overflows into Inf on the way out)."""
-    if x.dtype in _LOW or weight.dtype in _LOW or out_dtype in _LOW:
-        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    else:
-        y = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
-    if out_dtype in _LOW:
-        lim = torch.finfo(out_dtype).max
-        y = y.clamp(-lim, lim)
-    return y.to(out_dtype)
-
-
-def _bias_of(module: nn.Module) -> torch.Tensor | None:
-    b = getattr(module, "bias", None)
-    return b.detach() if isinstance(b, torch.Tensor) and b.is_floating_point() else None
-
-
-class Fallback:
-    """A guarded module's dense path. Subclasses set ``layout`` and implement ``can_take`` and
-    ``dense_weight`` (the module's weight as a float tensor [out, in])."""
-
-    layout: ClassVar[str] = "?"
-
-    def __init__(self, module: nn.Module, policy: GuardPolicy) -> None:
-        self.module = module
-        self.policy = policy
-        self._dense: torch.Tensor | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def can_take(cls, module: nn.Module) -> tuple[bool, str]:
-        raise NotImplementedError
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight, built on the first call (once; thread-safe) and kept."""
-        w = self._dense
-        if w is None:
-            with self._lock:
-                if self._dense is None:
-                    self._dense = self.dense_weight(dtype)
-                w = self._dense
-        return w
-
-    @property
-    def materialized(self) -> bool:
-        """Whether the dense weight has been built (a quantized layer: it has tripped)."""
-        return self._dense is not None
-
-    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The activation as the layer's own kernel would see it (identity by default)."""
-        return x
-
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        act = x.dtype if x.is_floating_point() else out_dtype
-        return dense_linear(self.weight_for(act), _bias_of(self.module), self.prepare_input(x),
-                            out_dtype)
-
-    def describe(self) -> str:
-        return f"{self.layout} fallback for {type(self.module).__name__}"
-
 
 class GivenWeight(Fallback):
     """``policy.fallback_weights[name]``: a higher-precision weight the caller kept aside."""
@@ -169,21 +101,9 @@ class TransposedConv1D(DenseLinear):
         return DenseLinear.can_take(module)
 
 
-def _layout_classes() -> list[type[Fallback]]:
-    from qforensics.guard import layouts
-
-    return list(layouts.QUANTIZED_FALLBACKS)
-
-
 # Tried in this order; quantized layouts come first (a bitsandbytes Params4bit is also a uint8
 # "weight"), then Conv1D, then plain float weights.
-FALLBACKS: list[type[Fallback]] = []
-
-
-def _registry() -> list[type[Fallback]]:
-    if not FALLBACKS:
-        FALLBACKS.extend([*_layout_classes(), TransposedConv1D, DenseLinear])
-    return FALLBACKS
+FALLBACKS: list[type[Fallback]] = [*QUANTIZED_FALLBACKS, TransposedConv1D, DenseLinear]
 
 
 def choose_fallback(name: str, module: nn.Module, policy: GuardPolicy
@@ -196,7 +116,7 @@ def choose_fallback(name: str, module: nn.Module, policy: GuardPolicy
             raise GuardError(f"guard: {why}")
         return GivenWeight(module, policy, given), ""
     reasons = []
-    for cls in _registry():
+    for cls in FALLBACKS:
         ok, why = cls.can_take(module)
         if ok:
             return cls(module, policy), ""

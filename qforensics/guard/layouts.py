@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qforensics.guard.fallbacks import Fallback
+from qforensics.guard.fallback_base import Fallback
 from qforensics.layouts.torch_adapters import (
     FP8_TORCH_DTYPES,
     AwqModule,
