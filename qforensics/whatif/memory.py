@@ -7,7 +7,7 @@ their stored width, floating tensors at most 2 bytes per element, because vLLM l
 bfloat16 (``--dtype bfloat16``; an llmcompressor checkpoint keeps its unquantized tensors in
 float32, which would otherwise count double). ``stored_bytes`` is the plain sum of the tensors
 as stored. The reference is the unquantized bfloat16 checkpoint of the same model
-(`qforensics.whatif.through_vllm._base_state`), counted the same way.
+(`qforensics.whatif.checkpoints.base_state`), counted the same way.
 
 Schemes with no checkpoint format (the project's fake-quant ``w:`` / ``act:`` specs) have no
 memory figure: they are measured by the HF path only.
@@ -81,7 +81,7 @@ def checkpoint_memory(model: Any, tokenizer: Any, schemes: list[Any], *,
     ``llmc:`` ones in ``prebuilt``), each written as ``--engine vllm`` writes it, counted, and
     removed. What cannot be written gets ``{"error": why}``."""
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
-    from qforensics.whatif.through_vllm import _base_state, write_checkpoint
+    from qforensics.whatif.checkpoints import base_state, write_checkpoint
 
     todo = [s for s in schemes if s.library in ("awq", "compressed-tensors")
             or s.label in (prebuilt or {})]
@@ -90,7 +90,7 @@ def checkpoint_memory(model: Any, tokenizer: Any, schemes: list[Any], *,
     out: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-mem-") as tmp:
         work = Path(tmp)
-        base = _base_state(model)
+        base = base_state(model)
         say("memory: writing the bfloat16 checkpoint and each scheme's, to count their weights")
         ref = served_weight_bytes(_save_folder(work / "ref-bf16", base[0], dict(base[1]),
                                                tokenizer))

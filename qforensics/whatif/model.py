@@ -26,7 +26,8 @@ from typing import Any
 
 from qforensics.errors import ModelNotAvailableError, UsageError
 
-__all__ = ["ModelSource", "describe_mismatch", "load_model_source", "resolve_model_source"]
+__all__ = ["ModelSource", "describe_mismatch", "load_demo", "load_model_source",
+           "resolve_model_source"]
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +154,22 @@ def _factory(spec: str) -> Any:
     return fn()
 
 
+_DEMO: tuple[Any, Any] | None = None
+
+
+def load_demo() -> tuple[Any, Any]:
+    """(model, tokenizer) of the demo model, loaded once per process (qforensics.demo.model)."""
+    global _DEMO
+    if _DEMO is None:
+        from qforensics.demo.model import load_model
+
+        _DEMO = load_model()
+    return _DEMO
+
+
 def load_model_source(src: ModelSource) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) for ``src``. Offline: nothing is fetched from a hub."""
     if src.kind == DEMO:
-        from qforensics.whatif.run import load_demo
-
         return load_demo()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -170,8 +182,6 @@ def load_model_source(src: ModelSource) -> tuple[Any, Any]:
 
             try:
                 if Path(src.value).resolve() == gguf_path().resolve():
-                    from qforensics.whatif.run import load_demo
-
                     return load_demo()  # the demo's GGUF: its cached conversion
             except ModelNotAvailableError:
                 pass

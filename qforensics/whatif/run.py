@@ -31,6 +31,7 @@ from importlib import resources
 from typing import Any
 
 from qforensics.errors import UsageError
+from qforensics.whatif.model import load_demo
 from qforensics.whatif.recommend import Target, parse_target
 from qforensics.whatif.results import SchemeResult, WhatIfResult
 from qforensics.whatif.schemes import (
@@ -51,19 +52,6 @@ __all__ = ["TABLE_SCHEMES", "SchemeResult", "Target", "WhatIf", "WhatIfResult", 
 TEXT_RESOURCE = "perplexity.txt"
 
 # -- model and inputs ---------------------------------------------------------------------------
-_DEMO: tuple[Any, Any] | None = None
-
-
-def load_demo() -> tuple[Any, Any]:
-    """(model, tokenizer) of the demo model, loaded once per process (qforensics.demo.model)."""
-    global _DEMO
-    if _DEMO is None:
-        from qforensics.demo.model import load_model
-
-        _DEMO = load_model()
-    return _DEMO
-
-
 def reference_text() -> str:
     """The fixed English text the perplexity is measured on (shipped in qforensics/data)."""
     return resources.files("qforensics").joinpath("data", TEXT_RESOURCE).read_text("utf-8")

@@ -64,6 +64,36 @@ def parse_keep_salient(text: str | float | None) -> float | None:
     return val
 
 
+# -- llmc: specs (llmcompressor's calibration, in its own venv: qforensics.whatif.llmc) -------
+LLMC_SPEC = re.compile(r"^(?:llmc|llmcompressor):(GPTQ|SQ)-([A-Za-z0-9_]+?)(?:-g(\d+))?$",
+                       re.IGNORECASE)
+_ALGO = {"GPTQ": "gptq", "SQ": "sq-gptq"}
+
+
+def parse_llmc(spec: str) -> WhatIfScheme | None:
+    """The `WhatIfScheme` of an ``llmc:`` spec (llmcompressor's calibration, run by
+    qforensics.whatif.llmc), None when ``spec`` is not one."""
+    m = LLMC_SPEC.match(spec.strip())
+    if m is None:
+        if re.match(r"^(llmc|llmcompressor):", spec.strip(), re.IGNORECASE):
+            raise UsageError(f"{spec}: expected llmc:GPTQ-PRESET[-g<N>] (llmc:GPTQ-W4A16-g64) "
+                             "or llmc:SQ-W8A8 (SmoothQuant + GPTQ)")
+        return None
+    from qforensics.whatif.library import check_compressed_tensors_preset
+
+    algo, name, group = m.group(1).upper(), m.group(2).upper(), m.group(3)
+    preset = name + (f"-g{int(group)}" if group else "")
+    scheme = check_compressed_tensors_preset(preset)
+    if str(getattr(scheme.weights.type, "value", scheme.weights.type)) != "int":
+        raise UsageError(f"{spec}: GPTQ calibrates integer weights; {name} is "
+                         f"{scheme.weights.type} (measure it with ct:{name})")
+    if algo == "SQ" and scheme.input_activations is None:
+        raise UsageError(f"{spec}: SmoothQuant moves activation outliers into the weights, for "
+                         f"schemes that quantize activations (llmc:SQ-W8A8); {name} does not")
+    return WhatIfScheme(f"llmc:{algo}-{preset}", library="llmcompressor", preset=preset,
+                        algo=_ALGO[algo])
+
+
 def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfScheme:
     """Parse ``[w:|act:]SPEC[+[w:|act:]SPEC]``.
 
@@ -76,8 +106,6 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
 
     if not isinstance(spec, str) or not spec.strip():
         raise QuantSchemeError("empty what-if scheme; e.g. int4-g128 or act:fp8-e4m3-nosat")
-    from qforensics.whatif.llmc import parse_llmc
-
     llmc = parse_llmc(spec)  # llmcompressor's calibration, in its own venv (whatif.llmc)
     if llmc is not None:
         return llmc
@@ -97,7 +125,7 @@ def parse_whatif_scheme(spec: str, keep_salient: float | None = None) -> WhatIfS
         preset = re.sub(r"-G(\d+)$", r"-g\1", lib.group(2).upper())
         check_compressed_tensors_preset(preset)
         return WhatIfScheme(f"ct:{preset}", library="compressed-tensors", preset=preset)
-    from qforensics.whatif.through_vllm import awq_group
+    from qforensics.whatif.checkpoints import awq_group
 
     group = awq_group(spec)
     if group is not None:  # AWQ W4A16: the published format, also servable by vLLM

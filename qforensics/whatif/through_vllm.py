@@ -36,77 +36,26 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qforensics.errors import UsageError
 from qforensics.whatif.speed import SpeedPlan, SpeedTimer
-from qforensics.whatif.vllm_engine import ServedEngine, VllmRunError, wait_group
+from qforensics.whatif.checkpoints import (  # noqa: F401  (awq:'s own, named here too)
+    AWQ_SPEC,
+    applied_awq,
+    awq_group,
+    base_state,
+    check_awq_fits,
+    write_checkpoint,
+)
+from qforensics.whatif.memory import memory_figures, served_weight_bytes
+from qforensics.whatif.vllm_engine import ServedEngine, VllmRunError, root_cause, wait_group
 
 __all__ = ["AWQ_SPEC", "VllmRunError", "applied_awq", "attach_vllm_figures", "awq_group",
            "check_awq_fits", "measure_through_vllm", "resolve_vllm_python", "wait_group",
            "write_checkpoint"]
-
-AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
-DEFAULT_GROUP = 128
-_SKIP = ("lm_head",)
-
-
-def awq_group(spec: str) -> int | None:
-    """The group size of an ``awq:w4a16[-gN]`` spec, None when ``spec`` is not one."""
-    m = AWQ_SPEC.match(spec.strip())
-    if m is None:
-        return None
-    g = int(m.group(1) or DEFAULT_GROUP)
-    if g < 8 or g % 2:
-        raise UsageError(f"{spec}: the AWQ group size must be an even number >= 8")
-    return g
-
-
-def _linears(model: Any) -> list[tuple[str, Any]]:
-    from torch import nn
-
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in _SKIP]
-
-
-def check_awq_fits(model: Any, group: int) -> None:
-    """UsageError naming the first Linear AWQ's layout cannot hold (K % G, N % 8)."""
-    lin = _linears(model)
-    if not lin:
-        raise UsageError("awq:w4a16: the model has no Linear layers to quantize")
-    for name, m in lin:
-        n, k = m.weight.shape
-        if k % group or n % 8:
-            raise UsageError(f"awq:w4a16-g{group}: {name} has in_features={k}, out_features="
-                             f"{n}; AWQ needs in_features % {group} == 0 and out_features % 8 "
-                             "== 0 (try another group, e.g. awq:w4a16-g64)")
-
-
-@contextlib.contextmanager
-def applied_awq(model: Any, group: int) -> Iterator[None]:
-    """Every Linear but lm_head carries the AWQ checkpoint's dequantized weight (restored on
-    exit)."""
-    import torch
-
-    from qforensics.demo.vllm_checkpoints import awq_dequantize, awq_quantize
-
-    check_awq_fits(model, group)
-    saved = []
-    try:
-        with torch.no_grad():
-            for _name, m in _linears(model):
-                w = m.weight
-                saved.append((w, w.detach().clone()))
-                d = awq_dequantize(*awq_quantize(w.detach().float(), group), group=group)
-                w.copy_(d.to(w.dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for w, orig in saved:
-                w.copy_(orig)
-
 
 def resolve_vllm_python(given: str | None) -> str:
     """The Python that runs vLLM: --vllm-python, else this one when vLLM imports here."""
@@ -122,87 +71,7 @@ def resolve_vllm_python(given: str | None) -> str:
     return sys.executable
 
 
-# -- checkpoints ---------------------------------------------------------------------------------
-def _base_state(model: Any) -> tuple[dict, dict]:
-    """(bfloat16 state dict, config dict) of an HF causal LM as vLLM loads it: a tied lm_head
-    is left to the embedding, GGUF / quantization configs are dropped."""
-    import torch
-
-    cfg = model.config.to_dict()
-    for k in ("quantization_config", "dtype", "_name_or_path"):
-        cfg.pop(k, None)
-    cfg["torch_dtype"] = "bfloat16"
-    if not cfg.get("architectures"):  # a model built from a config: vLLM picks the class by it
-        cfg["architectures"] = [type(model).__name__]
-    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = out_emb is not None and in_emb is not None and \
-        out_emb.weight.data_ptr() == in_emb.weight.data_ptr()
-    if tied:
-        cfg["tie_word_embeddings"] = True
-        for k in [k for k in sd if k.endswith("lm_head.weight")]:
-            del sd[k]
-    return sd, cfg
-
-
-def _write_awq(model: Any, tokenizer: Any, group: int, base: tuple[dict, dict], dst: Path
-               ) -> Path:
-    """An AWQ W4A16 folder (AutoAWQ's GEMM layout, ``group`` input rows per scale)."""
-    from qforensics.demo.vllm_checkpoints import awq_quantize
-    from qforensics.demo.vllm_model import save_model_folder as _save_folder
-
-    sd, cfg = base
-    q = dict(sd)
-    for name, _ in _linears(model):
-        w = q.pop(f"{name}.weight")
-        q[f"{name}.qweight"], q[f"{name}.qzeros"], q[f"{name}.scales"] = awq_quantize(w, group)
-    c = dict(cfg)
-    c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                "zero_point": True, "version": "gemm",
-                                "modules_to_not_convert": None}
-    return _save_folder(dst, q, c, tokenizer)
-
-
-def write_checkpoint(model: Any, tokenizer: Any, scheme: Any, base: tuple[dict, dict],
-                     work: Path) -> tuple[Path, dict[str, Any]]:
-    """(HF folder vLLM serves for ``scheme``, what the writer says about it): an AWQ folder
-    for ``awq:``, a compressed-tensors one written by the library for ``ct:``
-    (`qforensics.whatif.ct_checkpoint`)."""
-    dst = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", scheme.label)
-    if scheme.library == "awq":
-        return _write_awq(model, tokenizer, scheme.awq_group, base, dst), {}
-    if scheme.library == "compressed-tensors":
-        from qforensics.whatif.ct_checkpoint import write_ct_checkpoint
-
-        folder, n = write_ct_checkpoint(model, tokenizer, scheme.preset, base, dst)
-        return folder, {"hf_quantized_linears": n}
-    raise UsageError(f"{scheme.label}: vLLM serves published checkpoint formats (awq:, ct:)")
-
-
 # -- serving (qforensics.whatif.vllm_engine) --------------------------------------------------
-
-_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \S+ \S+ \[[^\]]*\] ?")
-_RAISED = re.compile(r"^(?:[\w.]+(?:Error|Exception)|Exception): ")
-_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed")
-
-
-def root_cause(stderr: str) -> str:
-    """vLLM's own words for why it failed: the first exception raised that is not one of its
-    wrappers ("Engine core initialization failed"), with the lines it continues on (a kernel
-    table's reasons); else the last lines of stderr."""
-    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in stderr.splitlines()]
-    for i, ln in enumerate(lines):
-        if _RAISED.match(ln) and not any(w in ln for w in _WRAPPERS):
-            more = []
-            for nxt in lines[i + 1:i + 6]:
-                if not nxt.startswith(" ") or nxt.lstrip().startswith(("File ", "Traceback")):
-                    break
-                more.append(nxt.strip())
-            return " | ".join([ln.strip(), *more])[:900]
-    return " | ".join(ln.strip() for ln in lines[-4:] if ln.strip())[-600:]
-
-
 def _ppl(logprobs: list[float]) -> float:
     if not logprobs or not all(math.isfinite(v) for v in logprobs):
         return float("nan")
@@ -225,12 +94,11 @@ def measure_through_vllm(model: Any, tokenizer: Any, schemes: list[Any], text_id
     ``plan``: the speed rounds, interleaved with the bf16 engine's (`qforensics.whatif.speed`;
     None: no speed figures)."""
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
-    from qforensics.whatif.memory import memory_figures, served_weight_bytes
 
     with tempfile.TemporaryDirectory(prefix="qforensics-whatif-vllm-") as tmp, \
             contextlib.ExitStack() as stack:
         work = Path(tmp)
-        base = _base_state(model)
+        base = base_state(model)
         progress(f"vLLM: writing the bfloat16 checkpoint into {work}")
         ref_dir = _save_folder(work / "ref-bf16", base[0], dict(base[1]), tokenizer)
         ref_bytes = served_weight_bytes(ref_dir)

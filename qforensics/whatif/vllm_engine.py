@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -43,6 +44,27 @@ def wait_group(proc: subprocess.Popen, timeout: float) -> int | None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return rc
+
+
+_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \S+ \S+ \[[^\]]*\] ?")
+_RAISED = re.compile(r"^(?:[\w.]+(?:Error|Exception)|Exception): ")
+_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed")
+
+
+def root_cause(stderr: str) -> str:
+    """vLLM's own words for why it failed: the first exception raised that is not one of its
+    wrappers ("Engine core initialization failed"), with the lines it continues on (a kernel
+    table's reasons); else the last lines of stderr."""
+    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in stderr.splitlines()]
+    for i, ln in enumerate(lines):
+        if _RAISED.match(ln) and not any(w in ln for w in _WRAPPERS):
+            more = []
+            for nxt in lines[i + 1:i + 6]:
+                if not nxt.startswith(" ") or nxt.lstrip().startswith(("File ", "Traceback")):
+                    break
+                more.append(nxt.strip())
+            return " | ".join([ln.strip(), *more])[:900]
+    return " | ".join(ln.strip() for ln in lines[-4:] if ln.strip())[-600:]
 
 
 class ServedEngine:
@@ -83,8 +105,6 @@ class ServedEngine:
         return json.loads(path.read_text())
 
     def _why(self) -> str:
-        from qforensics.whatif.through_vllm import root_cause
-
         why = root_cause(self.log.read_text(errors="replace"))
         if "execute_model timed out" in why:  # a forward slower than vLLM's RPC limit
             why += (f" (one forward took longer than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="

@@ -23,7 +23,7 @@ from qforensics.whatif.library import (
     applied_compressed_tensors,
     check_compressed_tensors_preset,
 )
-from qforensics.whatif.through_vllm import _base_state
+from qforensics.whatif.checkpoints import base_state
 
 
 def _expected_linears(model, group: int | None) -> dict[str, tuple[int, int]]:
@@ -75,7 +75,7 @@ def test_w4a16_g64_folder_has_the_published_layout_and_decompresses_to_the_hf_we
     bits, group = scheme.weights.num_bits, scheme.weights.group_size
     assert (bits, group) == (4, 64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    base = _base_state(model)
+    base = base_state(model)
     folder, n = write_ct_checkpoint(model, tok, "W4A16-g64", base, tmp_path / "ct")
     want = _expected_linears(model, group)
     assert n == len(want) == 7 * model.config.num_hidden_layers  # q k v o gate up down
@@ -172,7 +172,7 @@ def test_mixed_recipe_writes_one_config_group_per_part_and_keeps_the_ignored_lin
     mlp = {n for n in lin if ".mlp." in n} - {"model.layers.11.mlp.down_proj"}
     attn = {n for n in lin if ".self_attn." in n}
     assert len(mlp) == 3 * layers - 1 and len(attn) == 4 * layers
-    folder, n = write_ct_checkpoint(model, tok, MIXED, _base_state(model), tmp_path / "mixed")
+    folder, n = write_ct_checkpoint(model, tok, MIXED, base_state(model), tmp_path / "mixed")
     assert n == len(mlp) + len(attn)
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     groups = list(qc["config_groups"].values())

@@ -14,7 +14,7 @@ from torch import nn
 from qforensics.errors import QForensicsError
 from qforensics.whatif.memory import checkpoint_memory, served_weight_bytes
 from qforensics.whatif.run import parse_whatif_scheme
-from qforensics.whatif.through_vllm import _base_state, write_checkpoint
+from qforensics.whatif.checkpoints import base_state, write_checkpoint
 
 
 def _sums(folder) -> tuple[int, int]:
@@ -75,7 +75,7 @@ def _linears(model) -> dict[str, tuple[int, int]]:
 def test_w4a16_g64_ratio_matches_the_format_and_the_written_tensors(tiny, tmp_path) -> None:
     from qforensics.demo.vllm_model import save_model_folder as _save_folder
 
-    base = _base_state(tiny)
+    base = base_state(tiny)
     ref_dir = _save_folder(tmp_path / "ref", base[0], dict(base[1]), _Tok())
     ref_served, _ = _sums(ref_dir)
     assert ref_served == 2 * sum(v.numel() for v in base[0].values())  # all bf16
