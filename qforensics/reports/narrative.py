@@ -1,8 +1,8 @@
 """The words of the report: the causal chain (one paragraph); the recommendations are in
 `qforensics.reports.recommendations`.
 
-Text is built as a list of `Segment`s (plain text plus a style: code, number, bad) so the
-template can emphasize module names and numbers while escaping every piece: nothing here is
+Text is built as a list of `Segment`s (qforensics.reports.segments: plain text plus a style) so
+the template can emphasize module names and numbers while escaping every piece: nothing here is
 HTML, and trace strings stay plain text. No torch import.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 
 from qforensics.analyze.findings import (
     PASSED,
@@ -21,31 +20,19 @@ from qforensics.analyze.findings import (
 from qforensics.analyze.quantization import ModuleQuant
 from qforensics.analyze.views import format_limit
 from qforensics.reports.facts import Health, Outcome, fmt_num
+from qforensics.reports.segments import Segment
+from qforensics.reports.segments import code as _c
+from qforensics.reports.segments import joined as _join
+from qforensics.reports.segments import num as _n
+from qforensics.reports.segments import plain as _t
 
 __all__ = [
     "Segment",
     "active_scheme",
     "causal_chain",
     "format_limit",
+    "scheme_key",
 ]
-
-
-@dataclass(frozen=True)
-class Segment:
-    text: str
-    kind: str = ""  # "" | "code" | "num" | "bad"
-
-
-def _c(s: str) -> Segment:
-    return Segment(str(s), "code")
-
-
-def _n(v: object) -> Segment:
-    return Segment(v if isinstance(v, str) else fmt_num(v), "num")
-
-
-def _t(s: str) -> Segment:
-    return Segment(s)
 
 
 def active_scheme(quant: dict[str, ModuleQuant], outcome: Outcome, target: str) -> str | None:
@@ -57,22 +44,13 @@ def active_scheme(quant: dict[str, ModuleQuant], outcome: Outcome, target: str) 
     return outcome.activations if target == "activations" else outcome.weights
 
 
-def _scheme_key(fmt: str) -> str:
+def scheme_key(fmt: str) -> str:
     """'fp8-e4m3-nosat' -> 'fp8-e4m3' (the analyzer's damage scheme names)."""
     return fmt.replace("-nosat", "").replace("e4m3fn", "e4m3")
 
 
 def _step_word(step: int) -> str:
     return "the prefill" if step == 0 else f"decode step {step}"
-
-
-def _join(items: list[list[Segment]], last: str = " and ") -> list[Segment]:
-    out: list[Segment] = []
-    for i, it in enumerate(items):
-        if i:
-            out.append(_t(last if i == len(items) - 1 else ", "))
-        out.extend(it)
-    return out
 
 
 def _repeated_unit(text: str) -> tuple[str, int] | None:
@@ -227,7 +205,7 @@ def _why_scheme(findings: Findings, module: str, mine: list, quant: dict[str, Mo
                     _c(cast["e4m3fn"][:40]), _t("; the failing path used a non-saturating "
                                                  "conversion.) ")]
     elif fmt and fmt.startswith("int"):
-        d = _damage_for(findings, module, _scheme_key(fmt))
+        d = _damage_for(findings, module, scheme_key(fmt))
         out += [_c(module), _t(" quantizes its " + (q.target or "input") + " with "),
                 _c(fmt), _t(". ")]
         if d is not None:
@@ -260,7 +238,7 @@ def _silent_causes(findings: Findings, quant: dict[str, ModuleQuant], health: He
             out += [_c(wfmt), _t("). ")]
     afmt = active_scheme(quant, outcome, "activations")
     if afmt and "activation_scheme_zeroes" not in said and "static_range_overrun" not in said:
-        u = _unsafe_for(findings, _scheme_key(afmt))
+        u = _unsafe_for(findings, scheme_key(afmt))
         n_act = sum(1 for q in quant.values() if q.target == "activations")
         out += [_t("Activations run through "), _c(afmt)]
         out += [_t(f" in {n_act} modules")] if n_act else []

@@ -11,17 +11,13 @@ from dataclasses import dataclass, field
 from qforensics.analyze.findings import FAILED, PASSED, Findings, UnsafeModules
 from qforensics.analyze.quantization import ModuleQuant
 from qforensics.reports.facts import Health, Outcome
-from qforensics.reports.narrative import (
-    Segment,
-    _c,
-    _join,
-    _n,
-    _scheme_key,
-    _t,
-    active_scheme,
-    format_limit,
-)
+from qforensics.reports.narrative import active_scheme, format_limit, scheme_key
 from qforensics.reports.replay_result import ReplaySummary
+from qforensics.reports.segments import Segment
+from qforensics.reports.segments import code as _c
+from qforensics.reports.segments import joined as _join
+from qforensics.reports.segments import num as _n
+from qforensics.reports.segments import plain as _t
 
 __all__ = ["Recommendation", "recommendations"]
 
@@ -107,7 +103,7 @@ def recommendations(findings: Findings, quant: dict[str, ModuleQuant], health: H
              _t(" of "), _c(focus), _t(" in FP16 (" + str(len(chans)) + " of "),
              _n(total), _t(f" channels; a {pct} salient-channel budget covers them) and quantize "
                            "the rest.")],
-            [f"qforensics whatif {T} --scheme {_q(_scheme_key(scheme))} --keep-salient {pct}"]))
+            [f"qforensics whatif {T} --scheme {_q(scheme_key(scheme))} --keep-salient {pct}"]))
     per_tensor = [u for u in findings.unsafe if "per-tensor" in u.scheme and u.n_unsafe]
     weights_zeroed = health.mostly_zero > 0
     int_active = any(f and f.startswith("int") for f in (afmt, wfmt))
