@@ -17,7 +17,7 @@ import click
 from qforensics.cli.options import capture_kwargs, capture_options
 from qforensics.errors import QForensicsError
 
-BOOTSTRAP = Path(__file__).resolve().parent.parent / "hooks" / "_bootstrap"
+BOOTSTRAP = Path(__file__).resolve().parent.parent / "_bootstrap"
 
 
 def _env(out: str, opts: dict[str, Any], attach: str, guard: str | None,
