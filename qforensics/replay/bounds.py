@@ -141,19 +141,18 @@ def _exact(stored: str | None, into: str) -> bool:
     return stored is not None and stored in _EXACT_IN.get(into, ())
 
 
-def _cuda_flag(name: str) -> bool | None:
-    try:
-        import torch
-
-        return bool(getattr(torch.backends.cuda.matmul, name))
-    except Exception:  # no torch, or a torch without the flag
-        return None
-
-
 def model_for(kernel: str, device: str, meta: dict[str, Any], *, x_stored: str | None = None,
-              w_stored: str | None = None) -> tuple[BoundModel | None, str]:
+              w_stored: str | None = None, cuda_flags: dict[str, bool] | None = None
+              ) -> tuple[BoundModel | None, str]:
     """The bound model of one of qforensics' torch kernels on `device` (x_stored, w_stored: the
-    bundle's dtypes of x and a dense weight); (None, why) without one."""
+    bundle's dtypes of x and a dense weight; cuda_flags: torch.backends.cuda.matmul's flags in
+    the process that runs the kernel, `torch_kernels.cuda_matmul_flags`, read there so that
+    this module stays torch-free); (None, why) without one."""
+    flags = cuda_flags or {}
+
+    def _cuda_flag(name: str) -> bool | None:
+        return flags.get(name)
+
     cd = str(meta.get("compute_dtype") or "float32").replace("torch.", "")
     if kernel == "torch-scaled-mm":
         if device == "cuda":

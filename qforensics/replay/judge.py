@@ -19,7 +19,7 @@ import numpy as np
 from qforensics.replay.bundle import Bundle
 from qforensics.layouts.fp8 import FP8_MAX
 from qforensics.replay.bounds import BoundModel, model_for
-from qforensics.replay.torch_kernels import KERNELS
+from qforensics.replay.torch_kernels import KERNELS, cuda_matmul_flags
 from qforensics.replay.verdict import ReplayResult, Verdict
 
 _TOP = 5
@@ -91,7 +91,8 @@ def _resolve_bound(bundle: Bundle, kernel_name: str, kernel: str | None, device:
     x = bundle.tensors.get("x")
     w = bundle.tensors.get("weight")
     return model_for(kid, dev, bundle.meta, x_stored=str(x.dtype) if x is not None else None,
-                     w_stored=str(w.dtype) if w is not None and bundle.layout.name == "dense" else None)
+                     w_stored=str(w.dtype) if w is not None and bundle.layout.name == "dense" else None,
+                     cuda_flags=cuda_matmul_flags() if dev == "cuda" else None)
 
 
 def _weight_magnitudes(bundle: Bundle, w_kn: np.ndarray, model: BoundModel) -> np.ndarray:

@@ -36,6 +36,18 @@ def _torch() -> Any:
     return torch
 
 
+def cuda_matmul_flags() -> dict[str, bool]:
+    """torch.backends.cuda.matmul's precision flags in this process (those a bound model reads:
+    replay/bounds.py): {} without torch."""
+    try:
+        mm = _torch().backends.cuda.matmul
+    except Exception:  # noqa: BLE001 - no torch: no flags
+        return {}
+    names = ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+             "allow_bf16_reduced_precision_reduction")
+    return {n: bool(getattr(mm, n)) for n in names if hasattr(mm, n)}
+
+
 def torch_available() -> tuple[bool, str]:
     try:
         torch = _torch()
