@@ -90,6 +90,7 @@ class AdapterCalls:
     if TYPE_CHECKING:
         def _end_step(self, complete: bool) -> None: ...
         def _degrade(self, exc: BaseException) -> None: ...
+        def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool: ...
 
     @property
     def recording(self) -> bool:
@@ -120,8 +121,10 @@ class AdapterCalls:
         return ci
 
     def take(self, call: int, module_id: int, io: int, slot: int, tensor: torch.Tensor) -> None:
-        """Record `tensor` as input or output (`io`) `slot` of `call` of `module_id` (no sync)."""
-        self._pending.take(call, module_id, io, slot, tensor)
+        """Record `tensor` as input or output (`io`) `slot` of `call` of `module_id` (no sync):
+        in compiled mode through the stats op into the ring (hooks/graphmode.py)."""
+        if not self._graph_take(module_id, io, slot, tensor):
+            self._pending.take(call, module_id, io, slot, tensor)
 
     def set_logits(self, logits: torch.Tensor) -> None:
         """The step's logits, for its summary (the root's output when the adapter records it)."""

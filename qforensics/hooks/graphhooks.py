@@ -39,11 +39,18 @@ def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
                                cap, tok, e)
 
 
-def record_root(gs: GraphStats, mid: int, bound: int, logits: torch.Tensor) -> None:
-    """The logits (the root's output, outside the compiled region) into the ring through the
-    same op; their record's call index follows the step's compiled calls (`collect`)."""
-    gs.root_mid = mid
-    _record(gs, gs.key, mid, schema.IO_OUTPUT, 0, bound, logits)
+def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
+                   t: torch.Tensor) -> bool:
+    """A tensor of a call outside the compiled region (the logits; vLLM's lm_head and row
+    flags) into the ring through the same op, eagerly; its call index follows the step's
+    compiled calls, modules in the order of their first such call (`collect`). False: a
+    dtype the op does not take (the caller records it its own way)."""
+    if not t.is_floating_point():
+        return False
+    if mid not in gs.outside:
+        gs.outside[mid] = len(gs.outside)
+    _record(gs, gs.key, mid, io, slot, bound, t)
+    return True
 
 
 def _is_int(dt: torch.dtype) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from qforensics.hooks import graphhooks, graphstats, reduce
+from qforensics.trace import schema
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
@@ -141,8 +142,6 @@ class GraphMode:
         self._graph_step = self.step
         self._graph_first = self._next_call
         self._next_call += len(gs.call_order())
-        if not self.adapter.logits_from_root:  # the engine's logits: no op of ours follows
-            gs.start_copy()
 
     def _graph_part(self) -> dict[str, Any] | None:
         """This step's records from the static buffers (assemble.assemble_records' layout)."""
@@ -152,25 +151,31 @@ class GraphMode:
         return self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
 
     # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------
-    def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool:
-        """The logits through the stats op, into the ring (True), when this step is all the
-        ring's: compiled mode, the logits from the root, nothing taken by an eager hook."""
+    def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool:
+        """A tensor of a call outside the compiled region (the root's logits; an engine
+        adapter's takes: vLLM's lm_head, row flags) through the stats op into the ring (True),
+        in compiled mode while nothing of the step went the eager way."""
         gs = self._gs
-        if gs is None or not logits.is_floating_point() or len(self._pending) \
-                or not self.adapter.logits_from_root:
+        if gs is None or len(self._pending) or not graphhooks.record_outside(
+                gs, mid, io, slot, int(self.options["channel_limit"]), t):
             return False
-        graphhooks.record_root(gs, root_id, int(self.options["channel_limit"]), logits)
         self._graph_lane = self.step
         return True
 
+    def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool:
+        return self._graph_take(root_id, schema.IO_OUTPUT, 0, logits)
+
     def _graph_owns_step(self) -> bool:
-        """The step's records are all in the ring (`_graph_root` took its logits, or it had
-        none) and nothing eager is pending."""
-        return (self._gs is not None and self.adapter.logits_from_root
-                and getattr(self, "_graph_lane", -1) == self.step and not len(self._pending))
+        """The step's records are all in the ring (`_graph_take` took what it had outside
+        the graph) and nothing eager is pending."""
+        return (self._gs is not None and getattr(self, "_graph_lane", -1) == self.step
+                and not len(self._pending))
 
     def _graph_late(self) -> bool:
-        return self._gs is not None and (self._gs.device.type != "cpu" or LATE_ON_CPU)
+        """Emit a step at the end of the next one: a GPU, with the logits from the root (an
+        engine's own tables are written at once, so its steps are too)."""
+        return self._gs is not None and self.adapter.logits_from_root and (
+            self._gs.device.type != "cpu" or LATE_ON_CPU)
 
     def _graph_end(self, complete: bool) -> None:
         """End a step the ring holds: the host notes what it knows (times, calls, incidents,
@@ -185,7 +190,7 @@ class GraphMode:
         if self._graph_late():
             gs.put_step_extras(self.step, reduce.exact_logits(logits)
                                if logits is not None else None, ids)
-            gs.start_copy(self.step)
+            gs.start_copy(self.step)  # the slot, its calls outside the graph included
         else:
             if logits is not None:
                 row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)

@@ -100,7 +100,9 @@ class GraphStats:
         self._event: dict[int, Any] = {}
         self._copied: dict[int, int] = {}
         self._step = 0  # the step of the last `begin`
-        self.root_mid: int | None = None  # the logits' entry (recorded outside the graph)
+        # modules recorded outside the graph (the logits; vLLM's lm_head), in the order of
+        # their calls after the compiled ones: module id -> rank
+        self.outside: dict[int, int] = {}
         # outside the graph, per slot: the logits' 18 figures (reduce.exact_logits) and the
         # step's input ids (their count in `ids_n`), read with the slot
         self.figs = torch.full((self.slots, LOGITS_FIGURES), float("nan"), dtype=torch.float32,
@@ -270,8 +272,9 @@ class GraphStats:
         order = self.call_order()
         rank = np.zeros(int(max(order + [int(mids.max())])) + 1, np.int64)
         rank[order] = np.arange(len(order))
-        if self.root_mid is not None:  # the logits' call comes after the compiled ones
-            rank[self.root_mid] = len(order)
+        for mid, k in self.outside.items():  # their calls come after the compiled ones
+            if mid < len(rank):
+                rank[mid] = len(order) + k
         rec["call_index"] = first_call + rank[mids]
         rec["step"] = step
         rec["module_id"] = mids
@@ -346,12 +349,12 @@ class GraphStats:
         return got
 
     def call_order(self) -> list[int]:
-        """Modules in the order their hooks first ran (each module's call once a step); the
-        root (the logits' entry, recorded outside the graph) left out."""
+        """Modules in the order their hooks first ran (each module's call once a step); those
+        recorded outside the graph (`outside`) left out."""
         if self._order is None:
             seen: dict[int, None] = {}
             for e in self.entries:
-                if e.mid != self.root_mid:
+                if e.mid not in self.outside:
                     seen.setdefault(e.mid, None)
             self._order = list(seen)
         return self._order
