@@ -13,7 +13,9 @@ phase, then the comparison:
 - the kernels Inductor generated, and the stats-op calls in its output code (capture's cost
   in the graph: at most one call per recorded tensor, no generated kernel);
 - the host time capture adds per step: its step hooks (begin, end, records, writer hand-off),
-  which run outside the graph;
+  which run outside the graph, as wall time and as this thread's CPU time;
+- on a loaded machine wall times wander: each step's CPU time (all threads of the process) is
+  printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
 - on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
 With `--nan` the captured phase then goes on for NAN_STEPS more steps, with one row of the last
@@ -84,7 +86,7 @@ def child(a: argparse.Namespace) -> dict:
     steps = a.tokens + (NAN_STEPS if a.nan and a.phase == "captured" else 0)
     width = len(ids0) + steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    host = [0.0, 0]
+    host = [0.0, 0, 0.0]  # wall s, calls, this thread's CPU s
     host_timed = None
     out: dict = {"phase": a.phase, "model": how, "device": a.device, "dtype": a.dtype,
                  "layers": model.config.num_hidden_layers, "tokens": a.tokens}
@@ -96,12 +98,13 @@ def child(a: argparse.Namespace) -> dict:
             orig = getattr(CallHooks, name)
 
             def timed(*args, _f=orig, **kw):  # noqa: ANN002, ANN003, ANN202
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return _f(*args, **kw)
                 finally:
                     host[0] += time.perf_counter() - t0
                     host[1] += 1
+                    host[2] += time.thread_time() - c0
             setattr(CallHooks, name, timed)
     comp = torch.compile(model, mode=a.mode)
     tmp = tempfile.mkdtemp(prefix="qf-compiled-bench-")
@@ -111,7 +114,7 @@ def child(a: argparse.Namespace) -> dict:
         ctx.__enter__()
     x = torch.zeros((1, width), dtype=torch.long, device=dev)
     x[0, :len(ids0)] = torch.tensor(ids0, device=dev)
-    n, toks, times = len(ids0), [], []
+    n, toks, times, cpu = len(ids0), [], [], []
     with torch.no_grad():
         for i in range(steps):
             if i == a.tokens:
@@ -119,14 +122,15 @@ def child(a: argparse.Namespace) -> dict:
                 w[NAN_ROW].fill_(float("nan"))  # in place, as a kernel's stray store would
             sync()
             if i == 1:
-                host[0], host[1] = 0.0, 0  # the first step's attach and compile left out
+                host[:] = [0.0, 0, 0.0]  # the first step's attach and compile left out
             if i == a.tokens:
-                host_timed = host[0]
-            t0 = time.perf_counter()
+                host_timed = (host[0], host[2])
+            t0, c0 = time.perf_counter(), time.process_time()
             logits = comp(x).logits
             nxt = int(logits[0, n - 1].float().argmax())
             sync()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             x[0, n] = nxt
             toks.append(nxt)
             n += 1
@@ -134,6 +138,8 @@ def child(a: argparse.Namespace) -> dict:
         ctx.__exit__(None, None, None)
     out["first_step_s"] = round(times[0], 3)
     out["median_ms"] = round(statistics.median(times[1:a.tokens]) * 1e3, 3)
+    # CPU time of the whole process (every thread): on a loaded machine the steadier figure
+    out["median_cpu_ms"] = round(statistics.median(cpu[1:a.tokens]) * 1e3, 3)
     out["steps_ms"] = [round(t * 1e3, 2) for t in times[1:]]
     out["tokens_out"] = toks[:a.tokens]
     out.update(_output_code())
@@ -142,8 +148,9 @@ def child(a: argparse.Namespace) -> dict:
 
         out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
     if a.phase == "captured":
-        spent = host[0] if host_timed is None else host_timed
-        out["host_ms_per_step"] = round(spent / max(1, a.tokens - 1) * 1e3, 4)
+        wall, cpu_s = (host[0], host[2]) if host_timed is None else host_timed
+        out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
+        out["host_cpu_ms_per_step"] = round(cpu_s / max(1, a.tokens - 1) * 1e3, 4)
         out.update(_trace_facts(path))
         if a.nan:
             out["nan_planted"] = {"step": a.tokens, "row": NAN_ROW, "module":
@@ -208,7 +215,9 @@ def compare(p: dict, c: dict) -> dict:
     return {
         "compile_ratio": round(c["first_step_s"] / p["first_step_s"], 3),
         "step_ratio": round(c["median_ms"] / p["median_ms"], 3),
+        "step_cpu_ratio": round(c["median_cpu_ms"] / p["median_cpu_ms"], 3),
         "host_ms_per_step": c.get("host_ms_per_step"),
+        "host_cpu_ms_per_step": c.get("host_cpu_ms_per_step"),
         "kernels_added": c["generated_kernels"] - p["generated_kernels"],
         "stats_op_calls": c["stats_op_calls"],
         "calls_per_module": round(c["stats_op_calls"] / max(1, c.get("graph_calls") or 1), 2),

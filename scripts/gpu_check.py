@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, h, fig in res:
         print(f"{'ok  ' if h else 'MISS'} {n}: {fig}")
     print(f"cause: {c.get('cause')}")
-    print(f"host ms per step {cmp['host_ms_per_step']}, stats-op calls "
+    print(f"step CPU-time ratio {cmp['step_cpu_ratio']}; host ms per step "
+          f"{cmp['host_ms_per_step']} (CPU {cmp['host_cpu_ms_per_step']}), stats-op calls "
           f"{cmp['stats_op_calls']} ({cmp['calls_per_module']} per module), kernels added "
           f"{cmp['kernels_added']}; {summary['seconds']} s")
     return 0 if all(h for _, h, _ in res) else 1
