@@ -23,6 +23,7 @@ from qforensics.analyze.badtext import (
     SameSpot,
     group_same_spots,
     mark_via_kv_cache,
+    reached_on_its_own,
     request_head,
     request_line,
 )
@@ -289,6 +290,7 @@ def classify(trace: Trace, run: RunHits, sr: StepRows, reqs: Table, hits: Table 
         out.append(b)
     if hits is not None and len(hits):
         out = sorted(out + from_hits(trace, hits, reqs, set(first)), key=lambda b: b.step)
+    reached_on_its_own(out)
     mark_via_kv_cache(out)
     spots = group_same_spots(out)
     for b in out:

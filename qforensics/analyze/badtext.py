@@ -59,13 +59,33 @@ def _ids(xs: list[str]) -> str:
 _ATTN_OUT = "self_attn.o_proj"  # its input is the attention's output (Llama-family names)
 
 
+def reached_on_its_own(bad: list[BadRequest]) -> None:
+    """Requests that went bad at one position, each when it reached it (a rotary table row, a
+    KV block boundary, a kernel that switches at a length), went bad on their own: the
+    position is the likelier cause than a request bad in the same forward or the KV cache.
+    A spread is read only at a position no other request went bad at."""
+    seen: dict[int, int] = {}
+    for b in bad:
+        if b.position is not None:
+            seen[b.position] = seen.get(b.position, 0) + 1
+    for b in bad:
+        if b.position is None or seen[b.position] < 2 \
+                or not b.kind.startswith(("possibly_", "independent")):
+            continue
+        b.kind, b.spread_from, b.spread_unnamed, b.kv_from = "independent", [], 0, []
+        b.line = request_line(b, [], {}, [])
+
+
 def mark_via_kv_cache(bad: list[BadRequest]) -> None:
     """A request on its own in its forward whose NaN/Inf appeared first in its attention's
     output, after requests went bad earlier in the run: it read KV blocks, and a freed block
     the engine did not clear (or a shared prefix block) can hold their NaN."""
     for b in bad:
         before = [x.request_id for x in bad if x.step < b.step]
-        if b.kind == "independent" and b.first_module.endswith(_ATTN_OUT) and before:
+        shared = b.position is not None and any(
+            x is not b and x.position == b.position for x in bad)
+        if b.kind == "independent" and b.first_module.endswith(_ATTN_OUT) and before \
+                and not shared:
             b.kind, b.kv_from = "possibly_via_kv_cache", before[::-1][:4]
             b.line = request_line(b, [], {}, [])
 

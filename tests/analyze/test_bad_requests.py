@@ -266,3 +266,25 @@ def test_the_report_lists_the_requests_escaped(tmp_path, name):
     assert "2 requests went bad on their own at position 64" in section
     assert section.count("independent same position") == 2
     assert f.engine.went_bad[0].request_id == name and N_MOD > 3
+
+
+def test_requests_reaching_one_bad_position_in_turn_are_not_spread(tmp_path):
+    # the rotary-table case (a NaN row of the cos/sin cache at position 20): A (17-token
+    # prompt) goes bad when it computes position 20; B (5-token prompt), served beside A,
+    # goes bad when it reaches position 20 itself, 12 steps later, in a forward where A is
+    # still bad (from layer 0 on, an earlier op than B's): each went bad on its own at the
+    # same position, which names the position, not a spread. C, later, goes bad at position
+    # 9 while A is still bad: a position no request went bad at before, so possibly spread.
+    a, b, c = Req("A", 0, 17, 40), Req("B", 0, 5, 40), Req("C", 20, 4, 20)
+    sa, sb, sc = a.step_at(20), b.step_at(20), c.step_at(9)
+    assert sb - sa == 12 and a.start + a.steps > sc > sb  # A still decodes, bad, then
+    nan = {(sa, "A"): {20: 3}, (sb, "B"): {20: 3}, (sc, "C"): {9: 5}}
+    p = tmp_path / "t.h5"
+    write_run(p, [a, b, c], 45, nan)
+    bad = _by(analyze_trace(p))
+    assert [(r, bad[r].step, bad[r].position) for r in bad] == [
+        ("A", sa, 20), ("B", sb, 20), ("C", sc, 9)]
+    assert [bad[r].kind for r in bad] == ["independent_same_position"] * 2 + [
+        "possibly_spread"]
+    assert bad["B"].spread_from == [] and bad["C"].spread_from == ["A", "B"]
+    assert f"2 {LINE} 20 (A, B; steps {sa}, {sb})" in analyze_trace(p).engine.same_spots[0].line

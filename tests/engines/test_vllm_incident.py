@@ -11,6 +11,7 @@ was healthy. bench/served_incident.py runs the same for ten minutes and more."""
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -137,11 +138,17 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
         want[by_len[s.prompt_tokens]] = ids.index(incident["token"])
     went = {w["request_id"]: w for w in doc["engine"]["went_bad"]}
     assert set(want) <= set(went)
+    shared = collections.Counter(w["position"] for w in went.values())
     first = min(went[r]["step"] for r in want)
     for rid in set(went) - set(want):
         w = went[rid]
         assert w["step"] > first and w["token"] != incident["token"], w
         assert w["first_module"].endswith(".self_attn.o_proj"), w
+        if shared[w["position"]] > 1:
+            # at a position another request went bad at too (a KV block boundary): analyze
+            # reads the position as the likelier cause (issue 42, item 5)
+            assert w["kind"] == "independent_same_position", w
+            continue
         # on its own in its forward: the KV cache; in a forward with a request already bad
         # (a healthy one reached earlier, still decoding): that one is named as a carrier
         assert w["kind"] in ("possibly_via_kv_cache", "possibly_spread"), w
@@ -151,6 +158,7 @@ def test_each_poisoned_request_went_bad_on_its_own_where_its_prompt_holds_the_wo
             assert w["spread_from"] or w["spread_unnamed"] > 0, w
             assert all(went[x]["step"] <= w["step"] for x in w["spread_from"]), w
     for rid, pos in want.items():
-        assert went[rid]["kind"] == "independent", went[rid]
+        assert went[rid]["kind"] == ("independent_same_position" if shared[pos] > 1
+                                     else "independent"), went[rid]
         assert went[rid]["position"] == pos and went[rid]["token"] == incident["token"]
         assert went[rid]["phase"] == "prefill"

@@ -140,3 +140,29 @@ def test_a_late_nan_is_found_with_its_channels_and_the_trace_stays_bounded(late_
     assert count > 100_000 and -(-count // chunk) <= 8, (count, chunk)
     f = analyze_trace(path)
     assert f.first_nonfinite is not None and f.first_nonfinite.step == bad_step
+
+
+def test_each_request_reaching_the_bad_position_went_bad_on_its_own(late_nan_run):
+    """Both requests go bad when each computes the corrupted rotary position, the later one in
+    a forward where the other is already bad: analyze names the position (one spot, both
+    requests), never a spread (issue 42, item 5). Expected from the construction: the
+    position, and from vLLM's prompts: which request reaches it first."""
+    from qforensics.analyze.analyzer import analyze_trace
+
+    res = late_nan_run["outputs"]
+    f = analyze_trace(late_nan_run["trace"])
+    eng = f.engine
+    assert eng is not None
+    went = {b.request_id: b for b in eng.went_bad}
+    assert len(went) == 2, [b.line for b in eng.went_bad]
+    assert {b.position for b in went.values()} == {BAD_POSITION}
+    assert {b.kind for b in went.values()} == {"independent_same_position"}, \
+        [b.line for b in eng.went_bad]
+    assert all(not b.spread_from and not b.kv_from for b in went.values())
+    # the shorter prompt needs more decode steps to reach the position: it goes bad later
+    steps = sorted(b.step for b in went.values())
+    lengths = sorted(len(ids) for ids in res["prompt_ids"])
+    assert steps[1] - steps[0] == lengths[1] - lengths[0]
+    (spot,) = [s for s in eng.same_spots if s.by == "position"]
+    assert spot.value == BAD_POSITION and sorted(spot.requests) == sorted(went)
+    assert "position- or length-dependent cause" in spot.line
