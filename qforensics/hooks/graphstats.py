@@ -307,14 +307,16 @@ class GraphStats:
         kept = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
         if keep_channels and kept.any():
             seg_i, idx_min, idx_max = self._gather(ran[kept], width[kept])
-            cmin = self._take(rows, seg_i, idx_min).astype(np.float64)
-            cmax = self._take(rows, seg_i, idx_max).astype(np.float64)
+            # float32 as the ring holds them (the trace's channel dtype at most): half the
+            # bytes that float64 would carry through the batch, its merge and its write
+            cmin = self._take(rows, seg_i, idx_min)
+            cmax = self._take(rows, seg_i, idx_max)
             off = np.full(len(ran), -1, np.int64)
             off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
             rec["chan_offset"] = off
         else:
             rec["chan_offset"] = -1
-            cmin = cmax = np.zeros(0)
+            cmin = cmax = np.zeros(0, np.float32)
         # token maxima: each entry's first rows, side by side
         cnt = np.minimum(rows_n, ix["tok"][ran])
         if cnt.any():
