@@ -32,7 +32,7 @@ from qforensics.trace.layout import json_attr
 
 _QUANT_ATTRS = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale",
                 "weight_zero_point", "SCB")
-_HEALTH_PARAMS = ("weight", "bias", "qweight", "qzeros", "scales", "weight_scale",
+HEALTH_PARAMS = ("weight", "bias", "qweight", "qzeros", "scales", "weight_scale",
                   "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point",
                   "zeros", "SCB")
 
@@ -77,7 +77,7 @@ def select_modules(model: nn.Module, modules: str | Iterable[str] | ModuleFilter
         if mod is model:
             continue
         lin = is_linear_like(mod)
-        kind = (KIND_QUANTIZED_LINEAR if lin and _quant_meta(mod) else KIND_LINEAR) if lin else (
+        kind = (KIND_QUANTIZED_LINEAR if lin and quant_meta(mod) else KIND_LINEAR) if lin else (
             KIND_BLOCK if id(mod) in blocks else "")
         if names is not None:
             ok = name in names
@@ -93,7 +93,7 @@ def select_modules(model: nn.Module, modules: str | Iterable[str] | ModuleFilter
     return chosen
 
 
-def _quant_meta(module: nn.Module) -> dict[str, Any]:
+def quant_meta(module: nn.Module) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for attr in ("w_bit", "bits", "wbits"):
         v = getattr(module, attr, None)
@@ -180,14 +180,14 @@ def describe_module(name: str, module: nn.Module, kind: str) -> dict[str, str]:
     health: dict[str, Any] = {}
     tensors = list(module.named_parameters(recurse=False)) + list(
         module.named_buffers(recurse=False))
-    quant = _quant_meta(module) or None
+    quant = quant_meta(module) or None
     info: dict[str, Any] = {"params": params, "quant": quant, "health": health}
     if kind in GEMM_KINDS:
         group = (quant or {}).get("group_size")
         bits = (quant or {}).get("bits")
         for pname, t in tensors:
             params[pname] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-            if pname in _HEALTH_PARAMS:
+            if pname in HEALTH_PARAMS:
                 try:
                     health[pname] = _health_cached(
                         t, pname, group=group if isinstance(group, int) else None,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from qforensics.formats import GEMM_KINDS
-from qforensics.hooks.modules import _HEALTH_PARAMS, _quant_meta, input_embedding
+from qforensics.hooks.modules import HEALTH_PARAMS, quant_meta, input_embedding
 from qforensics.hooks.params import param_health
 from qforensics.trace import schema
 
@@ -68,10 +68,10 @@ def watched_tensors(chosen: list[tuple[str, nn.Module, str]], root: nn.Module
     for mid, (name, mod, kind) in enumerate(chosen):
         if kind not in GEMM_KINDS:
             continue
-        group = (_quant_meta(mod) or {}).get("group_size")
+        group = (quant_meta(mod) or {}).get("group_size")
         for pname, t in list(mod.named_parameters(recurse=False)) + list(
                 mod.named_buffers(recurse=False)):
-            if pname in _HEALTH_PARAMS:
+            if pname in HEALTH_PARAMS:
                 add(mid, name, pname, t, group)
     emb = input_embedding(root)
     if emb is not None:

@@ -19,7 +19,7 @@ from qforensics.errors import QForensicsError, ReplayError
 from qforensics.layouts.detect import detect
 from qforensics.replay import layouts
 from qforensics.replay.bundle import (
-    _FLOAT,
+    FLOAT_DTYPES,
     SMALL_INPUT_ROWS,
     TILE_M,
     Bundle,
@@ -86,7 +86,7 @@ def build_bundle(
     if "input.0" not in snapshot:
         raise ReplayError("the snapshot has no 'input.0' (the activation); a GEMM replay needs it")
     x_full = np.asarray(snapshot["input.0"])
-    if x_full.ndim < 1 or x_full.dtype not in _FLOAT:
+    if x_full.ndim < 1 or x_full.dtype not in FLOAT_DTYPES:
         raise ReplayError(f"input.0 must be a float array [..., K], got {x_full.dtype} {x_full.shape}")
     k = int(x_full.shape[-1])
     lead = tuple(int(d) for d in x_full.shape[:-1])
@@ -134,7 +134,7 @@ def build_bundle(
     tensors["x"] = np.ascontiguousarray(x2[r0:r1])
     if "bias" in snapshot and snapshot["bias"] is not None:
         b = np.asarray(snapshot["bias"]).reshape(-1)
-        if b.dtype in _FLOAT and b.size in (n, n_full):
+        if b.dtype in FLOAT_DTYPES and b.size in (n, n_full):
             tensors["bias"] = b[col0:col0 + n] if b.size == n_full and n != n_full else b
 
     with np.errstate(over="ignore", invalid="ignore"):

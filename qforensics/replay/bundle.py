@@ -28,16 +28,16 @@ FORMAT_VERSION = "2.0"
 TILE_M, TILE_N, TILE_K = 8, 64, 32  # the project kernel's tile (kernels/awq_gemm.cu)
 SMALL_INPUT_ROWS = 64  # inputs with at most this many rows are kept whole
 
-_FLOAT = (np.float16, np.float32, np.float64)
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _WORDS = (np.int32,)
 TENSOR_DTYPES: dict[str, tuple[type, ...]] = {
-    "x": _FLOAT,
-    "weight": (*_FLOAT, np.uint8),  # uint8: FP8 bit patterns (meta weight_dtype)
+    "x": FLOAT_DTYPES,
+    "weight": (*FLOAT_DTYPES, np.uint8),  # uint8: FP8 bit patterns (meta weight_dtype)
     "weight_packed": _WORDS,
     "weight_scale": (np.float16, np.float32, np.float64),
     "weight_zero_point": _WORDS,
     "input_scale": (np.float16, np.float32, np.float64),
-    "bias": _FLOAT,
+    "bias": FLOAT_DTYPES,
     "qweight": (np.int32,),
     "qzeros": (np.int32,),
     "scales": (np.float16, np.float32),

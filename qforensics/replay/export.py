@@ -80,11 +80,11 @@ def _operands(bundle: Bundle, kernel: str) -> dict[str, np.ndarray]:
 
     t, meta, layout = bundle.tensors, bundle.meta, bundle.layout
     if kernel == "torch-int4pack":
-        q, s, z, _g = tk._int4_operands(t, meta, layout)
+        q, s, z, _g = tk.int4_operands(t, meta, layout)
         return {"x": t["x"].astype(np.float32), "q_int4": q.astype(np.int32),
                 "scales_and_zeros": np.stack([s, z], axis=-1).astype(np.float32)}
     if kernel == "torch-scaled-mm":
-        xq, sa, sb = tk._scaled_operands(t, meta)
+        xq, sa, sb = tk.scaled_operands(t, meta)
         return {"x_fp8_values": xq.astype(np.float32), "weight_fp8_bits": t["weight"],
                 "scale_a": np.array([sa], np.float32), "scale_b": np.array([sb], np.float32)}
     return {}

@@ -100,9 +100,9 @@ def _weight_magnitudes(bundle: Bundle, w_kn: np.ndarray, model: BoundModel) -> n
     zero, each rounded on its own), non-finite entries as 0 (they are DATA, judged apart)."""
     a = np.abs(w_kn)
     if model.name.startswith("tinygemm"):
-        from qforensics.replay.torch_kernels import _int4_qzs
+        from qforensics.replay.torch_kernels import int4_qzs
 
-        q, z, s, g = _int4_qzs(bundle.tensors, bundle.meta, bundle.layout)
+        q, z, s, g = int4_qzs(bundle.tensors, bundle.meta, bundle.layout)
         idx = np.arange(q.shape[0]) // g
         with np.errstate(over="ignore", invalid="ignore"):
             a = np.abs(q - 8.0) * np.abs(s[idx]) + np.abs((8.0 - z[idx]) * s[idx])

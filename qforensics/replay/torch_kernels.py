@@ -126,7 +126,7 @@ def _fake_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
 
 # -- torch int4 (tinygemm) ------------------------------------------------------------------
 
-def _int4_qzs(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def int4_qzs(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(q [K, N], z [G, N], s [G, N], group size) with W[k, n] = (q - z[g(k)]) * s[g(k)]."""
     k = int(meta["K"])
     g = int(meta.get("group_size") or k)
@@ -134,10 +134,10 @@ def _int4_qzs(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) ->
     return q, z, s, (k if g == -1 else g)
 
 
-def _int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def int4_operands(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(q [N, K] 0..15, scale [K/G, N], zero [K/G, N]) in tinygemm's convention
     W[k, n] = (q - 8) * scale + zero: (q - z) * s == (q - 8) * s + (8 - z) * s."""
-    q, z, s, g = _int4_qzs(t, meta, layout)
+    q, z, s, g = int4_qzs(t, meta, layout)
     with np.errstate(invalid="ignore", over="ignore"):
         zero = (8.0 - z) * s
     return np.ascontiguousarray(q.T, dtype=np.int32), s, zero, g
@@ -166,7 +166,7 @@ def _int4_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, de
 
 def _int4_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> np.ndarray:
     torch = _torch()
-    q, s, z, g = _int4_operands(t, meta, layout)
+    q, s, z, g = int4_operands(t, meta, layout)
     sz = torch.from_numpy(np.stack([s, z], axis=-1)).to(torch.bfloat16).contiguous()
     x = torch.from_numpy(np.array(t["x"])).to(torch.bfloat16)
     if device == "cuda":
@@ -196,7 +196,7 @@ def _scaled_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, 
     return True, "torch._scaled_mm (e4m3 x e4m3, per-tensor scales, float32 out)"
 
 
-def _scaled_operands(t: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[np.ndarray, float, float]:
+def scaled_operands(t: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[np.ndarray, float, float]:
     """Input quantized as the layer does (static input_scale, else dynamic per-tensor)."""
     x = np.asarray(t["x"], dtype=np.float64)
     if "input_scale" in t:
@@ -211,7 +211,7 @@ def _scaled_operands(t: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[np
 
 def _scaled_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> np.ndarray:
     torch = _torch()
-    xq, sa, sb = _scaled_operands(t, meta)
+    xq, sa, sb = scaled_operands(t, meta)
     a = torch.from_numpy(xq).to(torch.float32).to(torch.float8_e4m3fn).to(device)
     w = torch.from_numpy(np.array(t["weight"])).view(torch.float8_e4m3fn).to(device)
     scale_a = torch.tensor(sa, dtype=torch.float32, device=device)
@@ -241,7 +241,7 @@ def _compiled_can(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout
 
 def _compiled_run(t: dict[str, np.ndarray], meta: dict[str, Any], layout: Layout, device: str) -> np.ndarray:
     torch = _torch()
-    q, z, s, g = _int4_qzs(t, meta, layout)
+    q, z, s, g = int4_qzs(t, meta, layout)
     k = int(meta["K"])
     groups = (np.asarray(t["g_idx"], np.int64).reshape(-1) if "g_idx" in t else np.arange(k) // g)
     fn = _COMPILED.setdefault(device, torch.compile(_dequant_mm, dynamic=False))

@@ -31,7 +31,7 @@ from qforensics.errors import CaptureError
 from qforensics.trace import schema
 from qforensics.trace.badstep import bad_steps
 from qforensics.trace.batch import StepBatch, merge_batches
-from qforensics.trace.columns import _put
+from qforensics.trace.columns import put_at
 from qforensics.trace.summary import Summaries, empty_rows, step_summaries, summary_capacity
 
 log = logging.getLogger("qforensics.trace.writer")
@@ -52,7 +52,7 @@ def batch_bytes(b: StepBatch, chan_item: int) -> int:
                + 4 * len(b.tok_absmax) + 8 * len(b.input_ids))
 
 
-def _engine_step(b: StepBatch) -> int:
+def engine_step(b: StepBatch) -> int:
     """The step an engine-only batch belongs to (-1: none named)."""
     for t in ("steps", "rows", "sampled"):
         a = b.engine.get(t)
@@ -275,7 +275,7 @@ class BudgetWriter:
             return
         step = int(b.steps["step"][0])
         slot = step % self.ring_slots
-        _put(self._cols["ring/step"], slot, -1)
+        put_at(self._cols["ring/step"], slot, -1)
         r_cap, _ = self._detail_shape
         rec, tok, row = self._ring_detail_rows(b)
         if r_cap:
@@ -331,7 +331,7 @@ class BudgetWriter:
                 continue
             lo = step - self.window
             # the window's engine tables (held apart) first, then its steps
-            window = [e for e in self._held_engine if _engine_step(e) >= lo]
+            window = [e for e in self._held_engine if engine_step(e) >= lo]
             n_eng = len(window)
             window += [h for h in self._held if int(h.steps["step"][0]) >= lo]
             window.append(sb)
@@ -375,7 +375,7 @@ class BudgetWriter:
                                  snapshot_bytes=merged.snapshot_bytes[:0])]
         if len(window) > 1:  # the triggered step alone, with its own engine tables
             step = int(window[-1].steps["step"][0])
-            own = [e for e in window if not len(e.steps) and _engine_step(e) == step]
+            own = [e for e in window if not len(e.steps) and engine_step(e) == step]
             last = merge_batches([*own, window[-1]]) if own else window[-1]
             tries.append(replace(last, snapshots=last.snapshots[:0],
                                  snapshot_bytes=last.snapshot_bytes[:0]))

@@ -19,7 +19,7 @@ from qforensics.trace.batch import StepBatch
 log = logging.getLogger("qforensics.trace.writer")
 
 
-def _put(ds: h5py.Dataset, i: int, value: int) -> None:
+def put_at(ds: h5py.Dataset, i: int, value: int) -> None:
     """ds[i] = value for a small 1-d int64 dataset, through h5py's low-level write."""
     fspace = ds.id.get_space()
     fspace.select_hyperslab((i,), (1,))
@@ -128,12 +128,12 @@ class ColumnWriter:
                 if self.capped_at is None:
                     self._reach_cap(step)
                 if always:
-                    _put(self._cols["ring/count"], slot, 0)
-                    _put(self._cols["ring/step"], slot, step)
+                    put_at(self._cols["ring/count"], slot, 0)
+                    put_at(self._cols["ring/step"], slot, step)
                 return
             dmin.resize((dmin.shape[0], width))
             dmax.resize((dmax.shape[0], width))
-        _put(self._cols["ring/step"], slot, -1)  # invalid while the slot is rewritten
+        put_at(self._cols["ring/step"], slot, -1)  # invalid while the slot is rewritten
         # whole chunks straight to the file (the ring has no filters): HDF5's chunk cache and
         # selection machinery cost several times the copy itself at this size
         width = dmin.chunks[1]
@@ -147,8 +147,8 @@ class ColumnWriter:
                     last[len(chunk):] = 0
                     chunk = last
                 ds.id.write_direct_chunk((slot, c0), chunk)
-        _put(self._cols["ring/count"], slot, n)
-        _put(self._cols["ring/step"], slot, step)
+        put_at(self._cols["ring/count"], slot, n)
+        put_at(self._cols["ring/step"], slot, step)
 
     def _append(self, path: str, values: np.ndarray) -> int:
         """Append rows; returns the dataset's length before them. Numeric columns go through

@@ -31,7 +31,7 @@ from qforensics.trace.budgetview import BudgetView
 from qforensics.trace.sidetables import SideTables
 from qforensics.trace.snapshots import SnapshotAccess
 from qforensics.trace.table import Table
-from qforensics.trace.tracefile import _UNREADABLE, TraceFile, _frozen
+from qforensics.trace.tracefile import UNREADABLE_ERRORS, TraceFile, frozen_view
 from qforensics.trace.validate import checked_span, parse_json, read, valid_spans
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
             g = self._f.get("meta")
             keys = [k for k in schema.META_KEYS if k in g.attrs]
             raws = {k: g.attrs[k] for k in keys}
-        except _UNREADABLE as exc:
+        except UNREADABLE_ERRORS as exc:
             self.unreadable.append(f"/meta attributes ({exc})")
             return out
         for key, raw in raws.items():
@@ -117,7 +117,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         try:
             data = bytes(ds[:]).split(b"\0", 1)[0]
             st = _parse_json(data, f"{self.path}: /{schema.STATUS_RAW}") if data else None
-        except (*_UNREADABLE, TraceFormatError) as exc:
+        except (*UNREADABLE_ERRORS, TraceFormatError) as exc:
             self.unreadable.append(f"/{schema.STATUS_RAW} ({exc})")
             return None
         return st if isinstance(st, dict) and st.get("state") else None
@@ -135,7 +135,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
             arr = np.empty(len(vals), dtype=object)
             arr[:] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
                       for v in vals]
-            cols[col] = _frozen(arr)
+            cols[col] = frozen_view(arr)
         kinds = cols["kind"]
         odd = np.array([k not in MODULE_KINDS for k in kinds], dtype=bool)
         if odd.any():
@@ -197,7 +197,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
             if end:  # ring-relative channel offsets, resolved once for the whole trace
                 table["chan_offset"] = self._ring.resolve(table["chan_offset"], table["flags"],
                                                           table["step"], table["channels"])
-            self._rec_cols = {k: _frozen(table[k]) for k in _KEEP}
+            self._rec_cols = {k: frozen_view(table[k]) for k in _KEEP}
         del table
         self._health = health
         self.records_readable = len(health["nan_count"]) if bad_rec is None else bad_rec
@@ -210,7 +210,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         if neg.any():
             self.unreadable.append(f"/records row {int(np.argmax(neg))} has a negative NaN/Inf "
                                    "count")
-        return {k: _frozen(v) for k, v in raw.items()}
+        return {k: frozen_view(v) for k, v in raw.items()}
 
     def _check_step_domains(self, raw: dict[str, np.ndarray]) -> None:
         """Counts are >= 0, 'first' indices are -1 (none) or >= 0, flags are 0 or 1: a value
@@ -321,7 +321,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         if len(mod) and (int(mod.min()) < 0 or int(mod.max()) >= self.n_modules):
             raise TraceFormatError(f"{self.path}: /records/module_id out of range")
         cols = {"row": np.arange(start, start + len(mod), dtype=np.int64)}
-        cols.update((k, _frozen(data[k])) for k in names)
+        cols.update((k, frozen_view(data[k])) for k in names)
         cols["module"] = self.module_names[mod]
         table = Table(cols)
         if step is not None:  # a step's records are read by several parts of the analysis
@@ -343,7 +343,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         if n <= self.records_readable:  # kept: later calls read nothing
             for k, v in out.items():
                 if k not in self._rec_cols and len(v) == n:
-                    self._rec_cols[k] = _frozen(v)
+                    self._rec_cols[k] = frozen_view(v)
         return out
 
     @property

@@ -26,7 +26,7 @@ __all__ = ["TraceFile"]
 
 log = logging.getLogger("qforensics.trace.reader")
 
-_UNREADABLE = (OSError, RuntimeError)
+UNREADABLE_ERRORS = (OSError, RuntimeError)
 
 
 def _attr_text(raw: Any) -> Any:
@@ -38,7 +38,7 @@ def _attr_text(raw: Any) -> Any:
 def _get(f: h5py.File, path: str) -> Any:
     try:
         return f.get(path)
-    except _UNREADABLE:
+    except UNREADABLE_ERRORS:
         return None
 
 
@@ -46,7 +46,7 @@ class _NoRing(dict):
     """Stands for a file whose ring could not be read: no /ring, no promoted blocks."""
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
+def frozen_view(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False  # shared by every caller: a write would be a bug, so it raises
     return a
 
@@ -67,7 +67,7 @@ class TraceFile:
         except TraceFormatError:
             self.close()
             raise
-        except (KeyError, ValueError, TypeError, OverflowError, *_UNREADABLE) as exc:
+        except (KeyError, ValueError, TypeError, OverflowError, *UNREADABLE_ERRORS) as exc:
             self.close()
             raise TraceFormatError(f"{self.path}: malformed trace ({exc})") from None
 
@@ -145,7 +145,7 @@ class TraceFile:
         n_flat = min(self._lengths.get("channels/min", 0), self._lengths.get("channels/max", 0))
         try:  # format 1.1: ring-relative channel offsets (trace/ring.py)
             self._ring = RingIndex(f, p, n_flat)
-        except _UNREADABLE as exc:
+        except UNREADABLE_ERRORS as exc:
             self.unreadable.append(f"/ring and /channels/promoted ({exc})")
             self._ring = RingIndex(_NoRing(), p, n_flat)
 
@@ -159,7 +159,7 @@ class TraceFile:
             return None
         try:
             obj = self._f.get(path)
-        except _UNREADABLE as exc:
+        except UNREADABLE_ERRORS as exc:
             self.unreadable.append(f"/{path} ({exc})")
             self._lost.add(path)
             return None
@@ -189,7 +189,7 @@ class TraceFile:
     def close(self) -> None:
         try:
             self._f.close()
-        except _UNREADABLE:  # closing a damaged file must not mask the real error
+        except UNREADABLE_ERRORS:  # closing a damaged file must not mask the real error
             pass
 
     def __enter__(self) -> Self:

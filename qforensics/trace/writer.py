@@ -44,7 +44,7 @@ import numpy as np
 from qforensics.trace import schema
 from qforensics.trace import layout
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
-from qforensics.trace.budget import BudgetWriter, _engine_step
+from qforensics.trace.budget import BudgetWriter, engine_step
 from qforensics.trace.fallback import FallbackWriter
 from qforensics.trace.hits import HitsWriter
 from qforensics.trace.columns import ColumnWriter, batch_rows
@@ -292,8 +292,8 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
         if lo:
             self._append_batch(merge_batches(batches[:lo]) if lo > 1 else batches[0])
         # the first step left out (an engine's own batch of a step names it too)
-        self._reach_cap(next((int(b.steps["step"][0]) if len(b.steps) else _engine_step(b)
-                              for b in batches[lo:] if len(b.steps) or _engine_step(b) >= 0),
+        self._reach_cap(next((int(b.steps["step"][0]) if len(b.steps) else engine_step(b)
+                              for b in batches[lo:] if len(b.steps) or engine_step(b) >= 0),
                              -1))
         return [i < lo for i in range(len(batches))]
 

@@ -88,9 +88,9 @@ def hopper_fp8_emulation(b, *, chunk=128, bits=14, weight_scale=None, x=None, we
     """CPU emulation of torch._scaled_mm's arithmetic on Hopper: exact e4m3 products summed with
     `bits` significant bits (truncated) in chunks of `chunk`, chunk sums in fp32, the fp32 scale
     epilogue, fp32 output. Keyword overrides plant a bug (a scale, an operand, a dropped K tail)."""
-    from qforensics.replay.torch_kernels import _scaled_operands
+    from qforensics.replay.torch_kernels import scaled_operands
 
-    xq, sa, sb = _scaled_operands(b.tensors, b.meta)
+    xq, sa, sb = scaled_operands(b.tensors, b.meta)
     xq = xq if x is None else x
     wq = decode_fp8(np.asarray(b.tensors["weight"] if weight is None else weight), "float8_e4m3fn").T
     sb = sb if weight_scale is None else weight_scale
