@@ -248,11 +248,11 @@ class GraphStats:
     def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Values at `idx` of segment `seg` (per element) across the segments' rows."""
         if len(rows) == 1:
-            return rows[0][idx]
+            return rows[0].take(idx)  # np.take: ~3x faster than fancy indexing here
         out = np.empty(idx.shape, np.float32)
         for s, r in enumerate(rows):
             m = seg == s
-            out[m] = r[idx[m]]
+            out[m] = r.take(idx[m])
         return out
 
     def collect(self, step: int, first_call: int, keep_channels: bool) -> dict[str, Any] | None:
