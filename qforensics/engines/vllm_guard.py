@@ -145,12 +145,12 @@ class VllmGuard(Guard):
     def _on_module(self, i: int, module: nn.Module, args: tuple, kwargs: dict,
                    result: Any) -> Any:
         if i in self._pre:
-            return None  # after vLLM's all-reduce: this layer is guarded in _on_partial
+            return None  # after vLLM's all-reduce: this layer is guarded in on_partial
         if not self._count_rows(i, result):
             return None
         return super()._on_module(i, module, args, kwargs, result)
 
-    def _on_partial(self, i: int, module: nn.Module, x: Any, partial: Any) -> Any:
+    def on_partial(self, i: int, module: nn.Module, x: Any, partial: Any) -> Any:
         """A row-parallel layer's partial output on this rank, before vLLM's all-reduce
         (engines.vllm_tp): checked, located and repaired like a layer's output."""
         if not self._count_rows(i, partial):
@@ -334,12 +334,12 @@ def install_guard(runner: Any, model: nn.Module) -> VllmGuard | None:
         sys.stderr.write(f"qforensics: vLLM guard not installed: {type(exc).__name__}: {exc}\n")
         return None
     kinds: dict[str, int] = {}
-    for fb in g._fallbacks:
+    for _, fb in g.guarded:
         key = fb.layout if fb is not None else "no fallback"
         kinds[key] = kinds.get(key, 0) + 1
     sys.stderr.write(f"qforensics: vLLM guard on {len(g.names)} layers ("
                      + ", ".join(f"{n} x {k}" for k, n in kinds.items()) + ")\n")
-    no_fb = [n for n, f in zip(g.names, g._fallbacks) if f is None]
+    no_fb = [n for n, (_, f) in zip(g.names, g.guarded) if f is None]
     if no_fb:
         sys.stderr.write(f"qforensics: vLLM guard: no fallback for {no_fb[0]}: "
                          f"{g.no_fallback_reason(no_fb[0])}\n")

@@ -8,7 +8,7 @@ there would have to join a collective the other ranks never enter.
 
 So the guard steps in one level lower, where the partial is still this rank's own:
 `PreReduceMethod` stands in for the layer's ``quant_method`` and hands each partial to the
-guard (``VllmGuard._on_partial``) before vLLM reduces it. A rank whose partial is non-finite on a
+guard (``VllmGuard.on_partial``) before vLLM reduces it. A rank whose partial is non-finite on a
 finite input trips and computes that partial from its dense shard; the all-reduce then sums
 repaired partials, with no collective added. The other ranks have nothing to do.
 """
@@ -37,7 +37,7 @@ class PreReduceMethod:
 
     def __init__(self, inner: Any, on_partial: Any, index: int) -> None:
         self.inner = inner
-        self._on_partial = on_partial
+        self.on_partial = on_partial
         self._index = index
 
     def __getattr__(self, name: str) -> Any:
@@ -45,17 +45,17 @@ class PreReduceMethod:
 
     def apply(self, layer: nn.Module, x: Any, bias: Any = None) -> Any:
         out = self.inner.apply(layer, x, bias)
-        return self._on_partial(self._index, layer, x, out)
+        return self.on_partial(self._index, layer, x, out)
 
 
 def install(guard: Any) -> list[tuple[nn.Module, Any]]:
     """Put `PreReduceMethod` in front of each guarded pre-reduce layer's method; returns
     (layer, its own method) pairs to put back."""
     put = []
-    for i, (mod, fb) in enumerate(zip(guard._modules, guard._fallbacks)):
+    for i, (mod, fb) in enumerate(guard.guarded):
         if getattr(fb, "pre_reduce", False):
             own = mod.quant_method
-            mod.quant_method = PreReduceMethod(own, guard._on_partial, i)
+            mod.quant_method = PreReduceMethod(own, guard.on_partial, i)
             put.append((mod, own))
     return put
 

@@ -208,6 +208,11 @@ class Guard(StepMachine):
     def hooks_attached(self) -> int:
         return len(self._root_handles) + len(self._mod_handles)
 
+    @property
+    def guarded(self) -> list[tuple[nn.Module, Fallback | None]]:
+        """Each guarded module with its fallback (None: it has none), in guard order."""
+        return list(zip(self._modules, self._fallbacks))
+
     def fallback(self, name: str) -> Fallback | None:
         """The fallback strategy bound to guarded module ``name`` (None: it has none)."""
         return self._fallbacks[self._index(name)]

@@ -377,10 +377,10 @@ def test_a_row_parallel_shard_is_guarded_before_the_all_reduce():
     g.attach()
     try:
         assert isinstance(layer.quant_method, vllm_tp.PreReduceMethod)
-        assert layer.quant_method.inner is own and g._fallbacks[0].pre_reduce
+        assert layer.quant_method.inner is own and g.guarded[0][1].pre_reduce
         seen = []
-        g._on_partial = lambda i, mod, x, out: seen.append(i) or out  # what the stand-in calls
-        layer.quant_method._on_partial = g._on_partial
+        # what the stand-in calls after the method: the guard's hook, replaced by a probe
+        layer.quant_method.on_partial = lambda i, mod, x, out: seen.append(i) or out
         x = torch.randn(3, K)
         y = layer(x)[0]
         assert seen == [0]
