@@ -80,6 +80,7 @@ class GraphMode:
     _pending: "PendingStep"
     _handles: list[Any]
     _late: "collections.deque[LateStep]"
+    _graph_lane: int
     _logits: torch.Tensor | None
     _step_ids: torch.Tensor | None
     _step_t0: float
@@ -123,12 +124,6 @@ class GraphMode:
             self._handles.append(m.register_forward_hook(hook, with_kwargs=True))
         return len(mods)
 
-    def _graph_rows(self) -> int | None:
-        """Token rows of the open step (its input ids), when known: token maxima are read
-        that far."""
-        ids = getattr(self, "_step_ids", None)
-        return int(ids.numel()) if isinstance(ids, torch.Tensor) and ids.numel() else None
-
     def _graph_begin(self) -> None:
         if self._gs is not None:
             self._gs.begin(self.step)
@@ -159,7 +154,7 @@ class GraphMode:
         if gs is None or len(self._pending) or not graphhooks.record_outside(
                 gs, mid, io, slot, int(self.options["channel_limit"]), t):
             return False
-        self._graph_lane = self.step
+        self._graph_lane = self.step  # this step's outside calls went to the ring
         return True
 
     def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool:
@@ -168,7 +163,7 @@ class GraphMode:
     def _graph_owns_step(self) -> bool:
         """The step's records are all in the ring (`_graph_take` took what it had outside
         the graph) and nothing eager is pending."""
-        return (self._gs is not None and getattr(self, "_graph_lane", -1) == self.step
+        return (self._gs is not None and self._graph_lane == self.step
                 and not len(self._pending))
 
     def _graph_late(self) -> bool:
@@ -205,9 +200,8 @@ class GraphMode:
 
     def _graph_drain(self, keep: int = 0) -> None:
         """Emit the noted steps but the last `keep`, oldest first."""
-        late = getattr(self, "_late", None)
-        gs = self._gs
-        while late and len(late) > keep and gs is not None:
+        late, gs = self._late, self._gs
+        while gs is not None and len(late) > keep:
             n = late.popleft()
             part = gs.collect(n.step, n.graph_first, n.keep_channels)
             row, ids = n.logits_row, n.ids

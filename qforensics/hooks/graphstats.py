@@ -99,7 +99,6 @@ class GraphStats:
         self._host: dict[int, list[torch.Tensor]] = {}
         self._event: dict[int, Any] = {}
         self._copied: dict[int, int] = {}
-        self._step = 0  # the step of the last `begin`
         # modules recorded outside the graph (the logits; vLLM's lm_head), in the order of
         # their calls after the compiled ones: module id -> rank
         self.outside: dict[int, int] = {}
@@ -160,8 +159,7 @@ class GraphStats:
     def begin(self, step: int) -> None:
         """Before the forward: the step the op writes (its slot and stamp), set by one op on
         the device, ordered before the forward's kernels; no sync."""
-        self._step = int(step)
-        self.step_t.fill_(self._step)
+        self.step_t.fill_(int(step))
 
     def put_step_extras(self, step: int, figures: torch.Tensor | None,
                         ids: torch.Tensor | None) -> None:
@@ -179,13 +177,12 @@ class GraphStats:
             self.ids[slot, :n].copy_(flat[:n], non_blocking=True)
         self.ids_n[slot] = n
 
-    def start_copy(self, step: int | None = None) -> None:
+    def start_copy(self, step: int) -> None:
         """After the step (on a GPU): its slot of every segment, with its logits figures and
         input ids, copied asynchronously into pinned host buffers allocated once per slot;
         read in `collect`. On CPU: nothing (collect reads the ring in place)."""
         if self.device.type == "cpu":
             return
-        step = self._step if step is None else int(step)
         slot = step % self.slots
         host = self._host.get(slot)
         if host is None or len(host) != len(self.segments) + 2:

@@ -18,6 +18,7 @@ import torch
 from qforensics.hooks import planunpack, reduce
 from qforensics.hooks.assemble import UniqueStats, assemble_records, build_batch
 from qforensics.trace import schema
+from qforensics.trace.badstep import bad_steps
 
 log = logging.getLogger("qforensics.hooks.capture")
 
@@ -203,10 +204,9 @@ class StepEnd:
             channel_dtype=self.options["channel_dtype"])
         if self._watch is not None:  # every N steps, and at once on a non-finite step
             try:
-                st = batch.steps  # a NaN/Inf in a record or in the logits: the trigger
-                bad = ((st["n_nonfinite_records"] > 0) | (st["logits_nan"] > 0)
-                       | (st["logits_inf"] > 0)).any()
-                batch.params = self._watch.step_end(step, bool(bad))
+                warm = np.full(len(batch.steps), bool(kind.get("warmup")))
+                batch.params = self._watch.step_end(
+                    step, bool(bad_steps(batch.steps, warmup=warm).any()))
             except Exception as exc:  # noqa: BLE001 - never break the run: stop watching
                 log.warning("qforensics: parameter watch off (%s)", exc)
                 self._watch = None
