@@ -30,6 +30,7 @@ from qforensics.analyze.damage import predict_damage, rank_unsafe
 from qforensics.analyze.evidence import (
     collect_evidence,
     flag_parameters,
+    recorded_scheme,
     summarize_parameters,
 )
 from qforensics.analyze.findings import (
@@ -189,9 +190,15 @@ def _focus_rows(recs: Table, first: FirstNonfinite) -> list[int]:
 
 def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
                        reference: str | os.PathLike[str] | None = None,
-                       reference_diff: Any = None) -> Findings:
+                       reference_diff: Any = None, verdict_only: bool = False) -> Findings:
     """The analysis on an already open trace (the report and replay reuse it).
-    `reference_diff`: `diff_traces(reference, trace, top=100000)` when already computed."""
+    `reference_diff`: `diff_traces(reference, trace, top=100000)` when already computed.
+
+    `verdict_only` (triage's per-trace task): the same verdict, status, first non-finite value,
+    cause, evidence, notes and snapshots, without the parts that only the report shows and that
+    read nothing from the file: the persistent outliers, the damage of every scheme to every
+    module (kept only where a module's recorded activation scheme makes it evidence), the
+    unsafe-scheme ranking and the parameter lists. Those fields are left empty."""
     th = th or Thresholds()
     steps = trace.step_table
     end = trace.end
@@ -251,6 +258,7 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
             recs = _guarded(trace, lambda: trace.record_table(focus_step), None)
 
     outliers, persistent, damage, unsafe = [], [], [], []
+    damage_rows: list[Any] = []  # verdict_only: the rows the damage is predicted on
     vocab = None
     sc = None
     try:
@@ -271,11 +279,15 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
                 notes.append(f"{len(sc.rows) - len(finite)} module inputs at step {focus_step} hold "
                              "NaN/Inf: left out of the persistent outliers and the damage prediction")
             sc.rows = finite
-            persistent = find_persistent_outliers(sc, th)
             gemm = sc.gemm_rows()
+            if verdict_only:  # the damage that evidence reads, once the module infos are in
+                damage_rows = gemm
+            else:
+                persistent = find_persistent_outliers(sc, th)
             if gemm:
-                damage = predict_damage(gemm, th)
-                unsafe = rank_unsafe(damage, th)
+                if not verdict_only:
+                    damage = predict_damage(gemm, th)
+                    unsafe = rank_unsafe(damage, th)
             else:
                 notes.append(f"no linear module input with per-channel ranges at step {focus_step}: "
                              "no damage prediction")
@@ -298,6 +310,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         cause = _snapshot_cause(trace, first, cause)
     if (first is not None and recs is not None) or logits_only is not None:
         nonfinite_logits = describe_nonfinite_logits(trace, steps)
+    if damage_rows:  # per module, so the recorded schemes' rows alone give the same damage
+        want = {m for m, q in infos.quant.items() if recorded_scheme(q)}
+        damage = predict_damage([r for r in damage_rows if r.module in want], th)
     evidence = collect_evidence(trace, infos, sc.gemm_rows() if sc is not None else [], damage,
                                 precursors, th)
 
@@ -346,8 +361,9 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
         damage_step=focus_step if damage else None, precursors=precursors, snapshots=snaps,
         thresholds=th.to_dict(), notes=notes, incidents=incidents, cause=cause,
         nonfinite_logits=nonfinite_logits, evidence=evidence,
-        parameters=flag_parameters(infos, th)[:int(th.top) * 5], tied=infos.tied,
-        parameter_summary=summarize_parameters(infos, th),
+        parameters=[] if verdict_only else flag_parameters(infos, th)[:int(th.top) * 5],
+        tied=infos.tied,
+        parameter_summary={} if verdict_only else summarize_parameters(infos, th),
         thresholds_rationale=dict(RATIONALE), reference=ref, engine=engine,
         coverage=({**cov.to_dict(), **({"gaps": gaps.to_dict()} if gaps else {})}
                   if cov is not None else None),

@@ -19,6 +19,7 @@ from qforensics.trace.moduleinfo import ModuleInfos, ParamHealth, StaticInput
 from qforensics.trace.reader import Trace
 
 __all__ = ["PARAM_FLAGS", "activation_scheme_evidence", "collect_evidence", "flag_parameters",
+           "recorded_scheme",
            "output_evidence", "param_flag", "parameter_evidence", "static_range_evidence",
            "summarize_parameters"]
 
@@ -260,7 +261,7 @@ def _range_text(d: dict) -> str:
     return f"input_scale {s:.4g} x {(r / s if s else float('nan')):g} = {r:.4g}"
 
 
-def _recorded_scheme(q: dict) -> str | None:
+def recorded_scheme(q: dict) -> str | None:
     """The damage scheme matching a module's recorded activation quantization, if any."""
     if q.get("target") != "activations" or "act_format" in q:
         return None  # static scales are judged by static_range_evidence
@@ -275,7 +276,7 @@ def activation_scheme_evidence(infos: ModuleInfos, damage: list[SchemeDamage],
     by = {(d.module, d.scheme): d for d in damage}
     hit = []
     for name, q in infos.quant.items():
-        sch = _recorded_scheme(q)
+        sch = recorded_scheme(q)
         d = by.get((name, sch)) if sch else None
         if d is not None and d.fraction >= th.unsafe_fraction:
             hit.append(d)

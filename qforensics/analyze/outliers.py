@@ -220,8 +220,22 @@ def top_ratio_rows(sc: StepChannels, n: int) -> list[ChannelRow]:
     """The linear modules whose input has the largest channel ratio (at least one channel
     standing out is not required here; the caller's thresholds decide)."""
     rows = sc.gemm_rows()
+    _medians(rows)
     rows = sorted(rows, key=lambda r: -float(r.ratio.max()) if len(r.absmax) else 0.0)
     return rows[:n]
+
+
+def _medians(rows: list[ChannelRow]) -> None:
+    """Fill each row's cached median with one numpy call per input width (the same values as
+    row by row: the median of each row of the stacked matrix)."""
+    by_width: dict[int, list[ChannelRow]] = {}
+    for r in rows:
+        if len(r.absmax) and "median" not in r.__dict__:
+            by_width.setdefault(len(r.absmax), []).append(r)
+    for grp in by_width.values():
+        if len(grp) > 1:
+            for r, m in zip(grp, np.median(np.stack([r.absmax for r in grp]), axis=1).tolist()):
+                r.__dict__["median"] = m
 
 
 def find_persistent_outliers(sc: StepChannels, th: Thresholds) -> list[PersistentOutlier]:

@@ -176,13 +176,15 @@ class TraceFile:
                 n = 0
                 continue
             want = np.dtype(dt)
-            ok = ds.dtype.kind == want.kind or (want.kind in "iu" and ds.dtype.kind in "iu")
-            if not ok or tuple(ds.shape[1:]) != tuple(shape) or ds.ndim != 1 + len(shape):
+            # each h5py property asks the library again: ask once (validation runs per trace)
+            kind, have = ds.dtype.kind, ds.shape
+            ok = kind == want.kind or (want.kind in "iu" and kind in "iu")
+            if not ok or tuple(have[1:]) != tuple(shape) or len(have) != 1 + len(shape):
                 raise TraceFormatError(
-                    f"{self.path}: /{table}/{name} has dtype {ds.dtype} shape {ds.shape}, "
+                    f"{self.path}: /{table}/{name} has dtype {ds.dtype} shape {have}, "
                     f"expected {want} with trailing shape {shape}"
                 )
-            n = ds.shape[0] if n is None else min(n, ds.shape[0])  # killed mid-append: shortest
+            n = have[0] if n is None else min(n, have[0])  # killed mid-append: shortest
         return int(n or 0)
 
     # -- plumbing ----------------------------------------------------------------------------

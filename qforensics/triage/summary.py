@@ -83,7 +83,7 @@ def summarize_trace(path: str, th: Thresholds | None = None) -> dict[str, Any]:
 
 # -- one open trace --------------------------------------------------------------------------------
 def _summarize(trace: Trace, th: Thresholds) -> dict[str, Any]:
-    f = analyze_open_trace(trace, th)
+    f = analyze_open_trace(trace, th, verdict_only=True)
     meta = trace.meta
     env = meta.get("environment") if isinstance(meta.get("environment"), dict) else {}
     eng = env.get("engine") if isinstance(env.get("engine"), dict) else {}
