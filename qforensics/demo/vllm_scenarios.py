@@ -77,17 +77,17 @@ def model_dir(sc: VllmScenario) -> Path:
 def record_vllm(model: Path, trace: str, prompts: list[str], max_tokens: int,
                 out_json: Path, cwd: Path | None = None, extra: list[str] | None = None,
                 timeout: float = 1200, serve_args: list[str] | None = None,
-                ) -> subprocess.CompletedProcess:
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`qforensics record -o TRACE -- python -m qforensics.demo.vllm_serve MODEL ...` with this
-    Python (which must have vLLM), outputs in `out_json`."""
+    Python (which must have vLLM), outputs in `out_json`; `env` adds to `serve_env()`."""
     cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
            trace, *(extra or []), "--", sys.executable, "-m", "qforensics.demo.vllm_serve",
            str(model), "--max-tokens", str(max_tokens), "--out", str(out_json)]
     for p in prompts:
         cmd += ["--prompt", p]
     cmd += serve_args or []
-    return subprocess.run(cmd, env=serve_env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(cmd, env={**serve_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
 
 
 def serve_env() -> dict[str, str]:

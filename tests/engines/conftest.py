@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_runs import (NAN_WORD, PROMPT_A, PROMPT_B, WHATIF_ROUNDS, WHATIF_SCHEMES,
-                       run_recorded, run_whatif_vllm)
+                       run_recorded, run_tp, run_whatif_vllm)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,3 +92,11 @@ def nan_run(tmp_path_factory, nan_row_model) -> dict:
     res = run_recorded(tmp, model_dir, [PROMPT_A, PROMPT_B], 6)
     res["nan_token"] = tok_id
     return res
+
+
+@pytest.fixture(scope="session")
+def tp_healthy(tmp_path_factory, bf16_model_dir) -> dict:
+    """One tensor-parallel engine start (TP ranks) of the healthy bf16 model (vllm_runs.run_tp):
+    test_vllm_tensor_parallel reads its traces, test_vllm_guard_tp compares its NaN-weight runs
+    with its tokens."""
+    return run_tp(tmp_path_factory.mktemp("tp-healthy"), bf16_model_dir)

@@ -21,7 +21,7 @@ import shutil
 import pytest
 
 from qforensics.trace.reader import open_trace
-from vllm_runs import PROMPT_A, PROMPT_B, TP, omp_binding, run_recorded
+from vllm_runs import TP, TP_TOKENS as TOKENS, run_tp
 
 pytestmark = pytest.mark.vllm
 
@@ -29,37 +29,29 @@ GATE = "model.layers.3.mlp.gate_proj.weight"  # column-parallel (fused into gate
 GATE_ROW, GATE_COL = 612, 7
 DOWN = "model.layers.7.mlp.down_proj.weight"  # row-parallel
 DOWN_ROW, DOWN_COL = 100, 1100
-TOKENS = 8
-SERVE = ["--tensor-parallel-size", str(TP), "--memory-utilization", "0.15"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, bf16_model_dir):
+def runs(tmp_path_factory, bf16_model_dir, tp_healthy):
     from safetensors.torch import load_file, save_file
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_binding(TP))
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a fixed schedule (test_vllm_identical)
-    try:
-        bad = tmp_path_factory.mktemp("nan-gate-model")
-        for f in bf16_model_dir.iterdir():
-            if f.name != "model.safetensors":
-                shutil.copy(f, bad / f.name)
-        sd = load_file(str(bf16_model_dir / "model.safetensors"))
-        inter = sd[GATE].shape[0]
-        assert sd[DOWN].shape[1] == inter
-        for key, row, col in ((GATE, GATE_ROW, GATE_COL), (DOWN, DOWN_ROW, DOWN_COL)):
-            w = sd[key].clone()
-            w[row, col] = float("nan")
-            sd[key] = w
-        save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-        out = {"inter": inter}
-        for name, folder, extra in (("healthy", bf16_model_dir, None), ("nan", bad, None),
-                                    ("guarded", bad, ["--guard"])):
-            out[name] = run_recorded(tmp_path_factory.mktemp(f"tp-{name}"), folder,
-                                     [PROMPT_A, PROMPT_B], TOKENS, extra=extra, serve_args=SERVE)
-    finally:
-        mp.undo()
+    bad = tmp_path_factory.mktemp("nan-gate-model")
+    for f in bf16_model_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, bad / f.name)
+    sd = load_file(str(bf16_model_dir / "model.safetensors"))
+    inter = sd[GATE].shape[0]
+    assert sd[DOWN].shape[1] == inter
+    for key, row, col in ((GATE, GATE_ROW, GATE_COL), (DOWN, DOWN_ROW, DOWN_COL)):
+        w = sd[key].clone()
+        w[row, col] = float("nan")
+        sd[key] = w
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    # the healthy run is the session's one TP start of the bf16 model (conftest.py), shared
+    # with test_vllm_tensor_parallel; the NaN-weight runs start the same engine
+    out = {"inter": inter, "healthy": tp_healthy}
+    for name, extra in (("nan", None), ("guarded", ["--guard"])):
+        out[name] = run_tp(tmp_path_factory.mktemp(f"tp-{name}"), bad, extra)
     return out
 
 

@@ -8,31 +8,19 @@ when there are fewer cores than workers)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
-from vllm_runs import PROMPT_A, PROMPT_B, TP, omp_binding, run_recorded
+from vllm_runs import TP, omp_binding
 
 QKV = "model.layers.0.self_attn.qkv_proj"
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory, bf16_model_dir, monkeypatch_module):
-    monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_binding(TP))
-    return run_recorded(tmp_path_factory.mktemp("vllm-tp"), bf16_model_dir, [PROMPT_A, PROMPT_B],
-                        4, serve_args=["--tensor-parallel-size", str(TP),
-                                       "--memory-utilization", "0.15"])
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def tp_run(tp_healthy):
+    return tp_healthy  # the session's one TP start of the bf16 model (conftest.py)
 
 
 def test_binding_gives_every_worker_cores():

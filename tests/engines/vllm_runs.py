@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 # A token of prompt A only; its embedding row is set to NaN in the `nan_row_model` folder.
 PROMPT_A = "The capital of France is"
@@ -40,7 +41,7 @@ def recorded_server(tmp: Path, model_dir: Path, port: int) -> tuple[list[str], d
 
 def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int,
                  extra: list[str] | None = None, serve_args: list[str] | None = None,
-                 timeout: float = 900) -> dict:
+                 timeout: float = 900, env: dict[str, str] | None = None) -> dict:
     """`qforensics record -o tmp/t-{rank}.h5 [extra] -- python -m qforensics.demo.vllm_serve
     MODEL ... [serve_args]`. A compiled start under record (a cold Inductor compile: vLLM's
     cache is off under capture) takes 10-15 minutes on a 2-core machine: give it longer."""
@@ -48,7 +49,8 @@ def run_recorded(tmp: Path, model_dir: Path, prompts: list[str], max_tokens: int
 
     out_json = tmp / "outputs.json"
     proc = record_vllm(model_dir, str(tmp / "t-{rank}.h5"), prompts, max_tokens, out_json,
-                       cwd=tmp, extra=extra, timeout=timeout, serve_args=serve_args)
+                       cwd=tmp, extra=extra, timeout=timeout, serve_args=serve_args,
+                       env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"stderr": proc.stderr, "outputs": json.loads(out_json.read_text()),
             "files": sorted(tmp.glob("t-*.h5"))}
@@ -89,6 +91,25 @@ def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = Non
 
 
 TP = 3  # the tensor-parallel tests' ranks
+TP_TOKENS = 8  # greedy tokens per prompt of every TP run
+TP_SERVE = ["--tensor-parallel-size", str(TP), "--memory-utilization", "0.15"]
+
+
+def run_tp(tmp: Path, model_dir: Path, extra: list[str] | None = None) -> dict:
+    """`run_recorded` of prompts A and B, TP_TOKENS tokens, on TP ranks, each bound to its
+    share of this process's cores, with a fixed schedule (VLLM_ENABLE_V1_MULTIPROCESSING=0, as
+    in test_vllm_identical): the healthy run (conftest's `tp_healthy`) and the NaN-weight runs
+    of test_vllm_guard_tp are then step for step comparable."""
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_binding(TP))
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        return run_recorded(tmp, model_dir, [PROMPT_A, PROMPT_B], TP_TOKENS, extra=extra,
+                            serve_args=TP_SERVE)
+    finally:
+        mp.undo()
 
 
 def omp_binding(n: int) -> str:
@@ -97,6 +118,26 @@ def omp_binding(n: int) -> str:
     per = max(1, len(cores) // n)
     parts = [cores[(i * per) % len(cores):(i * per) % len(cores) + per] for i in range(n)]
     return "|".join(",".join(map(str, p)) for p in parts)
+
+
+def one_core(i: int) -> dict[str, str]:
+    """The environment that binds a vLLM worker to the i-th core of this process's (round
+    robin): engines started side by side then compute on different cores. Left alone, every
+    vLLM worker on a 2-core machine binds core 0 and leaves core 1 to its front end."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+
+
+def side_by_side(jobs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Runs each job (an engine run; give the i-th `one_core(i)`) in a thread of its own, all
+    at once, and returns {name: result}; the first failure is raised. For engine runs whose
+    checks do not depend on timing: an engine start is mostly imports and, compiled, Dynamo
+    and Inductor, on one core, so two starts on a 2-core machine overlap instead of queueing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        futs = {k: ex.submit(job) for k, job in jobs.items()}
+        return {k: f.result() for k, f in futs.items()}
 
 
 def sched_output(batch, counts, ids, positions, logits_rows):
