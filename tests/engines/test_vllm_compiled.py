@@ -14,7 +14,7 @@ import pytest
 
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace.reader import open_trace
-from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, one_core, run_recorded, side_by_side
 
 pytestmark = pytest.mark.vllm
 TOKENS = 12
@@ -24,33 +24,49 @@ def _texts(outputs: dict) -> list[str]:
     return [o["text"] for o in outputs["runs"][-1]["outputs"]]
 
 
-@pytest.fixture(scope="module")
-def plain_compiled(tmp_path_factory, bf16_model_dir) -> dict:
+def _plain_compiled(tmp, model_dir) -> dict:
     """The same program without qforensics, compiled (vLLM's default)."""
     from qforensics.demo.vllm_scenarios import serve_env
 
-    tmp = tmp_path_factory.mktemp("vllm-plain-compiled")
     out = tmp / "o.json"
-    cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(bf16_model_dir),
+    cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(model_dir),
            "--compiled", "--max-tokens", str(TOKENS), "--out", str(out),
            "--prompt", PROMPT_A, "--prompt", PROMPT_B]
-    proc = subprocess.run(cmd, env=serve_env(), capture_output=True, text=True, timeout=1500,
-                          cwd=tmp)
+    proc = subprocess.run(cmd, env={**serve_env(), **one_core(0)}, capture_output=True,
+                          text=True, timeout=1500, cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def recorded_compiled(tmp_path_factory, bf16_model_dir) -> dict:
-    tmp = tmp_path_factory.mktemp("vllm-rec-compiled")
-    return run_recorded(tmp, bf16_model_dir, [PROMPT_A, PROMPT_B], TOKENS,
-                        serve_args=["--compiled"], timeout=1800)
+def runs(tmp_path_factory, bf16_model_dir) -> dict:
+    """The three engines at once (vllm_runs.side_by_side): the plain compiled run, the recorded
+    compiled run (a cold compile: vLLM's cache is off under capture) on a core of its own, and
+    the recorded eager run. Nothing checked here depends on timing: the prefill rows are
+    matched by prompt, however the engine batched them."""
+    tp, tc, te = (tmp_path_factory.mktemp(n) for n in
+                  ("vllm-plain-compiled", "vllm-rec-compiled", "vllm-rec-eager"))
+    m, prompts = bf16_model_dir, [PROMPT_A, PROMPT_B]
+    return side_by_side({
+        "plain_compiled": lambda: _plain_compiled(tp, m),
+        "recorded_compiled": lambda: run_recorded(tc, m, prompts, TOKENS, timeout=1800,
+                                                  serve_args=["--compiled"], env=one_core(1)),
+        "recorded_eager": lambda: run_recorded(te, m, prompts, TOKENS, env=one_core(0))})
 
 
 @pytest.fixture(scope="module")
-def recorded_eager(tmp_path_factory, bf16_model_dir) -> dict:
-    tmp = tmp_path_factory.mktemp("vllm-rec-eager")
-    return run_recorded(tmp, bf16_model_dir, [PROMPT_A, PROMPT_B], TOKENS)
+def plain_compiled(runs) -> dict:
+    return runs["plain_compiled"]
+
+
+@pytest.fixture(scope="module")
+def recorded_compiled(runs) -> dict:
+    return runs["recorded_compiled"]
+
+
+@pytest.fixture(scope="module")
+def recorded_eager(runs) -> dict:
+    return runs["recorded_eager"]
 
 
 def test_compiled_engine_lives_and_texts_match_the_plain_compiled_run(
