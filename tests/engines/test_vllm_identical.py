@@ -18,7 +18,7 @@ import pytest
 
 from qforensics.demo.vllm_scenarios import serve_env
 from qforensics.trace.reader import open_trace
-from vllm_runs import run_recorded
+from vllm_runs import one_core, run_recorded, side_by_side
 
 pytestmark = pytest.mark.vllm
 
@@ -26,31 +26,35 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "A recipe for pancak
            "Write a haiku about the sea:"]
 TOKENS = 24
 REPEAT = 2
+FIXED = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the fixed schedule (above)
 
 
 def _tokens(out: dict) -> list[list[list[int]]]:
     return [[o["token_ids"] for o in r["outputs"]] for r in out["runs"]]
 
 
+def _plain(tmp, model_dir) -> dict:
+    out = tmp / "plain.json"
+    cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(model_dir),
+           "--max-tokens", str(TOKENS), "--repeat", str(REPEAT), "--out", str(out)]
+    for p in PROMPTS:
+        cmd += ["--prompt", p]
+    proc = subprocess.run(cmd, env={**serve_env(), **FIXED, **one_core(0)},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, bf16_model_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        tmp = tmp_path_factory.mktemp("identical")
-        plain_json = tmp / "plain.json"
-        cmd = [sys.executable, "-m", "qforensics.demo.vllm_serve", str(bf16_model_dir),
-               "--max-tokens", str(TOKENS), "--repeat", str(REPEAT), "--out", str(plain_json)]
-        for p in PROMPTS:
-            cmd += ["--prompt", p]
-        proc = subprocess.run(cmd, env=serve_env(), capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rec = run_recorded(tmp, bf16_model_dir, PROMPTS, TOKENS,
-                           serve_args=["--repeat", str(REPEAT)])
-    finally:
-        mp.undo()
-    return {"plain": json.loads(plain_json.read_text()), "recorded": rec}
+    """The plain and the recorded run at once, each worker on a core of its own
+    (vllm_runs.side_by_side): with the schedule fixed, timing cannot change the tokens."""
+    tmp = tmp_path_factory.mktemp("identical")
+    return side_by_side({
+        "plain": lambda: _plain(tmp, bf16_model_dir),
+        "recorded": lambda: run_recorded(tmp, bf16_model_dir, PROMPTS, TOKENS,
+                                         serve_args=["--repeat", str(REPEAT)],
+                                         env={**FIXED, **one_core(1)})})
 
 
 def test_plain_schedule_is_repeatable(runs):

@@ -12,7 +12,7 @@ import pytest
 from qforensics.analyze.analyzer import analyze_trace
 from qforensics.trace.moduleinfo import read_module_infos
 from qforensics.trace.reader import open_trace
-from vllm_runs import PROMPT_A, PROMPT_B, run_recorded
+from vllm_runs import PROMPT_A, PROMPT_B, one_core, run_recorded, side_by_side
 
 LAYER = "model.layers.11.mlp.down_proj"
 OUTLIER = 1229
@@ -27,26 +27,38 @@ def _checkpoint(variant: str):
     return d, load_file(str(d / "model.safetensors"))
 
 
-def _run(tmp_path_factory, variant: str) -> dict:
-    d, sd = _checkpoint(variant)
-    res = run_recorded(tmp_path_factory.mktemp(f"int8-{variant}"), d, [PROMPT_A, PROMPT_B], 8)
-    res["state"] = sd
-    return res
+VARIANTS = {"clipped": "clipped-calibration", "calibrated": "ok",
+            "symmetric": "sym-clipped-calibration"}
 
 
 @pytest.fixture(scope="module")
-def clipped(tmp_path_factory):
-    return _run(tmp_path_factory, "clipped-calibration")
+def runs(tmp_path_factory) -> dict:
+    """One engine start per checkpoint, all three at once (vllm_runs.side_by_side): prompts A
+    and B, 8 greedy tokens each; the checks read scales and ranges, not timing."""
+    ckpts = {k: _checkpoint(v) for k, v in VARIANTS.items()}  # built one at a time, here
+    tmps = {k: tmp_path_factory.mktemp(f"int8-{v}") for k, v in VARIANTS.items()}
+
+    def run(i: int, k: str) -> dict:
+        d, sd = ckpts[k]
+        return {**run_recorded(tmps[k], d, [PROMPT_A, PROMPT_B], 8, env=one_core(i)),
+                "state": sd}
+
+    return side_by_side({k: (lambda i=i, k=k: run(i, k)) for i, k in enumerate(VARIANTS)})
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    return _run(tmp_path_factory, "ok")
+def clipped(runs):
+    return runs["clipped"]
 
 
 @pytest.fixture(scope="module")
-def symmetric(tmp_path_factory):
-    return _run(tmp_path_factory, "sym-clipped-calibration")
+def calibrated(runs):
+    return runs["calibrated"]
+
+
+@pytest.fixture(scope="module")
+def symmetric(runs):
+    return runs["symmetric"]
 
 
 def test_input_qparams_map_the_calibrated_range_onto_int8():
