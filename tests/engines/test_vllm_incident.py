@@ -38,7 +38,9 @@ def incident(tmp_path_factory, bf16_model_dir):
     proc = vi.start_server(cmd, serve_env(), work, work / "server.log")
     try:
         vi.wait_ready(proc, port, 1500, work / "server.log")
-        sent = vi.Traffic(port, duration=75, trigger_at=45, poisoned=2, poison_gap=12).run()
+        # no check depends on how long it runs: enough healthy requests before the trigger,
+        # the two poisoned ones, healthy traffic after them
+        sent = vi.Traffic(port, duration=40, trigger_at=20, poisoned=2, poison_gap=8).run()
     finally:
         vi.stop(proc)  # SIGKILL to the group: engine, workers, record
     trace = work / "s-0.h5"
