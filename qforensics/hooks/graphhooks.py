@@ -1,5 +1,6 @@
 """The trace-time side of compiled mode: the forward hooks that torch.compile traces into the
-graph (one stats-op call per recorded tensor, `_record`), each tensor's entry in the ring given
+graph (each recorded tensor queued, `_queue`; one stats-op call per decoder layer, or per
+module outside any layer, `_flush`), each tensor's entry in the ring given
 once at trace time (`_place`), the channel bound of a module known before it runs, and the
 self-test that says whether this torch traces the hooks at all. The ring and the host's view of
 it are hooks/graphstats.py's."""
@@ -25,31 +26,48 @@ def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat
     return (-1, 0, 0, 0, 0) if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
 
 
-def _record(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
-            t: torch.Tensor) -> None:
-    """One tensor's statistics into its entry's row of the ring: one op call, whose every
-    argument but the tensor is a constant of the graph or a static buffer."""
+def _queue(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
+           t: torch.Tensor) -> None:
+    """One tensor into the queue of the next op call, with its entry's place in the ring; the
+    arguments but the tensor are constants of the graph."""
     if not t.is_floating_point() and t.dtype != torch.bool and not _is_int(t.dtype):
         return
     e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
                                    dtype_code(t.dtype), not t.is_floating_point())
-    if e < 0:
-        return
-    torch.ops.qforensics.stats(t.detach(), getattr(gs, f"r{seg}"), gs.first, gs.step_t, off,
-                               cap, tok, e)
+    if e >= 0:
+        gs.queue.append((t.detach(), e, seg, off, cap, tok))
+
+
+def _flush(gs: GraphStats) -> None:
+    """What the hooks queued, in one stats-op call per ring segment (one, but where a
+    segment filled up): a decoder layer's tensors, or a module's outside any layer."""
+    items = list(gs.queue)
+    gs.queue.clear()
+    i = 0
+    while i < len(items):
+        seg = items[i][2]
+        j = i + 1
+        while j < len(items) and items[j][2] == seg:
+            j += 1
+        grp = items[i:j]
+        torch.ops.qforensics.stats([g[0] for g in grp], getattr(gs, f"r{seg}"), gs.first,
+                                   gs.step_t, [g[3] for g in grp], [g[4] for g in grp],
+                                   [g[5] for g in grp], [g[1] for g in grp])
+        i = j
 
 
 def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
                    t: torch.Tensor) -> bool:
     """A tensor of a call outside the compiled region (the logits; vLLM's lm_head and row
-    flags) into the ring through the same op, eagerly; its call index follows the step's
-    compiled calls, modules in the order of their first such call (`collect`). False: a
-    dtype the op does not take (the caller records it its own way)."""
+    flags) into the ring through the same op, eagerly, with whatever is still queued; its call
+    index follows the step's compiled calls, modules in the order of their first such call
+    (`collect`). False: a dtype the op does not take (the caller records it its own way)."""
     if not t.is_floating_point():
         return False
     if mid not in gs.outside:
         gs.outside[mid] = len(gs.outside)
-    _record(gs, gs.key, mid, io, slot, bound, t)
+    _queue(gs, gs.key, mid, io, slot, bound, t)
+    _flush(gs)
     return True
 
 
@@ -89,10 +107,12 @@ def width_bound(module: torch.nn.Module, channel_limit: int) -> int:
 
 
 def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
-              max_outputs: int):
+              max_outputs: int, flush: bool = True):
     """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
     `_on_call` takes (its first tensor arguments, else a hidden-state keyword; its first
-    outputs; a decoder block one of each)."""
+    outputs; a decoder block one of each), queued. `flush`: this hook hands the queue to the
+    op (a decoder block, after its modules' hooks queued theirs; a module outside any block);
+    False for a module inside a hooked block."""
     key = gs.key
     n_in_max = 1 if is_block else max_inputs
     n_out_max = 1 if is_block else max_outputs
@@ -102,11 +122,13 @@ def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: 
         if not ins:
             ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
         for slot, a in enumerate(ins):
-            _record(gs, key, mid, schema.IO_INPUT, slot, bound, a)
+            _queue(gs, key, mid, schema.IO_INPUT, slot, bound, a)
         outs = (output,) if isinstance(output, torch.Tensor) else (
             output if isinstance(output, (tuple, list)) else ())
         for slot, o in enumerate(_tensors(outs, n_out_max)):
-            _record(gs, key, mid, schema.IO_OUTPUT, slot, bound, o)
+            _queue(gs, key, mid, schema.IO_OUTPUT, slot, bound, o)
+        if flush:
+            _flush(gs)
 
     return hook
 

@@ -118,9 +118,14 @@ class GraphMode:
             entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"])
+        # a module inside a hooked decoder block queues its tensors, which the block's hook
+        # hands to the op in one call; a module outside any block calls it itself
+        block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
         for (mid, m, k), bound in zip(mods, bounds):
+            name = chosen[mid][0]
+            inside = k != "block" and any(name.startswith(b) for b in block_names)
             hook = graphhooks.make_hook(self._gs, mid, k == "block", bound, max_inputs,
-                                        max_outputs)
+                                        max_outputs, flush=not inside)
             self._handles.append(m.register_forward_hook(hook, with_kwargs=True))
         return len(mods)
 

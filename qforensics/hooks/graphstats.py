@@ -20,7 +20,7 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   of the ring, no copy); on a GPU through one asynchronous device-to-host copy per segment into
   pinned buffers allocated once, started when the forward returns.
 - `first`: the op's first-failure word (step, entry, NaN?) of the first call that saw a
-  non-finite value; read at close into the status.
+  non-finite value (statsop.first_key); read at close into the status.
 
 No Python at replay; per-call figures match the eager capture's (the eager path reduces finite
 values only for a tensor holding NaN/Inf, the same as here).
@@ -81,6 +81,9 @@ class GraphStats:
         self.slots = max(1, int(slots))
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
+        # (tensor, entry, segment, offset, cap, tok) the hooks queued for the next op call
+        # (graphhooks._flush); empty between calls, at trace time as at run time
+        self.queue: list[tuple[Any, ...]] = []
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
         self.tok_rows = max(1, int(tok_rows))
@@ -361,9 +364,10 @@ class GraphStats:
     def first_nonfinite(self) -> dict[str, int] | None:
         """The op's first-failure word: step, module, io and slot of the first recorded call
         that saw a NaN/Inf (None: none did). One read, at close."""
-        step, e, nan = (int(v) for v in self.first.tolist())
-        if step < 0 or not 0 <= e < len(self.entries):
+        got = statsop.decode_first(int(self.first[0]))
+        if got is None or not 0 <= got[1] < len(self.entries):
             return None
+        step, e, nan = got
         ent = self.entries[e]
         return {"step": step, "module_id": ent.mid, "io": ent.io, "slot": ent.slot,
                 "nan": nan}

@@ -210,3 +210,26 @@ def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeyp
         np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
     # the logits' own NaN count, from the head's weights: row 5 is NaN at every position
     assert b.steps["logits_nan"].tolist() == ([1] * 5 if nan else [0] * 5)
+
+
+def test_one_op_call_per_block_and_per_module_outside_blocks(tmp_path):
+    """The layers' modules queue their tensors and the block's hook hands them to the op in
+    one call: Dynamo's graph holds one call per block, one per module outside any block."""
+    calls: list[int] = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202
+        calls.append(sum(1 for n in gm.graph.nodes if "qforensics.stats" in str(n.target)))
+        return gm
+
+    model = Tiny()
+    _run(torch.compile(model, backend=counting, dynamic=True), tmp_path / "c.h5", 2)
+    t = qforensics.open_trace(tmp_path / "c.h5")
+    names = list(t.module_columns["name"])
+    kinds = dict(zip(names, t.module_columns["kind"]))
+    blocks = [n for n in names if kinds[n] == "block"]
+    outside = [n for n in names if kinds[n] not in ("block", "root")
+               and not any(n.startswith(b + ".") for b in blocks)]
+    assert len(blocks) == 3 and outside == ["head"]  # the embedding is not hooked
+    assert calls and calls[0] == len(blocks) + len(outside)
+    rec = t.records()
+    assert set(rec.module_id.unique()) == set(range(len(names)))  # root: the logits, outside

@@ -57,7 +57,19 @@ def _reference(x: torch.Tensor, step: int) -> dict[str, np.ndarray]:
 def _run(kernel, x: torch.Tensor, step: int, entry: int):  # noqa: ANN001, ANN202
     ring = torch.zeros(3, 50 + statsop.entry_width(CAP, TOK))
     first = statsop.new_first(torch.device("cpu"))
-    kernel(x, ring, first, torch.tensor(step), 50, CAP, TOK, entry)
+    kernel([x], ring, first, torch.tensor(step), [50], [CAP], [TOK], [entry])
+    return ring, first
+
+
+def _group(kernel):  # noqa: ANN001, ANN202
+    """Every float case in one call, each at its own offset (one program per tensor)."""
+    xs = [x for _, x in _cases() if x.is_floating_point()]
+    w = statsop.entry_width(CAP, TOK)
+    ring = torch.zeros(2, w * len(xs))
+    first = statsop.new_first(torch.device("cpu"))
+    n = len(xs)
+    kernel(xs, ring, first, torch.tensor(9), [i * w for i in range(n)], [CAP] * n, [TOK] * n,
+           list(range(10, 10 + n)))
     return ring, first
 
 
@@ -82,8 +94,8 @@ def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entr
     np.testing.assert_array_equal(row[t0:t0 + k], ref["tok"][:k].astype(np.float32))
     assert not row[t0 + k:].any()
     bad = ref["scal"][4] > 0
-    want = [step, entry, int(ref["scal"][5] > 0)] if bad else [-1, -1, -1]
-    assert first.tolist() == want
+    want = (step, entry, int(ref["scal"][5] > 0)) if bad else None
+    assert statsop.decode_first(int(first[0])) == want
 
 
 @pytest.mark.parametrize("name,x", _cases(), ids=[n for n, _ in _cases()])
@@ -92,15 +104,45 @@ def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
-def test_first_word_keeps_the_first_call() -> None:
-    ring = torch.zeros(2, statsop.entry_width(8, 4) * 2)
-    first = statsop.new_first(torch.device("cpu"))
-    step = torch.tensor(4)
+def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
     w = statsop.entry_width(8, 4)
-    statsop.stats(torch.ones(2, 8), ring, first, step, 0, 8, 4, 0)
-    statsop.stats(torch.full((2, 8), float("inf")), ring, first, step, w, 8, 4, 1)
-    statsop.stats(torch.full((2, 8), float("nan")), ring, first, step, 0, 8, 4, 0)
-    assert first.tolist() == [4, 1, 0]  # the inf call came first; the NaN one after it
+    ring = torch.zeros(2, w * 3)
+    first = statsop.new_first(torch.device("cpu"))
+    ones, inf = torch.ones(2, 8), torch.full((2, 8), float("inf"))
+    nan = torch.full((2, 8), float("nan"))
+    assert statsop.decode_first(int(first[0])) is None
+    # one group, handed over out of call order: entry 2 (NaN) before entry 1 (inf)
+    statsop.stats([ones, nan, inf], ring, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
+                  [4] * 3, [0, 2, 1])
+    assert statsop.decode_first(int(first[0])) == (4, 1, 0)
+    # a later step never takes it over, an earlier entry of it neither
+    statsop.stats([nan], ring, first, torch.tensor(5), [0], [8], [4], [0])
+    assert statsop.decode_first(int(first[0])) == (4, 1, 0)
+    assert statsop.decode_first(statsop.first_key(3, 7, True)) == (3, 7, 1)
+
+
+def test_a_shared_tensor_is_written_to_each_of_its_entries() -> None:
+    """q, k and v take one tensor: reduced once on the CPU, each entry's row the same; an entry
+    with other caps is reduced on its own."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 12, generator=g)
+    x[1, 3] = float("nan")
+    w = statsop.entry_width(12, 8)
+    ring = torch.zeros(2, 3 * w + statsop.entry_width(4, 8))
+    first = statsop.new_first(torch.device("cpu"))
+    statsop.stats([x, x, x, x], ring, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
+                  [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3])
+    row = ring[1].numpy()
+    solo = torch.zeros(2, w)
+    statsop.stats([x.clone()], solo, statsop.new_first(torch.device("cpu")), torch.tensor(1),
+                  [0], [12], [8], [0])
+    for k in range(3):
+        np.testing.assert_array_equal(row[k * w:(k + 1) * w], solo[1].numpy())
+    # the entry that keeps no channel ranges (12 channels > cap 4): scalars and tokens only
+    tail = row[3 * w:]
+    np.testing.assert_array_equal(tail[:statsop.N_SCAL], solo[1].numpy()[:statsop.N_SCAL])
+    assert not tail[statsop.N_SCAL:statsop.N_SCAL + 8].any()
+    assert statsop.decode_first(int(first[0])) == (1, 0, 1)
 
 
 _CHILD = r"""
@@ -113,6 +155,10 @@ for i, (name, x) in enumerate(t._cases()):
     ring, first = t._run(statsop.launch_triton, x, 11 + i, i)
     out[name + ".ring"] = ring.numpy()
     out[name + ".first"] = first.numpy()
+for kernel, tag in ((statsop.launch_triton, "group.triton"), (statsop._stats_cpu, "group.cpu")):
+    ring, first = t._group(kernel)
+    out[tag + ".ring"] = ring.numpy()
+    out[tag + ".first"] = first.numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -127,3 +173,11 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     got = np.load(out)
     for i, (name, x) in enumerate(_cases()):
         _check(x, got[name + ".ring"], got[name + ".first"], 11 + i, i, 1e-5)
+    # a group in one launch: the CPU kernel's figures, the first failure of the group
+    tri, cpu = got["group.triton.ring"], got["group.cpu.ring"]
+    fin = np.isfinite(cpu)
+    assert (np.isfinite(tri) == fin).all()
+    np.testing.assert_allclose(tri[fin], cpu[fin], rtol=1e-4, atol=1e-3)
+    assert (np.isnan(tri) == np.isnan(cpu)).all()
+    assert got["group.triton.first"].tolist() == got["group.cpu.first"].tolist()
+    assert statsop.decode_first(int(got["group.cpu.first"][0]))[1] == 12  # bad-f32, 3rd
