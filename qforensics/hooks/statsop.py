@@ -259,7 +259,8 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
                   off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
                   entry: Sequence[int]) -> None:
     """The Triton kernel on a group (a GPU; or CPU tensors under TRITON_INTERPRET=1): the
-    tensors gathered into one buffer (one launch), then one program per tensor."""
+    tensors gathered into one buffer (one launch; a tensor several entries share, once), then
+    one program per entry."""
     global skipped_in_capture
     if not xs:
         return
@@ -267,17 +268,23 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
     dt = x2s[0].dtype
     if dt not in _TRITON_DTYPES or any(x.dtype != dt for x in x2s):
         x2s = [x.float() for x in x2s]
-    rows, start = [], 0
+    rows, start, parts = [], 0, []
+    at: dict[tuple, int] = {}  # a tensor that several entries share is gathered once
     for x, x2, o, c, k, e in zip(xs, x2s, off, cap, tok, entry):
         r, ch = x2.shape
-        rows.append([start, r, ch, o, c, k if x.dim() >= 2 else 0, e])
-        start += r * ch
+        same = (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
+        s0 = at.get(same)
+        if s0 is None:
+            s0 = at[same] = start
+            parts.append(x2.reshape(-1))
+            start += r * ch
+        rows.append([s0, r, ch, o, c, k if x.dim() >= 2 else 0, e])
     key = (ring.device, tuple(tuple(r) for r in rows))
     tab = _table(key, rows, ring.device)
     if tab is None:
         skipped_in_capture += 1
         return
-    flat = torch.cat([x.reshape(-1) for x in x2s]) if len(x2s) > 1 else x2s[0].reshape(-1)
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
     maxc = max(r[2] for r in rows)
     maxr = max(r[1] for r in rows)
     bc = min(max(16, triton.next_power_of_2(max(maxc, 1))), 1024)
