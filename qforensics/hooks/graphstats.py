@@ -379,6 +379,8 @@ class GraphStats:
             "graph_ring": {"slots": self.slots, "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
+        if statsop.skipped_in_capture:  # groups a CUDA graph captured before any eager call
+            st["graph_skipped_in_capture"] = int(statsop.skipped_in_capture)
         first = self.first_nonfinite() if self.entries else None
         if first is not None:
             st["graph_first_nonfinite"] = first

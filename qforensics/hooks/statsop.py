@@ -88,6 +88,11 @@ def _as_rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(-1, 1)
 
 
+def _same_memory(x: Tensor) -> tuple:
+    """What makes two tensors of one call the same values: memory, dtype, shape, strides."""
+    return (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
+
+
 def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
              ) -> tuple[int, int]:
     """One tensor into its entry's part of `row`: numpy on the tensor's own memory (a float32
@@ -136,7 +141,7 @@ def _stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
     done: dict[tuple, tuple[int, int, int]] = {}
     best = NO_FIRST
     for x, o, c, k, e in zip(xs, off, cap, tok, entry):
-        key = (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()), c, k)
+        key = (_same_memory(x), c, k)
         got = done.get(key)
         if got is None:
             bad, nan = _one_cpu(x, row, n, o, c, k)
@@ -272,7 +277,7 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
     at: dict[tuple, int] = {}  # a tensor that several entries share is gathered once
     for x, x2, o, c, k, e in zip(xs, x2s, off, cap, tok, entry):
         r, ch = x2.shape
-        same = (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
+        same = _same_memory(x)
         s0 = at.get(same)
         if s0 is None:
             s0 = at[same] = start
