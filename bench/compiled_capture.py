@@ -18,6 +18,8 @@ phase, then the comparison:
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
 - on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
+With `--profile` the captured phase also prints where its host time goes, per step
+(bench/step_timers.py: the writer's writes, `collect`, the logits' op, ...), on stderr.
 With `--nan` the captured phase then goes on for NAN_STEPS more steps, with one row of the last
 layer's down_proj weight overwritten with NaN in place before the first of them (as a kernel's
 stray store would), and prints analyze's verdict and cause: the first non-finite step should be
@@ -90,9 +92,15 @@ def child(a: argparse.Namespace) -> dict:
     host_timed = None
     out: dict = {"phase": a.phase, "model": how, "device": a.device, "dtype": a.dtype,
                  "layers": model.config.num_hidden_layers, "tokens": a.tokens}
+    timers = None
     if a.phase == "captured":
         import qforensics
         from qforensics.hooks.callhooks import CallHooks
+
+        if a.profile:
+            from step_timers import profile
+
+            timers = profile()
 
         for name in ("_on_root_pre", "_on_root_post"):
             orig = getattr(CallHooks, name)
@@ -123,6 +131,11 @@ def child(a: argparse.Namespace) -> dict:
             sync()
             if i == 1:
                 host[:] = [0.0, 0, 0.0]  # the first step's attach and compile left out
+                if timers is not None:
+                    for d in timers:
+                        d.clear()
+            if i == a.tokens and timers is not None:  # the timed steps' figures only
+                timers = tuple(dict(d) for d in timers)
             if i == a.tokens:
                 host_timed = (host[0], host[2])
             t0, c0 = time.perf_counter(), time.process_time()
@@ -136,6 +149,17 @@ def child(a: argparse.Namespace) -> dict:
             n += 1
     if ctx is not None:
         ctx.__exit__(None, None, None)
+    if timers is not None:
+        from step_timers import report
+
+        n_timed = max(1, a.tokens - 1)
+        print(f"where the captured step's host time goes (steps 1-{n_timed}):",
+              file=sys.stderr)
+        sys.stdout, saved = sys.stderr, sys.stdout
+        try:
+            report(*timers, n_timed)
+        finally:
+            sys.stdout = saved
     out["first_step_s"] = round(times[0], 3)
     out["median_ms"] = round(statistics.median(times[1:a.tokens]) * 1e3, 3)
     # CPU time of the whole process (every thread): on a loaded machine the steadier figure
@@ -200,12 +224,17 @@ def run_phase(a: argparse.Namespace, phase: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--tokens",
            str(a.tokens), "--device", a.device, "--dtype", a.dtype, "--mode", a.mode,
            "--layers", str(a.layers)] + (["--random"] if a.random else []) + (
-        ["--nan"] if a.nan else [])
+        ["--nan"] if a.nan else []) + (["--profile"] if a.profile else [])
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
         sys.stderr.write(r.stderr[-4000:])
         raise SystemExit(f"{phase} phase failed (exit {r.returncode})")
+    if a.profile:
+        lines = r.stderr.splitlines()
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("where the captured")), None)
+        if at is not None:
+            sys.stderr.write("\n".join(lines[at:at + 40]) + "\n")
     got = json.loads(r.stdout.strip().splitlines()[-1])
     got["wall_s"] = round(time.perf_counter() - t0, 1)
     return got
@@ -237,6 +266,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--random", action="store_true", help="random weights, SmolLM2's shapes")
     ap.add_argument("--nan", action="store_true",
                     help="then plant a NaN weight row and check where analyze places it")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the captured step's host time goes (stderr)")
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
     return ap

@@ -42,6 +42,11 @@ PROFILED = [
     ("qforensics.hooks.stepend", None, "build_batch"),
     ("qforensics.hooks.reduce", None, "fast_logits"),
     ("qforensics.hooks.reduce", None, "nonfinite_rows"),
+    # compiled mode (hooks/graphmode.py, hooks/graphstats.py)
+    ("qforensics.hooks.graphmode", "GraphMode", "_graph_root"),
+    ("qforensics.hooks.graphmode", "GraphMode", "_graph_end"),
+    ("qforensics.hooks.graphstats", "GraphStats", "collect"),
+    ("qforensics.hooks.stepend", "StepEnd", "_emit_batch"),
 ]
 
 
