@@ -81,14 +81,19 @@ def find_gaps(trace: Trace, steps: Table) -> Gaps:
         return Gaps(0, n_mod)
     wanted = np.asarray(steps["step"], np.int64)
     counts = np.asarray(steps["record_count"], np.int64)
-    g = Gaps(len(wanted), n_mod, empty=[int(s) for s in wanted[counts == 0]])
+    whole = np.asarray(steps["complete"]) != 0
+    # a step cut short by the run's stop (SIGTERM mid-forward) may hold nothing: no gap, as
+    # long as some whole step recorded something (a trace of empty steps never passes)
+    if not (counts[whole] > 0).any():
+        whole[:] = True
+    g = Gaps(len(wanted), n_mod, empty=[int(s) for s in wanted[(counts == 0) & whole]])
     cols = trace.record_columns(["step", "module_id"])
     st = np.asarray(cols["step"], np.int64)
     mid = np.asarray(cols["module_id"], np.int64)
     keep = np.isin(st, wanted) & (mid >= 0) & (mid < n_mod)
     key = np.unique(st[keep] * n_mod + mid[keep])  # one entry per (step, module) seen
     k_step, k_mod = key // n_mod, key % n_mod
-    full = wanted[counts > 0]  # the steps that recorded anything
+    full = wanted[(counts > 0) & whole]  # the whole steps that recorded anything
     # a forward that computed no logits (an engine's dummy batch: its lm_head and logits are
     # not called) is no gap: where the logits were recorded, only their steps are checked
     root = np.nonzero(np.asarray(trace.module_kinds) == KIND_ROOT)[0]

@@ -378,8 +378,14 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             self._attached = False
             try:
                 if self._in_step and not self._degraded:
+                    # a step still open inside its forward (or, for an engine that ends its
+                    # steps at the logits, before them) was cut short by the stop: its row
+                    # says so, whatever the run's end; an implicit step (calls without a root
+                    # forward) is whole
+                    cut = self._root_depth > 0 or not self.adapter.logits_from_root
                     try:
-                        self._end_step(complete=status is None or status.get("state") == "complete")
+                        self._end_step(complete=not cut and (
+                            status is None or status.get("state") == "complete"))
                     except Exception as exc:
                         self._degrade(exc)
                 if not self._degraded:

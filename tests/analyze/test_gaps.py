@@ -27,7 +27,9 @@ def _without(b: StepBatch, drop: set[int]) -> StepBatch:
 
 
 def _write(tmp_path, drop: dict[int, set[str]], *, extra: list[dict] | None = None,
-           n_steps: int = 5) -> str:
+           n_steps: int = 5, cut: set[int] = frozenset()) -> str:
+    """`cut`: steps whose row says they were cut short (complete 0), as a stop mid-forward
+    leaves the last one."""
     mods = module_table(N_LAYERS) + (extra or [])
     ids = {m["name"]: i for i, m in enumerate(mods)}
     batches = run_model(TinyModel(n_layers=N_LAYERS), n_steps)
@@ -36,7 +38,10 @@ def _write(tmp_path, drop: dict[int, set[str]], *, extra: list[dict] | None = No
                     capture_options={}, flush_interval=0.05)
     for s, b in enumerate(batches):
         names = drop.get(s, drop.get(-1, set()))
-        w.submit(_without(b, {ids[n] for n in names}))
+        b = _without(b, {ids[n] for n in names})
+        if s in cut:
+            b.steps["complete"] = 0
+        w.submit(b)
     w.close()
     return path
 
@@ -93,3 +98,25 @@ def test_a_forward_without_logits_is_no_gap(tmp_path):
     root are not called; the steps with logits are the ones checked."""
     f = analyze_trace(_write(tmp_path, {2: {"", "model.layers.1.mlp.down_proj"}}))
     assert f.verdict.status == "PASSED", f.verdict.line
+
+
+def test_a_last_step_cut_short_with_nothing_recorded_passes(tmp_path):
+    """SIGTERM while the last step's forward began: that step's row (complete 0) holds no
+    record, and the run still reads PASSED; the same empty step said whole is a gap."""
+    every = {m["name"] for m in module_table(N_LAYERS)}
+    f = analyze_trace(_write(tmp_path, {4: every}, cut={4}))
+    assert f.verdict.status == "PASSED", f.verdict.line
+    f = analyze_trace(_write(tmp_path, {4: every}))
+    assert f.verdict.status == "SUSPECT" and "steps 4" in f.verdict.line, f.verdict.line
+
+
+def test_a_step_cut_short_missing_modules_is_no_gap(tmp_path):
+    gone = {"model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"}
+    f = analyze_trace(_write(tmp_path, {4: gone}, cut={4}))
+    assert f.verdict.status == "PASSED", f.verdict.line
+
+
+def test_only_cut_steps_with_no_record_never_pass(tmp_path):
+    every = {m["name"] for m in module_table(N_LAYERS)}
+    f = analyze_trace(_write(tmp_path, {-1: every}, n_steps=2, cut={0, 1}))
+    assert f.verdict.status == "SUSPECT" and "nothing was recorded" in f.verdict.line

@@ -113,9 +113,21 @@ def _requests(trace):
     out = []
     for i in order:
         r = int(req["request"][i])
+        mine = sampled["request"] == r
         out.append({"prompt_tokens": int(req["prompt_tokens"][i]),
-                    "sampled": int((sampled["request"] == r).sum())})
+                    "sampled": int(mine.sum()), "first_step": int(req["first_step"][i]),
+                    "steps": sampled["step"][mine].tolist()})
     return out
+
+
+def _same_counts(answers: list, reqs: list) -> None:
+    """Each answered request: the server gave 12 tokens, and the trace holds 12 sampled (the
+    messages carry what a failure needs: the server's finish reason, the trace's steps)."""
+    for a, r in zip(answers, reqs):
+        why = (a["choices"][0].get("finish_reason"), a["usage"], r, len(reqs))
+        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"], why
+        assert a["usage"]["completion_tokens"] == 12, why
+        assert r["sampled"] == 12, why
 
 
 @pytest.mark.parametrize("trial,target", [(1, "group"), (2, "server"), (3, "group")])
@@ -146,9 +158,7 @@ def test_sigterm_seals_and_a_healthy_run_passes(trial, target, tmp_path, bf16_mo
         summary = f"s-0.h5: {tr.n_steps} steps; {tr.end.reason}"
         reqs = _requests(tr)
     assert summary in log, log[-3000:]  # record listed it sealed: it waited for the seal
-    for a, r in zip(answers, reqs):
-        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"]
-        assert r["sampled"] == a["usage"]["completion_tokens"] == 12
+    _same_counts(answers, reqs)
     assert len(reqs) == len(PROMPTS) + 1 and reqs[-1]["sampled"] >= 5
     f = analyze_trace(path)
     assert f.status == PASSED, f.verdict.line
@@ -176,9 +186,7 @@ def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf
     with open_trace(path) as tr:
         assert not tr.end.complete and "never closed" in tr.end.reason
         reqs = _requests(tr)
-    for a, r in zip(answers, reqs):
-        assert r["prompt_tokens"] == a["usage"]["prompt_tokens"]
-        assert r["sampled"] == a["usage"]["completion_tokens"] == 12
+    _same_counts(answers, reqs)
     assert len(reqs) == len(PROMPTS) + 1
     # every token streamed 2.5 s before the kill came from a step older than the flush interval;
     # the engine may be ahead of the stream, so only the lower bound is sure

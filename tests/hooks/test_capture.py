@@ -120,6 +120,34 @@ def test_exception_in_forward_flushes_what_came_before(tmp_path):
         assert "illegal memory access" in t.end.reason
 
 
+def test_a_seal_mid_forward_marks_that_step_cut_short_and_the_run_passes(tmp_path):
+    """SIGTERM's seal while a forward runs (a server stopped mid-step): the run's end is
+    complete, the step it cut says complete 0, and the healthy run reads PASSED."""
+    from qforensics.analyze import PASSED, analyze_trace
+
+    class Stopped(Tiny):
+        calls = 0
+
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            Stopped.calls += 1
+            if Stopped.calls == 3:  # the third step: sealed before any layer ran
+                active_capture(self).close({"state": "complete", "signal": "SIGTERM"})
+                return None
+            return super().forward(input_ids)
+
+    m = Stopped()
+    with qforensics.capture(m, tmp_path / "t.h5"):
+        for _ in range(3):
+            m(ids())
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        assert t.n_steps == 3 and t.end.complete
+        assert t.steps["complete"].tolist() == [1, 1, 0]
+        assert t.steps["record_count"].iloc[2] == 0
+    f = analyze_trace(tmp_path / "t.h5")
+    assert f.status == PASSED, f.verdict.line
+
+
 class Odd(nn.Module):
     """Tuple, dict, integer, None outputs and a module called twice per step."""
 
