@@ -59,16 +59,25 @@ def _flush(gs: GraphStats) -> None:
 def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
                    t: torch.Tensor) -> bool:
     """A tensor of a call outside the compiled region (the logits; vLLM's lm_head and row
-    flags) into the ring through the same op, eagerly, with whatever is still queued; its call
-    index follows the step's compiled calls, modules in the order of their first such call
-    (`collect`). False: a dtype the op does not take (the caller records it its own way)."""
+    flags) queued for the op, which runs eagerly at the step's end (`flush_outside`): one
+    call for all of them, so a tensor recorded twice (vLLM's logits, as lm_head's output and
+    as the step's) is reduced once. Its call index follows the step's compiled calls, modules
+    in the order of their first such call (`collect`). False: a dtype the op does not take
+    (the caller records it its own way)."""
     if not t.is_floating_point():
         return False
     if mid not in gs.outside:
         gs.outside[mid] = len(gs.outside)
     _queue(gs, gs.key, mid, io, slot, bound, t)
-    _flush(gs)
     return True
+
+
+def flush_outside(gs: GraphStats) -> None:
+    """The op call of what `record_outside` queued this step (nothing queued: nothing); run
+    before the ring is read, and before the next forward (whose trace must find the queue
+    empty)."""
+    if gs.queue:
+        _flush(gs)
 
 
 def _is_int(dt: torch.dtype) -> bool:

@@ -143,10 +143,16 @@ class GraphMode:
         self._graph_first = self._next_call
         self._next_call += len(gs.call_order())
 
+    def _graph_flush(self) -> None:
+        """The op call of the step's calls outside the graph (graphhooks.flush_outside)."""
+        if self._gs is not None:
+            graphhooks.flush_outside(self._gs)
+
     def _graph_part(self) -> dict[str, Any] | None:
         """This step's records from the static buffers (assemble.assemble_records' layout)."""
         if self._gs is None:
             return None
+        self._graph_flush()
         self._graph_reserve()
         return self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
 
@@ -185,6 +191,7 @@ class GraphMode:
         the ring is read in place and the step emitted at once."""
         gs = self._gs
         assert gs is not None
+        graphhooks.flush_outside(gs)
         logits, ids = self._logits, self._step_ids
         row = ids_np = None
         if self._graph_late():

@@ -246,13 +246,18 @@ class GraphStats:
         return self._idx
 
     def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """Values at `idx` of segment `seg` (per element) across the segments' rows."""
+        """Values at `idx` of segment `seg` (per element) across the segments' rows. Entries
+        are placed segment after segment (`place`), and every gather here runs in entry order,
+        so `seg` never decreases: each segment's part is one run, taken without a mask."""
         if len(rows) == 1:
             return rows[0].take(idx)  # np.take: ~3x faster than fancy indexing here
         out = np.empty(idx.shape, np.float32)
+        flat_seg, flat_idx, flat_out = seg.reshape(-1), idx.reshape(-1), out.reshape(-1)
+        cuts = np.searchsorted(flat_seg, np.arange(len(rows) + 1))
         for s, r in enumerate(rows):
-            m = seg == s
-            out[m] = r.take(idx[m])
+            a, b = int(cuts[s]), int(cuts[s + 1])
+            if b > a:
+                np.take(r, flat_idx[a:b], out=flat_out[a:b])
         return out
 
     def collect(self, step: int, first_call: int, keep_channels: bool) -> dict[str, Any] | None:
@@ -306,11 +311,10 @@ class GraphStats:
         # channel ranges: each kept entry's minima and maxima, side by side
         kept = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
         if keep_channels and kept.any():
-            seg_i, idx_min, idx_max = self._gather(ran[kept], width[kept])
+            spans = self._gather(ran[kept], width[kept])
             # float32 as the ring holds them (the trace's channel dtype at most): half the
             # bytes that float64 would carry through the batch, its merge and its write
-            cmin = self._take(rows, seg_i, idx_min)
-            cmax = self._take(rows, seg_i, idx_max)
+            cmin, cmax = self._spans(rows, spans, 1), self._spans(rows, spans, 2)
             off = np.full(len(ran), -1, np.int64)
             off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
             rec["chan_offset"] = off
@@ -333,22 +337,27 @@ class GraphStats:
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
 
-    def _gather(self, sel: np.ndarray, widths: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Segment and indices of the kept entries' minima and maxima; the same entries and
-        widths come back every step, so they are computed once."""
+    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """(segment, start of the minima, start of the maxima, width) of each kept entry; the
+        same entries and widths come back every step, so they are computed once."""
         key = sel.tobytes() + widths.tobytes()
         got = self._gathers.get(key)
         if got is None:
             ix = self._index()
             starts = ix["off"][sel] + N_SCAL
-            base = np.repeat(starts - np.concatenate([[0], np.cumsum(widths)[:-1]]),
-                             widths) + np.arange(int(widths.sum()))
-            got = self._gathers[key] = (np.repeat(ix["seg"][sel], widths), base,
-                                        base + np.repeat(ix["cap"][sel], widths))
+            got = self._gathers[key] = list(zip(
+                ix["seg"][sel].tolist(), starts.tolist(), (starts + ix["cap"][sel]).tolist(),
+                widths.tolist()))
             if len(self._gathers) > 64:
                 self._gathers = {key: got}
         return got
+
+    @staticmethod
+    def _spans(rows: list[np.ndarray], spans: list[tuple[int, int, int, int]], which: int
+               ) -> np.ndarray:
+        """The entries' minima (which=1) or maxima (2), side by side: one slice per entry
+        (contiguous in the ring), half the memory traffic of an index gather."""
+        return np.concatenate([rows[sp[0]][sp[which]:sp[which] + sp[3]] for sp in spans])
 
     def call_order(self) -> list[int]:
         """Modules in the order their hooks first ran (each module's call once a step); those

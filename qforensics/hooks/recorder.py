@@ -2,8 +2,10 @@
 
 Scalars, per-token maxima and logits are kept for every step. Per-channel ranges (most of a
 trace's bytes) are kept for good only for:
-- the prefill (step 0, or any step with more than one input token; an engine adapter says
-  which steps are prefills and which are warm-up forwards, see `apply`);
+- the prefill (step 0, or any step with more than one input token that is not the previous
+  step's input again with one new token: a loop without a KV cache, or with a static-shape
+  buffer, re-feeds its whole sequence every step, and those steps are decodes; an engine
+  adapter says which steps are prefills and which are warm-up forwards, see `apply`);
 - a step that crosses a trigger, together with the `window` steps before it: non-finite values
   (the first such step always; then at most `limit`), outlier growth (the largest GEMM-input
   absmax of the step beyond `growth` x the largest of the last `slots` steps) and a logits
@@ -72,6 +74,7 @@ class FlightRecorder:
         self._logits: collections.deque = collections.deque(maxlen=self.slots)
         self._kept = collections.Counter()
         self._seen_nonfinite = False
+        self._prev_ids: np.ndarray | None = None  # the last step's input ids (`_refeeds`)
 
     def apply(self, batch: StepBatch, *, prefill: bool | None = None,
               warmup: bool = False) -> None:
@@ -90,7 +93,9 @@ class FlightRecorder:
         if warmup:
             keep = False
         elif prefill is None:
-            keep = step == 0 or int(s["token_count"]) > 1
+            keep = step == 0 or (int(s["token_count"]) > 1
+                                 and not self._refeeds(np.asarray(batch.input_ids)))
+            self._prev_ids = np.asarray(batch.input_ids)
         else:
             keep = bool(prefill)
         # a prefill is kept anyway, and its maxima (many tokens, the first positions' large
@@ -121,6 +126,17 @@ class FlightRecorder:
         held = rec["chan_offset"] >= 0
         rec["flags"] = np.where(held, rec["flags"] | schema.FLAG_RING, rec["flags"])
         self._memory.append((step, batch.chan_min, batch.chan_max))
+
+    def _refeeds(self, ids: np.ndarray) -> bool:
+        """This step's input ids are the previous step's with one more token (appended, or
+        written into one position of a fixed-width buffer): a decode step of a loop that
+        re-feeds its whole sequence, not a new prompt."""
+        prev = self._prev_ids
+        if prev is None or len(ids) < 2:
+            return False
+        if len(ids) == len(prev) + 1:
+            return bool(np.array_equal(ids[:-1], prev))
+        return len(ids) == len(prev) and int(np.count_nonzero(ids != prev)) == 1
 
     def _triggers(self, s: np.void, rec: np.ndarray, growth: bool = True
                   ) -> list[tuple[str, float, float]]:

@@ -341,6 +341,8 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 self._graph_drain()  # steps noted before it go first
                 self._reduce_pending(final=True, complete=complete)
         finally:
+            if self._gs is not None:  # flushed by then; never left for the next trace
+                self._gs.queue.clear()
             self._in_step = False
             self._root_depth = 0
             self._pending.clear()
@@ -356,6 +358,8 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                       self._degraded, exc_info=True)
         self._pending.clear()
         self._late.clear()
+        if self._gs is not None:
+            self._gs.queue.clear()
 
     @property
     def degraded(self) -> str | None:

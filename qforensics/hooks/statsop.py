@@ -101,6 +101,12 @@ def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
     Returns its (non-finite, NaN) counts."""
     x2 = _as_rows(x)
     a = (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # huge finite values: no warning
+        return _fill_cpu(a, row, n, off, cap, tok, x.dim() >= 2)
+
+
+def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: int,
+              per_token: bool) -> tuple[int, int]:
     rows, chans = a.shape
     bad = nan = 0
     if rows:
@@ -124,7 +130,7 @@ def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
         c0, c1 = chan_span(off, cap)
         row[c0:c0 + chans] = lo
         row[c1:c1 + chans] = hi
-    if tok > 0 and x.dim() >= 2 and rows:
+    if tok > 0 and per_token and rows:
         k = min(rows, tok)
         t0 = tok_start(off, cap)
         np.abs(a[:k]).max(axis=1, out=row[t0:t0 + k])  # max propagates NaN

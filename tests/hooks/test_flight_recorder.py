@@ -15,6 +15,7 @@ from torch import nn
 
 import qforensics
 from qforensics.analyze.analyzer import analyze_trace
+from qforensics.trace import schema
 
 FAIL_AT = 700
 DRIFT_FROM = 680
@@ -169,3 +170,27 @@ def test_sigkill_keeps_the_steps_and_the_last_window(tmp_path):
         assert with_channels == {0, *range(84, 100)}  # the prefill and the last window
         got = t.channels_for("layers.0.up", 99)
         assert got is not None and np.isfinite(got[0]).all()
+
+
+def test_a_loop_that_refeeds_its_sequence_keeps_only_its_prompts(tmp_path):
+    """Without a KV cache (or with a static-shape buffer) a loop feeds its whole sequence every
+    step: those steps are decodes, their channels go to the ring; a new prompt is kept."""
+    m = Drifting(fail_at=10 ** 6)  # never drifts
+    path = tmp_path / "refeed.h5"
+    prompt = [5, 6, 7, 8]
+    with qforensics.capture(m, path, ring_steps=4, trigger_window=0), torch.inference_mode():
+        seq = list(prompt)
+        for _ in range(6):  # steps 0-5: the sequence grows by one token a step
+            m(torch.tensor([seq]))
+            seq.append(len(seq) % 64)
+        buf = torch.zeros((1, 12), dtype=torch.long)  # steps 6-11: a fixed-width buffer
+        buf[0, :3] = torch.tensor([9, 10, 11])
+        for i in range(6):
+            m(buf)
+            buf[0, 3 + i] = 20 + i
+        m(torch.tensor([[30, 31, 32]]))  # step 12: a new, shorter prompt
+    with qforensics.open_trace(path) as t:
+        cols = t.record_columns(["step", "chan_offset", "flags"])
+        kept = (cols["chan_offset"] >= 0) & ((cols["flags"] & schema.FLAG_RING) == 0)
+        # step 6 is a new prompt too: a buffer unlike step 5's sequence
+        assert set(np.unique(cols["step"][kept]).tolist()) == {0, 6, 12}

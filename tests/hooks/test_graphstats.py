@@ -233,3 +233,31 @@ def test_one_op_call_per_block_and_per_module_outside_blocks(tmp_path):
     assert calls and calls[0] == len(blocks) + len(outside)
     rec = t.records()
     assert set(rec.module_id.unique()) == set(range(len(names)))  # root: the logits, outside
+
+
+def test_calls_outside_the_graph_run_in_one_op_call_at_the_step_end(monkeypatch):
+    """vLLM's logits are recorded twice outside the graph (as lm_head's output and as the
+    step's): queued, then reduced once when the step ends, each entry with their figures."""
+    from qforensics.hooks import statsop
+
+    gs = _stats()
+    gs.begin(0)
+    reduced: list[tuple] = []
+    orig = statsop._one_cpu
+    monkeypatch.setattr(statsop, "_one_cpu",
+                        lambda x, *a: reduced.append(tuple(x.shape)) or orig(x, *a))
+    torch.manual_seed(3)
+    t = torch.randn(4, 32)
+    assert graphhooks.record_outside(gs, 5, schema.IO_INPUT, 0, 32, t)
+    assert graphhooks.record_outside(gs, 6, schema.IO_OUTPUT, 0, 32, t)
+    assert reduced == []  # queued, not yet reduced
+    graphhooks.flush_outside(gs)
+    assert reduced == [(4, 32)] and gs.queue == []
+    part = gs.collect(0, 0, True)
+    rec = part["records"]
+    assert list(rec["module_id"]) == [5, 6]
+    want = _expect(t)
+    for r in rec:
+        assert r["min"] == pytest.approx(want["min"]) and r["max"] == pytest.approx(want["max"])
+        o = int(r["chan_offset"])
+        np.testing.assert_allclose(part["cmax"][o:o + 32], want["cmax"], rtol=1e-6)
