@@ -13,6 +13,7 @@ Served by `qforensics.whatif.through_vllm`, counted by `qforensics.whatif.memory
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +22,12 @@ from typing import Any
 from qforensics.errors import UsageError
 
 __all__ = ["AWQ_SPEC", "applied_awq", "awq_group", "base_state", "check_awq_fits",
-           "quantized_linears", "write_checkpoint"]
+           "checkpoint_dirname", "quantized_linears", "write_checkpoint"]
 
 AWQ_SPEC = re.compile(r"^awq:w4a16(?:-g(\d+))?$", re.IGNORECASE)
 DEFAULT_GROUP = 128
 _SKIP = ("lm_head",)
+DIRNAME_MAX = 96  # a folder name's length stays far below the filesystems' 255 bytes
 
 
 def awq_group(spec: str) -> int | None:
@@ -126,12 +128,24 @@ def _write_awq(model: Any, tokenizer: Any, group: int, base: tuple[dict, dict], 
     return _save_folder(dst, q, c, tokenizer)
 
 
+def checkpoint_dirname(label: str) -> str:
+    """The folder name of ``label``'s checkpoint: the label with every run of other characters
+    than ``[A-Za-z0-9_.-]`` as ``-``; a longer one than `DIRNAME_MAX` (a mixed recipe with many
+    ``keep=``: 1,500 characters) is cut and ends in a hash of the whole label, so that two
+    labels do not share a folder."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
+    if len(name) <= DIRNAME_MAX:
+        return name
+    digest = hashlib.sha256(label.encode()).hexdigest()[:16]
+    return f"{name[:DIRNAME_MAX - len(digest) - 1]}-{digest}"
+
+
 def write_checkpoint(model: Any, tokenizer: Any, scheme: Any, base: tuple[dict, dict],
                      work: Path) -> tuple[Path, dict[str, Any]]:
     """(HF folder vLLM serves for ``scheme``, what the writer says about it): an AWQ folder
     for ``awq:``, a compressed-tensors one written by the library for ``ct:``
     (`qforensics.whatif.ct_checkpoint`)."""
-    dst = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", scheme.label)
+    dst = work / checkpoint_dirname(scheme.label)
     if scheme.library == "awq":
         return _write_awq(model, tokenizer, scheme.awq_group, base, dst), {}
     if scheme.library == "compressed-tensors":

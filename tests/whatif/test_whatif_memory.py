@@ -99,3 +99,26 @@ def test_w4a16_g64_ratio_matches_the_format_and_the_written_tensors(tiny, tmp_pa
         assert mem[label]["weight_bytes"] == served and mem[label]["stored_bytes"] == stored
         assert mem[label]["vs_bf16"] == pytest.approx(served / ref_served)
         assert 0 < mem[label]["vs_bf16"] < 0.5  # the Linears dominate this tiny model
+
+
+def test_a_recipe_with_many_keeps_gets_a_checkpoint_folder(tiny, tmp_path) -> None:
+    # a recipe keeping many Linears in bf16 has a label longer than a file name may be (255
+    # bytes): its checkpoint is still written, and two such labels that differ only after
+    # where a cut name would end get a folder each
+    names = sorted(_linears(tiny))
+    kept = [n for n in names if n != "model.layers.0.mlp.down_proj"]
+    labels = ["ct:layers=W8A8," + ",".join(f"keep={n}" for n in keep)
+              for keep in (kept, kept[:-1])]
+    assert min(map(len, labels)) > 255
+    base = base_state(tiny)
+    folders = []
+    for i, label in enumerate(labels):
+        folder, said = write_checkpoint(tiny, _Tok(), parse_whatif_scheme(label), base,
+                                        tmp_path / f"w{i}")
+        assert len(folder.name) < 255 and list(folder.glob("*.safetensors"))
+        # quantized: layer 0's down_proj, and in the second the Linear it no longer keeps
+        assert said == {"hf_quantized_linears": 1 + i}
+        folders.append(folder.name)
+    assert folders[0] != folders[1]
+    mem = checkpoint_memory(tiny, _Tok(), [parse_whatif_scheme(labels[0])])
+    assert 0.5 < mem[labels[0]]["vs_bf16"] < 1.0  # one Linear of 14 at 8 bits
