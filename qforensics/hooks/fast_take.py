@@ -30,7 +30,8 @@ SOURCE = Path(__file__).with_name("fast_take.c")
 MODULE = "qf_fast_take"
 
 
-def _flags() -> tuple[str, ...]:
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of the extension (hooks/prebuild.py builds it with them too)."""
     include = sysconfig.get_paths()["include"]
     # the interpreter's ABI is part of the cache key through its include path and tag
     return ("-O2", "-shared", "-fPIC", f"-I{include}",
@@ -62,7 +63,7 @@ class FastTake:
         try:
             if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
                 raise RuntimeError("Python.h not found (install the Python headers)")
-            path = fused.build(source=SOURCE, flags=_flags(), libs=())
+            path = fused.build(source=SOURCE, flags=build_flags(), libs=())
             mod = _load_module(path)
             self.hook_type = mod.Hook
             self.forward_type = mod.Forward
@@ -77,7 +78,7 @@ class FastTake:
         if not self._tried_cache:
             self._tried_cache = True
             try:  # built by an earlier process: load it now (~1 ms)
-                path = fused.library_path(source=SOURCE, flags=_flags(), libs=())
+                path = fused.library_path(source=SOURCE, flags=build_flags(), libs=())
                 if path.exists() and fused.trusted(path):
                     self._build_and_load()
                     return self._cursor
