@@ -179,25 +179,9 @@ class FusedReducer:
         if self.off is not None or x.device.type != "cpu":
             return None
         self.calls += 1
-        fns = self._fns
-        if fns is None and not self._tried_cache:
-            # already built (an earlier process): load it now, ~1 ms, so that a process's
-            # numbers do not depend on when a background thread finished
-            self._tried_cache = True
-            try:
-                if library_path().exists() and trusted(library_path()):
-                    self._load()
-                    fns = self._fns
-            except OSError:
-                pass
+        fns = self._fns if self.ready() else None
         if fns is None:
-            if self.off is not None:
-                return None
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._load, daemon=True,
-                                                name="qforensics-build")
-                self._thread.start()
-            return self._eager("not built yet")
+            return None if self.off is not None else self._eager("not built yet")
         fn = fns.get(x.dtype)
         if fn is None:
             return self._eager(f"dtype {str(x.dtype).replace('torch.', '')}")
@@ -217,10 +201,34 @@ class FusedReducer:
         self.fused_calls += 1
         return [out]
 
+    def ready(self) -> bool:
+        """The library is loaded. Its first call in a process loads it when it is already
+        built (~1 ms: hooks/prebuild.py builds it at install time), so that a process's numbers
+        do not depend on when a background thread finished; else a background thread builds it
+        (False until then, and for good when off)."""
+        if self._fns is not None:
+            return True
+        if self.off is not None:
+            return False
+        if not self._tried_cache:
+            self._tried_cache = True
+            try:
+                if library_path().exists() and trusted(library_path()):
+                    self._load()
+                    if self._fns is not None:
+                        return True
+            except OSError:
+                pass
+        if self.off is None and (self._thread is None or not self._thread.is_alive()):
+            self._thread = threading.Thread(target=self._load, daemon=True,
+                                            name="qforensics-build")
+            self._thread.start()
+        return False
+
     def logits(self, v: torch.Tensor) -> torch.Tensor | None:
         """reduce.fast_logits' 15 figures of one row of logits in one C call; None: use the
         torch ops (not built yet, GPU, another dtype, a strided row)."""
-        fn = self._logit_fns.get(v.dtype) if self._fns is not None else None
+        fn = self._logit_fns.get(v.dtype) if self.ready() else None
         if fn is None or v.device.type != "cpu" or v.dim() != 1 or not v.is_contiguous():
             return None
         out = torch.empty(15, dtype=torch.float32)
@@ -260,7 +268,7 @@ class FusedReducer:
         """One tensor reduced into a split layout at `ptrs` (S, Q, min, max, channel minima or
         values, channel maxima, row maxima; None: not written), as a hook-time take does it.
         False (nothing written): not for this tensor."""
-        fn = self._take_fns.get(x.dtype) if self._fns is not None else None
+        fn = self._take_fns.get(x.dtype) if self.ready() else None
         if (fn is None or x.device.type != "cpu" or not x.is_contiguous()
                 or x.numel() != rows * chans):
             return False
@@ -270,7 +278,7 @@ class FusedReducer:
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
         built yet, GPU, another dtype, strided, no rows)."""
-        fn = self._nonfinite_fns.get(t.dtype) if self._fns is not None else None
+        fn = self._nonfinite_fns.get(t.dtype) if self.ready() else None
         if (fn is None or t.device.type != "cpu" or not t.dim() or not t.shape[-1]
                 or not t.is_contiguous()):
             return None
