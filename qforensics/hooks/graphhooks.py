@@ -35,7 +35,7 @@ def _queue(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
     e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
                                    dtype_code(t.dtype), not t.is_floating_point())
     if e >= 0:
-        gs.queue.append((t.detach(), e, seg, off, cap, tok))
+        gs.queue.append((t.detach(), e, seg, off, cap, tok, mid, io, slot))
 
 
 def _flush(gs: GraphStats) -> None:
@@ -52,8 +52,19 @@ def _flush(gs: GraphStats) -> None:
         grp = items[i:j]
         torch.ops.qforensics.stats([g[0] for g in grp], getattr(gs, f"r{seg}"), gs.first,
                                    gs.step_t, [g[3] for g in grp], [g[4] for g in grp],
-                                   [g[5] for g in grp], [g[1] for g in grp])
+                                   [g[5] for g in grp], [g[1] for g in grp], gs.snap.buf,
+                                   _pairs(grp))
         i = j
+
+
+def _pairs(grp: list[tuple[Any, ...]]) -> list[int]:
+    """The op's `pair` of a group (constants at trace time, from the queued (module, io,
+    slot)): for an output, the index of its module's `input.0` in the group (itself when the
+    group has none), kept with it when it is the first failing output; -1 for an input."""
+    first_in = {g[6]: k for k, g in reversed(list(enumerate(grp)))
+                if g[7] == schema.IO_INPUT and g[8] == 0}
+    return [first_in.get(g[6], k) if g[7] == schema.IO_OUTPUT else -1
+            for k, g in enumerate(grp)]
 
 
 def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,

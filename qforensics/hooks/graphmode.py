@@ -31,6 +31,7 @@ from qforensics.trace import schema
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
     from qforensics.hooks.pending import PendingStep
+    from qforensics.hooks.snapshots import Snapshots
 
 log = logging.getLogger("qforensics.hooks.capture")
 
@@ -86,6 +87,7 @@ class GraphMode:
     _step_t0: float
     _step_first_call: int
     _incidents: list[np.ndarray]
+    _snaps: "Snapshots | None"
     step: int
     options: dict[str, Any]
     adapter: "EngineAdapter"
@@ -117,7 +119,7 @@ class GraphMode:
         self._gs = graphstats.GraphStats(  # + 1: the logits (hooks/callhooks.py)
             entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
-            channel_io=self.options["channel_io"])
+            channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"])
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -154,7 +156,31 @@ class GraphMode:
             return None
         self._graph_flush()
         self._graph_reserve()
-        return self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
+        part = self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
+        self._graph_snapshot(part, self.step)
+        return part
+
+    def _graph_snapshot(self, part: dict[str, Any] | None, step: int) -> None:
+        """At the first collected step with a non-finite output: the call the op kept on the
+        device (hooks/graphsnap.py) into the session's snapshots, as eager mode keeps it."""
+        gs, snaps = self._gs, self._snaps
+        if gs is None or part is None or gs.snap.done or snaps is None:
+            return
+        rec = part["records"]
+        if not ((rec["io"] == schema.IO_OUTPUT) & (rec["nan_count"] + rec["inf_count"] > 0)
+                ).any():
+            return
+        try:
+            got = gs.snap.read(rec, step, gs.entries)
+        except Exception as exc:  # noqa: BLE001 - never break the run over a snapshot
+            log.warning("qforensics: compiled snapshot not read (%s); continuing", exc)
+            gs.snap.state = {"taken": False, "why": f"not read: {exc}"[:200]}
+            return
+        if got is not None:
+            if "first_nonfinite_output" in snaps.snapped:  # an eager part of a step kept one
+                gs.snap.state = {"taken": False, "why": "kept by the eager path"}
+            else:
+                snaps.keep_call("first_nonfinite_output", step, *got)
 
     # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------
     def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool:
@@ -216,6 +242,7 @@ class GraphMode:
         while gs is not None and len(late) > keep:
             n = late.popleft()
             part = gs.collect(n.step, n.graph_first, n.keep_channels)
+            self._graph_snapshot(part, n.step)
             row, ids = n.logits_row, n.ids
             if ids is None:  # a late step: its figures and ids come with its slot
                 figs, ids = gs.step_extras(n.step)
@@ -230,7 +257,6 @@ class GraphMode:
                               self._graph_why else "eager"}
         if self._gs is not None:
             st.update(self._gs.status())
-            st["snapshots_compiled"] = "not taken inside compiled regions"
         if self._graph_why:
             st["graph_not_recorded"] = self._graph_why
         return st

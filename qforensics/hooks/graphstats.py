@@ -1,6 +1,5 @@
-"""Capture inside compiled graphs: each recorded tensor is one call of the stats op
-(hooks/statsop.py), which torch.compile keeps as one opaque call and which writes the tensor's
-statistics into a static device ring.
+"""Capture inside compiled graphs: the stats op (hooks/statsop.py), one opaque call to
+torch.compile, writes the recorded tensors' statistics into a static device ring.
 
 Why this shape (see docs/architecture.md, "Compiled mode"):
 - vLLM compiles the model once, full-graph, and drops every guard. A hook that Dynamo cannot
@@ -8,10 +7,9 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   So a hook here is one op call with constant arguments, into buffers allocated before the
   first forward (at trace time) and never reallocated. Under CUDA graphs the op's kernel is
   replayed with the graph, so every replay records.
-- What a hook learns in Python at trace time is frozen into the graph. That is used once, on
-  purpose: `graphhooks._place` (run by Dynamo at trace time, `assume_constant_result`) gives each recorded
-  tensor its entry: a segment of the ring and an offset in its rows. Entries are placed in the
-  order the hooks run, which is the call order.
+- What a hook learns in Python at trace time is frozen into the graph, on purpose:
+  `graphhooks._place` (`assume_constant_result`) gives each recorded tensor its entry (a
+  segment of the ring, an offset in its rows), in the order the hooks run: the call order.
 - The ring: a few segments, each [R, W] float32, marked static; the op writes the row of slot
   `step % R`, `step` being a device counter the host sets before the forward (one fill, no
   sync). Each entry's row carries that step as its stamp, so the host tells an entry written
@@ -20,10 +18,9 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   of the ring, no copy); on a GPU through one asynchronous device-to-host copy per segment into
   pinned buffers allocated once, started when the forward returns.
 - `first`: the op's first-failure word (step, entry, NaN?) of the first call that saw a
-  non-finite value (statsop.first_key); read at close into the status.
-
-No Python at replay; per-call figures match the eager capture's (the eager path reduces finite
-values only for a tensor holding NaN/Inf, the same as here).
+  non-finite value (statsop.first_key); read at close into the status. `snap`: the first
+  failing output's call, kept by the op (hooks/graphsnap.py).
+No Python at replay; per-call figures match the eager capture's (finite values only).
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import statsop
+from qforensics.hooks import statsop, statstriton
+from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
 
@@ -74,18 +72,20 @@ class GraphStats:
     """The device ring of one capture in compiled mode, and the host's view of it."""
 
     def __init__(self, *, entries: int, tok_rows: int, device: torch.device,
-                 channel_limit: int, channel_io: str, slots: int = RING_SLOTS) -> None:
+                 channel_limit: int, channel_io: str, slots: int = RING_SLOTS,
+                 snap_bytes: int = 0) -> None:
         self.key = next(_KEYS)
         self.device = device
         self.max_entries = int(entries)
         self.slots = max(1, int(slots))
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
-        # (tensor, entry, segment, offset, cap, tok) the hooks queued for the next op call
-        # (graphhooks._flush); empty between calls, at trace time as at run time
+        # (tensor, entry, segment, offset, cap, tok, module, io, slot) the hooks queued for the
+        # next op call (graphhooks._flush); empty between calls, at trace time as at run time
         self.queue: list[tuple[Any, ...]] = []
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
+        self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
         self.tok_rows = max(1, int(tok_rows))
         self.channel_limit = int(channel_limit)
         self.channel_io = channel_io
@@ -388,8 +388,9 @@ class GraphStats:
             "graph_ring": {"slots": self.slots, "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
-        if statsop.skipped_in_capture:  # groups a CUDA graph captured before any eager call
-            st["graph_skipped_in_capture"] = int(statsop.skipped_in_capture)
+        if statstriton.skipped_in_capture:  # groups a CUDA graph captured before any call
+            st["graph_skipped_in_capture"] = int(statstriton.skipped_in_capture)
+        st["snapshot_compiled"] = dict(self.snap.state)
         first = self.first_nonfinite() if self.entries else None
         if first is not None:
             st["graph_first_nonfinite"] = first

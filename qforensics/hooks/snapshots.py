@@ -125,6 +125,18 @@ class Snapshots:
                 else:
                     self._snapshot_call("first_outlier", ci, int(rec["module_id"][i]), *lazy())
 
+    def keep_call(self, reason: str, step: int, ci: int, mid: int, meta: list, tensors: list,
+                  cut: set[str]) -> None:
+        """A call kept elsewhere (compiled mode: hooks/graphsnap.py), as `maybe_snapshot` keeps
+        one; `cut`: names of the tensors kept to their leading rows only."""
+        self._step = step
+        self.snapped.add(reason)
+        n = len(self.rows)
+        self._snapshot_call(reason, ci, mid, meta, tensors)
+        for r in self.rows[n:]:
+            if r["name"][0].decode() in cut:
+                r["truncated"] = 1
+
     def _snapshot_call(self, reason: str, ci: int, mid: int, meta: list, tensors: list) -> None:
         try:
             items: list[tuple[str, torch.Tensor]] = []

@@ -1,7 +1,8 @@
 """The one stats op: the statistics of a group of tensors in one call, written into a device
 ring.
 
-`torch.ops.qforensics.stats(xs, ring, first, step, off, cap, tok, entry)` reduces each tensor
+`torch.ops.qforensics.stats(xs, ring, first, step, off, cap, tok, entry, snap, pair)` reduces
+each tensor
 of `xs` (viewed as [rows, channels], channels the last dim; a 0/1-d tensor is [n, 1]) and writes
 its entry's part of the ring slot `step % R` (`ring`: [R, W] float32), at `off[i]`, laid out as
 `ENTRY_COLS` says:
@@ -16,15 +17,21 @@ its entry's part of the ring slot `step % R` (`ring`: [R, W] float32), at `off[i
   `min(rows, tok)` rows (NaN for a row that holds a NaN, else inf for one that holds an inf);
 - `first` ([1] int64) keeps the least `first_key(step, entry, nan)` of the calls that saw a
   non-finite value: the earliest step, then the entry placed first (entries are placed in
-  call order), whichever order the tensors are reduced in.
+  call order), whichever order the tensors are reduced in;
+- `snap` ([SNAP_HEADER + capacity] float32) keeps the first failing output's call once a run:
+  the first tensor i of the first call, in group order, that holds a non-finite value and is a
+  candidate (`pair[i] >= 0`: an output; `pair[i]` is the index of its module's `input.0` in the
+  group, or i itself when the group has none), while the header's `taken` is 0. Its input's
+  rows then its own (float32, flattened, split by `snap_split`), the header (`SNAP_COLS`) and
+  `taken` = 1. What `qforensics replay` starts from in compiled mode (hooks/graphsnap.py).
 
 Why one op for a group: the capture's hooks queue their tensors and the decoder layer's hook
 (or a module outside any layer) hands them over at once (hooks/graphhooks.py), so Inductor sees
 one opaque call per layer instead of ~10 fused reductions per tensor, its mutations declared
 (`ring`, `first`), so the graph writes them in place; the ring is a static buffer that CUDA
 graph replays keep writing. `step` is a device counter the host advances before each step (no
-sync). The CUDA kernel is Triton (`_stats_kernel`, one program per tensor, one pass over it,
-the group's tensors gathered into one buffer: two launches a call); the CPU kernel is numpy on
+sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per tensor, one pass over
+it, the group's tensors gathered into one buffer: two launches a call); the CPU kernel is numpy on
 the tensor's own memory, and reduces a tensor that several entries share (q, k and v's input)
 once. Both write the same layout (tests/hooks/test_statsop.py checks them against numpy, the
 Triton kernel through Triton's interpreter).
@@ -47,6 +54,12 @@ N_SCAL = len(ENTRY_COLS)
 COL = {name: i for i, name in enumerate(ENTRY_COLS)}
 STAMP_MOD = 1 << 24  # float32 holds every integer below this exactly
 NO_FIRST = (1 << 63) - 1  # the first-failure word before any failure
+# The snapshot buffer's header (float32, every value exact below 2**24), then its floats:
+# the kept input's, then the output's
+SNAP_COLS = ("taken", "step", "out_entry", "in_entry", "in_rows", "in_chans", "out_rows",
+             "out_chans", "in_kept", "out_kept")
+SNAP = {name: i for i, name in enumerate(SNAP_COLS)}
+SNAP_HEADER = 16
 _ENTRY_BITS = 32
 
 
@@ -66,6 +79,13 @@ def tok_start(off: int, cap: int) -> int:
 
 def new_first(device: torch.device) -> Tensor:
     return torch.full((1,), NO_FIRST, dtype=torch.int64, device=device)
+
+
+def snap_split(n_in: int, n_out: int, capacity: int) -> tuple[int, int]:
+    """Floats of the input and of the output a snapshot keeps: each at least half the capacity
+    when the other needs more (the Triton kernel computes the same)."""
+    k_in = min(n_in, max(capacity // 2, capacity - n_out))
+    return k_in, min(n_out, capacity - k_in)
 
 
 def first_key(step: int, entry: int, nan: bool) -> int:
@@ -139,14 +159,15 @@ def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: i
 
 def _stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
                off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
-               entry: Sequence[int]) -> None:
+               entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
     """The CPU kernel: each tensor once, however many entries share it (the same memory,
     shape, strides and caps: its part of the row is copied)."""
     n = int(step)
     row = ring.numpy()[n % ring.shape[0]]
     done: dict[tuple, tuple[int, int, int]] = {}
     best = NO_FIRST
-    for x, o, c, k, e in zip(xs, off, cap, tok, entry):
+    keep = -1  # the first failing candidate output: the snapshot's call
+    for i, (x, o, c, k, e) in enumerate(zip(xs, off, cap, tok, entry)):
         key = (_same_memory(x), c, k)
         got = done.get(key)
         if got is None:
@@ -158,156 +179,42 @@ def _stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
             row[o:o + w] = row[src:src + w]
         if bad:
             best = min(best, first_key(n, e, nan))
+            if keep < 0 and pair[i] >= 0:
+                keep = i
     if best != NO_FIRST:
         f = first.numpy()
         f[0] = min(int(f[0]), best)
+    if keep >= 0 and snap.numpy()[SNAP["taken"]] == 0:
+        j = pair[keep]
+        _snap_cpu(snap.numpy(), n, xs[keep], entry[keep], xs[j] if j != keep else None,
+                  entry[j] if j != keep else -1)
 
 
-# -- the CUDA kernel (Triton) ----------------------------------------------------------------
-
-try:  # Triton is only needed on a GPU
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - absent or broken: no CUDA kernel (capture says so)
-    triton = None  # type: ignore[assignment]
-
-TABLE_COLS = 7  # per tensor: start in the gathered buffer, rows, channels, off, cap, tok, entry
-
-if triton is not None:
-    @triton.jit
-    def _stats_kernel(x_ptr, tab_ptr, ring_ptr, first_ptr, step_ptr, width, nslots,
-                      BR: tl.constexpr, BC: tl.constexpr):
-        """Program i reduces tensor i of the group ([rows, chans], contiguous, at `start` in
-        the gathered buffer) in one pass: row tiles outer, channel tiles inner; channel ranges
-        of later row tiles are merged into what the first wrote."""
-        t = tab_ptr + tl.program_id(0) * 7
-        start = tl.load(t)
-        rows = tl.load(t + 1)
-        chans = tl.load(t + 2)
-        off = tl.load(t + 3)
-        cap = tl.load(t + 4)
-        tok = tl.load(t + 5)
-        entry = tl.load(t + 6)
-        keep_chan = (chans > 1) & (chans <= cap)
-        step = tl.load(step_ptr)
-        base = ring_ptr + (step % nslots) * width + off
-        acc_s = tl.zeros((), tl.float32)
-        acc_ss = tl.zeros((), tl.float32)
-        acc_bad = tl.zeros((), tl.int32)
-        acc_nan = tl.zeros((), tl.int32)
-        gmin = tl.full((), float("inf"), tl.float32)
-        gmax = tl.full((), float("-inf"), tl.float32)
-        for r0 in range(0, rows, BR):
-            rr = r0 + tl.arange(0, BR)
-            rm = rr < rows
-            t_fin = tl.zeros((BR,), tl.float32)
-            t_nan = tl.zeros((BR,), tl.int32)
-            t_inf = tl.zeros((BR,), tl.int32)
-            for c0 in range(0, chans, BC):
-                cc = c0 + tl.arange(0, BC)
-                cm = cc < chans
-                m = rm[:, None] & cm[None, :]
-                v = tl.load(x_ptr + start + rr[:, None].to(tl.int64) * chans + cc[None, :],
-                            mask=m, other=0.0).to(tl.float32)
-                isnan = v != v
-                isinf = (v == float("inf")) | (v == float("-inf"))
-                fin = m & ~isnan & ~isinf
-                vz = tl.where(fin, v, 0.0)
-                acc_s += tl.sum(tl.sum(vz, axis=1), axis=0)
-                acc_ss += tl.sum(tl.sum(vz * vz, axis=1), axis=0)
-                acc_bad += tl.sum(tl.sum((m & ~fin).to(tl.int32), axis=1), axis=0)
-                acc_nan += tl.sum(tl.sum((m & isnan).to(tl.int32), axis=1), axis=0)
-                cmin = tl.min(tl.where(fin, v, float("inf")), axis=0)
-                cmax = tl.max(tl.where(fin, v, float("-inf")), axis=0)
-                gmin = tl.minimum(gmin, tl.min(cmin, axis=0))
-                gmax = tl.maximum(gmax, tl.max(cmax, axis=0))
-                if keep_chan:
-                    pmin = base + 9 + cc
-                    pmax = base + 9 + cap + cc
-                    if r0 > 0:
-                        cmin = tl.minimum(cmin, tl.load(pmin, mask=cm, other=0.0))
-                        cmax = tl.maximum(cmax, tl.load(pmax, mask=cm, other=0.0))
-                    tl.store(pmin, cmin, mask=cm)
-                    tl.store(pmax, cmax, mask=cm)
-                t_fin = tl.maximum(t_fin, tl.max(tl.where(fin, tl.abs(v), 0.0), axis=1))
-                t_nan += tl.sum((m & isnan).to(tl.int32), axis=1)
-                t_inf += tl.sum((m & isinf).to(tl.int32), axis=1)
-            tv = tl.where(t_nan > 0, float("nan"), tl.where(t_inf > 0, float("inf"), t_fin))
-            tl.store(base + 9 + 2 * cap + rr, tv, mask=rm & (rr < tok))
-            tl.debug_barrier()
-        idx = tl.arange(0, 16)
-        vals = tl.where(idx == 0, acc_s, tl.where(idx == 1, acc_ss, tl.where(
-            idx == 2, gmin, tl.where(idx == 3, gmax, tl.where(
-                idx == 4, acc_bad.to(tl.float32), tl.where(idx == 5, acc_nan.to(tl.float32),
-                                                            tl.where(idx == 6, rows * 1.0,
-                                                                     chans * 1.0)))))))
-        vals = tl.where(idx == 8, (step % 16777216).to(tl.float32), vals)
-        tl.store(base + idx, vals, mask=idx < 9)
-        key = (step << 33) | (entry << 1) | (acc_nan > 0).to(tl.int64)
-        tl.atomic_min(first_ptr, key, mask=acc_bad > 0)
-
-
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TABLES: dict[tuple, Tensor] = {}
-_TABLES_MAX = 512
-skipped_in_capture = 0  # groups not recorded: a CUDA graph captured them before any eager call
-
-
-def _table(key: tuple, rows: list[list[int]], device: torch.device) -> Tensor | None:
-    """The group's per-tensor table on the device, built at its first call (a warm-up runs
-    eagerly before a CUDA graph captures) and reused by every later one."""
-    t = _TABLES.get(key)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # no host-to-device copy inside a capture
-        if len(_TABLES) >= _TABLES_MAX:
-            _TABLES.clear()
-        t = _TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=device)
-    return t
-
-
-def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
-                  off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
-                  entry: Sequence[int]) -> None:
-    """The Triton kernel on a group (a GPU; or CPU tensors under TRITON_INTERPRET=1): the
-    tensors gathered into one buffer (one launch; a tensor several entries share, once), then
-    one program per entry."""
-    global skipped_in_capture
-    if not xs:
-        return
-    x2s = [_as_rows(x) for x in xs]
-    dt = x2s[0].dtype
-    if dt not in _TRITON_DTYPES or any(x.dtype != dt for x in x2s):
-        x2s = [x.float() for x in x2s]
-    rows, start, parts = [], 0, []
-    at: dict[tuple, int] = {}  # a tensor that several entries share is gathered once
-    for x, x2, o, c, k, e in zip(xs, x2s, off, cap, tok, entry):
-        r, ch = x2.shape
-        same = _same_memory(x)
-        s0 = at.get(same)
-        if s0 is None:
-            s0 = at[same] = start
-            parts.append(x2.reshape(-1))
-            start += r * ch
-        rows.append([s0, r, ch, o, c, k if x.dim() >= 2 else 0, e])
-    key = (ring.device, tuple(tuple(r) for r in rows))
-    tab = _table(key, rows, ring.device)
-    if tab is None:
-        skipped_in_capture += 1
-        return
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-    maxc = max(r[2] for r in rows)
-    maxr = max(r[1] for r in rows)
-    bc = min(max(16, triton.next_power_of_2(max(maxc, 1))), 1024)
-    br = max(1, min(triton.next_power_of_2(max(maxr, 1)), max(1, 4096 // bc)))
-    _stats_kernel[(len(rows),)](flat, tab, ring, first, step, ring.shape[1], ring.shape[0],
-                                BR=br, BC=bc, num_warps=4 if bc * br >= 1024 else 1)
+def _snap_cpu(s: np.ndarray, n: int, out: Tensor, e_out: int, inp: Tensor | None,
+              e_in: int) -> None:
+    """The snapshot of one call into `s`: its input's rows, its output's, then the header."""
+    o2 = _as_rows(out)
+    i2 = _as_rows(inp) if inp is not None else o2.new_zeros(0, 0)
+    k_in, k_out = snap_split(i2.numel(), o2.numel(), s.size - SNAP_HEADER)
+    body = s[SNAP_HEADER:]
+    body[:k_in] = i2.reshape(-1)[:k_in].float().numpy()
+    body[k_in:k_in + k_out] = o2.reshape(-1)[:k_out].float().numpy()
+    s[1:len(SNAP_COLS)] = (n % STAMP_MOD, e_out, e_in, *i2.shape, *o2.shape, k_in, k_out)
+    s[SNAP["taken"]] = 1.0
 
 
 # -- the op ----------------------------------------------------------------------------------
 
 SCHEMA = ("stats(Tensor[] xs, Tensor(a!) ring, Tensor(b!) first, Tensor step, int[] off, "
-          "int[] cap, int[] tok, int[] entry) -> ()")
+          "int[] cap, int[] tok, int[] entry, Tensor(c!) snap, int[] pair) -> ()")
+
+
+def new_snap(device: torch.device, capacity: int) -> Tensor:
+    """A snapshot buffer of `capacity` floats; none (0): `taken` from the start, never kept."""
+    s = torch.zeros(SNAP_HEADER + max(0, int(capacity)), dtype=torch.float32, device=device)
+    if capacity <= 0:
+        s[SNAP["taken"]] = 1.0
+    return s
 
 
 def _define() -> Any:
@@ -316,11 +223,12 @@ def _define() -> Any:
     lib = torch.library.Library("qforensics", "FRAGMENT")
     lib.define(SCHEMA)
     lib.impl("stats", _stats_cpu, "CPU")
-    if triton is not None:
-        lib.impl("stats", launch_triton, "CUDA")
+    from qforensics.hooks import statstriton  # here: it imports this module's helpers
+    if statstriton.triton is not None:
+        lib.impl("stats", statstriton.launch_triton, "CUDA")
 
     @torch.library.register_fake("qforensics::stats", lib=lib)
-    def _fake(xs, ring, first, step, off, cap, tok, entry):  # noqa: ANN001, ANN202
+    def _fake(xs, ring, first, step, off, cap, tok, entry, snap, pair):  # noqa: ANN001, ANN202
         return None
 
     _LIBS.append(lib)  # a Library unregisters its ops when collected

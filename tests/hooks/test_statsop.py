@@ -54,10 +54,14 @@ def _reference(x: torch.Tensor, step: int) -> dict[str, np.ndarray]:
     return {"scal": scal, "lo": lo, "hi": hi, "tok": tok}
 
 
+def _snap(capacity: int = 0) -> torch.Tensor:
+    return statsop.new_snap(torch.device("cpu"), capacity)
+
+
 def _run(kernel, x: torch.Tensor, step: int, entry: int):  # noqa: ANN001, ANN202
     ring = torch.zeros(3, 50 + statsop.entry_width(CAP, TOK))
     first = statsop.new_first(torch.device("cpu"))
-    kernel([x], ring, first, torch.tensor(step), [50], [CAP], [TOK], [entry])
+    kernel([x], ring, first, torch.tensor(step), [50], [CAP], [TOK], [entry], _snap(), [-1])
     return ring, first
 
 
@@ -70,7 +74,7 @@ def _group(kernel):  # noqa: ANN001, ANN202
     first = statsop.new_first(torch.device("cpu"))
     n = len(xs)
     kernel(xs, ring, first, torch.tensor(9), [i * w for i in range(n)], [CAP] * n, [TOK] * n,
-           list(range(10, 10 + n)))
+           list(range(10, 10 + n)), _snap(), [-1] * n)
     return ring, first
 
 
@@ -114,10 +118,10 @@ def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
     assert statsop.decode_first(int(first[0])) is None
     # one group, handed over out of call order: entry 2 (NaN) before entry 1 (inf)
     statsop.stats([ones, nan, inf], ring, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
-                  [4] * 3, [0, 2, 1])
+                  [4] * 3, [0, 2, 1], _snap(), [-1] * 3)
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     # a later step never takes it over, an earlier entry of it neither
-    statsop.stats([nan], ring, first, torch.tensor(5), [0], [8], [4], [0])
+    statsop.stats([nan], ring, first, torch.tensor(5), [0], [8], [4], [0], _snap(), [-1])
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     assert statsop.decode_first(statsop.first_key(3, 7, True)) == (3, 7, 1)
 
@@ -132,11 +136,11 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries() -> None:
     ring = torch.zeros(2, 3 * w + statsop.entry_width(4, 8))
     first = statsop.new_first(torch.device("cpu"))
     statsop.stats([x, x, x, x], ring, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
-                  [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3])
+                  [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3], _snap(), [-1] * 4)
     row = ring[1].numpy()
     solo = torch.zeros(2, w)
     statsop.stats([x.clone()], solo, statsop.new_first(torch.device("cpu")), torch.tensor(1),
-                  [0], [12], [8], [0])
+                  [0], [12], [8], [0], _snap(), [-1])
     for k in range(3):
         np.testing.assert_array_equal(row[k * w:(k + 1) * w], solo[1].numpy())
     # the entry that keeps no channel ranges (12 channels > cap 4): scalars and tokens only
@@ -146,20 +150,83 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries() -> None:
     assert statsop.decode_first(int(first[0])) == (1, 0, 1)
 
 
+def _snap_group(kernel, capacity: int = 4096, order: str = ""):  # noqa: ANN001, ANN202
+    """Four modules' inputs and outputs in one group (`pair` as graphhooks builds it): the
+    second's, the third's and a fourth's (no input in the group) outputs fail; then a later
+    step where all fail. The second's call is kept, once."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(5, 6, generator=g), torch.randn(5, 4, generator=g),
+          torch.randn(1, 5, 4, generator=g), torch.randn(1, 5, 3, generator=g),
+          torch.randn(5, 3, generator=g), torch.randn(5, 2, generator=g),
+          torch.randn(2, 7, generator=g)]
+    xs[3][0, 2, 1] = float("nan")
+    xs[5][4, 0] = float("inf")
+    xs[6][1, 1] = float("nan")
+    n, w = len(xs), statsop.entry_width(CAP, TOK)
+    ring, first = torch.zeros(2, w * n), statsop.new_first(torch.device("cpu"))
+    snap = statsop.new_snap(torch.device("cpu"), capacity)
+    pair = [-1, 0, -1, 2, -1, 4, 6]
+    for step, group in ((3, xs), (4, [torch.full_like(x, float("nan")) for x in xs])):
+        kernel(group, ring, first, torch.tensor(step), [i * w for i in range(n)], [CAP] * n,
+               [TOK] * n, list(range(20, 20 + n)), snap, pair)
+    return xs, snap
+
+
+def _check_snap(xs, snap: np.ndarray, capacity: int) -> None:  # noqa: ANN001
+    inp, out = xs[2].reshape(5, 4).numpy(), xs[3].reshape(5, 3).numpy()
+    k_in = min(inp.size, max(capacity // 2, capacity - out.size))  # half each when short
+    k_out = min(out.size, capacity - k_in)
+    h = snap[:statsop.SNAP_HEADER]
+    assert h[:10].tolist() == [1, 3, 23, 22, 5, 4, 5, 3, k_in, k_out]
+    body = snap[statsop.SNAP_HEADER:]
+    np.testing.assert_array_equal(body[:k_in], inp.reshape(-1)[:k_in])
+    np.testing.assert_array_equal(body[k_in:k_in + k_out], out.reshape(-1)[:k_out])
+    assert not body[k_in + k_out:].any()
+
+
+@pytest.mark.parametrize("capacity", [4096, 30])
+def test_cpu_kernel_keeps_the_first_failing_output_call_once(capacity: int) -> None:
+    xs, snap = _snap_group(torch.ops.qforensics.stats, capacity)
+    _check_snap(xs, snap.numpy(), capacity)
+
+
+def test_no_snapshot_without_capacity_or_a_failing_output() -> None:
+    xs, snap = _snap_group(torch.ops.qforensics.stats, 0)
+    assert snap.numpy().tolist() == [1.0] + [0.0] * (statsop.SNAP_HEADER - 1)
+    w = statsop.entry_width(8, 4)
+    snap = statsop.new_snap(torch.device("cpu"), 64)
+    nan = torch.full((2, 8), float("nan"))  # a failing input is no candidate
+    statsop.stats([nan, torch.ones(2, 8)], torch.zeros(2, 2 * w),
+                  statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w], [8] * 2,
+                  [4] * 2, [0, 1], snap, [-1, 0])
+    assert not snap.numpy().any()
+
+
 _CHILD = r"""
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[2])
 from qforensics.hooks import statsop
+from qforensics.hooks.statstriton import launch_triton
 import test_statsop as t
 out = {}
 for i, (name, x) in enumerate(t._cases()):
-    ring, first = t._run(statsop.launch_triton, x, 11 + i, i)
+    ring, first = t._run(launch_triton, x, 11 + i, i)
     out[name + ".ring"] = ring.numpy()
     out[name + ".first"] = first.numpy()
-for kernel, tag in ((statsop.launch_triton, "group.triton"), (statsop._stats_cpu, "group.cpu")):
+for kernel, tag in ((launch_triton, "group.triton"), (statsop._stats_cpu, "group.cpu")):
     ring, first = t._group(kernel)
     out[tag + ".ring"] = ring.numpy()
     out[tag + ".first"] = first.numpy()
+for cap in (4096, 30):
+    out[f"snap.{cap}"] = t._snap_group(launch_triton, cap)[1].numpy()
+# programs in reverse order: the later failing outputs run first and must leave the call to
+# the first one (a GPU runs them in any order)
+import triton.runtime.interpreter as ti
+b, dims = ti.interpreter_builder, [1]
+set_dim, set_idx = b.set_grid_dim, b.set_grid_idx
+b.set_grid_dim = lambda x, y, z: (dims.__setitem__(0, x), set_dim(x, y, z))[1]
+b.set_grid_idx = lambda x, y, z: set_idx(dims[0] - 1 - x, y, z)
+out["snap.reversed"] = t._snap_group(launch_triton, 4096)[1].numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -184,3 +251,8 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     assert statsop.decode_first(int(got["group.cpu.first"][0]))[1] == 12  # bad-f32, 3rd
     w = statsop.entry_width(CAP, TOK)
     np.testing.assert_array_equal(tri[9 % 2, 3 * w:4 * w], tri[9 % 2, w:2 * w])
+    # the snapshot: claimed by the first failing output's program, copied, once
+    xs = _snap_group(statsop._stats_cpu)[0]
+    for cap in (4096, 30):
+        _check_snap(xs, got[f"snap.{cap}"], cap)
+    _check_snap(xs, got["snap.reversed"], 4096)
