@@ -23,8 +23,10 @@ NAN_STEP, ROW = 2, 3
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test compiles a new Tiny: Dynamo's caches cleared after it, so that this file
-    does not use up the recompile limit of Tiny.forward for the tests after it."""
+    """Each test compiles a new Tiny: Dynamo's caches cleared before it (code compiled by
+    earlier files' tests, without this file's pre-hook, would be reused) and after it (so
+    that this file does not use up the recompile limit of Tiny.forward for later tests)."""
+    torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 

@@ -109,6 +109,33 @@ def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("name,x", _cases() + [
+    ("more-rows-than-tok", torch.randn(2 * TOK + 3, 64)),
+    ("one-row-f32", torch.randn(1, 300))], ids=[n for n, _ in _cases()] + [
+    "more-rows-than-tok", "one-row-f32"])
+def test_cpu_kernel_matches_numpy_on_either_path(name: str, x: torch.Tensor, c_kernel: bool,
+                                                 monkeypatch) -> None:
+    """The one-pass C kernel (fused_reduce.c, loaded here) where it takes the tensor and
+    it comes out finite, the numpy passes otherwise: the same figures either way."""
+    from qforensics.hooks import fused
+
+    assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
+    took: list[bool] = []
+    real = fused.REDUCER.take
+
+    def take(*a):  # noqa: ANN002, ANN202
+        took.append(real(*a) if c_kernel else False)
+        return took[-1]
+
+    monkeypatch.setattr(fused.REDUCER, "take", take)
+    ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+    _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
+    finite = x.is_floating_point() and bool(torch.isfinite(x).all())
+    if c_kernel and finite and x.dtype in (torch.float32, torch.bfloat16):
+        assert took == [True]  # the C kernel did it
+
+
 def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
     w = statsop.entry_width(8, 4)
     ring = torch.zeros(2, w * 3)
