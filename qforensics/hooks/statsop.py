@@ -263,9 +263,6 @@ def _define() -> Any:
     lib = torch.library.Library("qforensics", "FRAGMENT")
     lib.define(SCHEMA)
     lib.impl("stats", _stats_cpu, "CPU")
-    from qforensics.hooks import statstriton  # here: it imports this module's helpers
-    if statstriton.triton is not None:
-        lib.impl("stats", statstriton.launch_triton, "CUDA")
 
     @torch.library.register_fake("qforensics::stats", lib=lib)
     def _fake(xs, ring, first, step, off, cap, tok, entry, snap, pair):  # noqa: ANN001, ANN202
@@ -275,6 +272,14 @@ def _define() -> Any:
 
 
 _LIBS: list[Any] = []
+
+
+def register_cuda(kernel: Any) -> None:
+    """The op's CUDA kernel (hooks/statstriton.py registers its Triton launcher when it is
+    imported, so that this module never imports it: no import circle)."""
+    _get()
+    if _LIBS:
+        _LIBS[0].impl("stats", kernel, "CUDA")
 
 
 def _get() -> Any:

@@ -219,3 +219,9 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
     _stats_kernel[(len(rows),)](flat, tab, ring, first, step, ring.shape[1], ring.shape[0],
                                 snap, snap.numel() - SNAP_HEADER, BR=br, BC=bc, BLK=1024,
                                 num_warps=4 if bc * br >= 1024 else 1)
+
+
+if triton is not None:  # the op's CUDA kernel (statsop.register_cuda)
+    from qforensics.hooks import statsop as _statsop
+
+    _statsop.register_cuda(launch_triton)
