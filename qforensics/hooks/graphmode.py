@@ -217,7 +217,7 @@ class GraphMode:
         the ring is read in place and the step emitted at once."""
         gs = self._gs
         assert gs is not None
-        graphhooks.flush_outside(gs)
+        self._graph_flush()
         logits, ids = self._logits, self._step_ids
         row = ids_np = None
         if self._graph_late():

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -131,6 +132,23 @@ def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
         return _fill_cpu(a, row, n, off, cap, tok, x.dim() >= 2)
 
 
+_SCRATCH = threading.local()  # per thread: the C call's 4 figures, and its row maxima
+
+
+def _scratch(spill_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """This thread's buffers for `_one_c`, allocated once (grown for a step with more rows
+    than an entry keeps): the sums/min/max, and the row maxima to spill (None: not needed)."""
+    sc = getattr(_SCRATCH, "scal", None)
+    if sc is None:
+        sc = _SCRATCH.scal = np.empty(4, np.float32)
+        _SCRATCH.rows = np.empty(0, np.float32)
+    if not spill_rows:
+        return sc, None
+    if len(_SCRATCH.rows) < spill_rows:
+        _SCRATCH.rows = np.empty(spill_rows, np.float32)
+    return sc, _SCRATCH.rows
+
+
 def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int,
            per_token: bool) -> bool:
     """One tensor in one pass of fused_reduce.c's take (bf16 or float32, contiguous), its
@@ -142,12 +160,11 @@ def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int,
     if not rows:
         return False
     at = row.ctypes.data
-    scal = np.empty(4, np.float32)  # sum, sum of squares, min, max
+    scal, spill = _scratch(rows if per_token and 0 < tok < rows else 0)
     sp = scal.ctypes.data
     c0, c1 = chan_span(off, cap)
     keep = 1 < chans <= cap
     k = min(rows, tok) if per_token and tok > 0 else 0
-    spill = np.empty(rows, np.float32) if k and rows > tok else None  # more rows than kept
     tp = None if not k else spill.ctypes.data if spill is not None else (
         at + 4 * tok_start(off, cap))
     if not fused.REDUCER.take(x2, rows, chans, (sp, sp + 4, sp + 8, sp + 12,
