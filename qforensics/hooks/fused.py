@@ -166,6 +166,7 @@ class FusedReducer:
         self._nonfinite_fns: dict[torch.dtype, Any] = {}
         self._split_fns: dict[torch.dtype, Any] = {}
         self._take_fns: dict[torch.dtype, Any] = {}
+        self._group_fn: Any = None
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -275,6 +276,11 @@ class FusedReducer:
         fn(x.data_ptr(), rows, chans, *ptrs)
         return True
 
+    def group(self) -> Any:
+        """fused_reduce.c's `qf_group` (one stats-op call's tensors into a ring row, as
+        hooks/statsop.py `_stats_cpu` describes them), or None: not loaded."""
+        return self._group_fn if self.ready() else None
+
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
         built yet, GPU, another dtype, strided, no rows)."""
@@ -306,6 +312,9 @@ class FusedReducer:
             self._nonfinite_fns = bind(_NONFINITE, ptr, i64, i64, ptr)
             self._split_fns = bind(_SPLIT, ptr, i64, i64, i64, ptr, ptr, ptr, ptr)
             self._take_fns = bind(_TAKE, ptr, i64, i64, *[ptr] * 7)
+            self._group_fn = lib.qf_group
+            self._group_fn.restype = ctypes.c_int
+            self._group_fn.argtypes = [i64, ptr, ptr, ctypes.c_float, ptr, i64, ptr]
             self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -219,6 +219,55 @@ int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float 
 DEFINE_TAKE(qf_take_bf16, core_bf16, uint16_t)
 DEFINE_TAKE(qf_take_f32, core_f32, float)
 
+/* One call of the compiled-mode stats op (hooks/statsop.py `_stats_cpu`): its n tensors into
+ * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
+ * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16), R, C, off, cap, tok,
+ * src, width}: with src >= 0 it holds the values of an earlier tensor of the call, whose entry
+ * (width floats at ring offset src) is copied to off; else it is reduced in one pass into its
+ * entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its channel ranges when
+ * 1 < C <= cap, then the maxima of its first min(R, tok) rows when tok > 0 (spill: scratch for
+ * R row maxima, spill_n floats). done[i] = 1 when the entry was written and its figures are
+ * finite; 0 otherwise (R == 0, a non-finite value): the caller redoes it exactly. */
+#define GROUP_DESC 9
+int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spill,
+             int64_t spill_n, int8_t *done) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *d = desc + GROUP_DESC * i;
+        const int64_t R = d[2], C = d[3], off = d[4], cap = d[5], tok = d[6], src = d[7];
+        done[i] = 0;
+        if (src >= 0) {
+            memmove(row + off, row + src, (size_t)d[8] * sizeof(float));
+            done[i] = 1;
+            continue;
+        }
+        if (R <= 0 || C <= 0) continue;
+        float *e = row + off;
+        const int keep = C > 1 && C <= cap;
+        const int64_t k = tok > 0 ? (R < tok ? R : tok) : 0;
+        float *tk = NULL;
+        if (k) {
+            if (R <= tok) tk = e + 9 + 2 * cap;
+            else if (spill && spill_n >= R) tk = spill;
+            else continue;
+        }
+        float *cmin = keep ? e + 9 : NULL, *cmax = keep ? e + 9 + cap : NULL;
+        if (d[1] == 1)
+            core_bf16((const uint16_t *)(intptr_t)d[0], 1, R, C, e, e + 1, e + 2, e + 3, cmin,
+                      cmax, tk);
+        else if (d[1] == 0)
+            core_f32((const float *)(intptr_t)d[0], 1, R, C, e, e + 1, e + 2, e + 3, cmin,
+                     cmax, tk);
+        else
+            continue;
+        if (!(isfinite(e[0]) && isfinite(e[1]) && isfinite(e[2]) && isfinite(e[3])))
+            continue;
+        if (tk == spill && k) memcpy(e + 9 + 2 * cap, spill, (size_t)k * sizeof(float));
+        e[4] = 0.f; e[5] = 0.f; e[6] = (float)R; e[7] = (float)C; e[8] = stamp;
+        done[i] = 1;
+    }
+    return 0;
+}
+
 /* exp(x) for x <= 0 in float, in a form the compiler vectorizes (no float->int conversion):
  * t = x log2(e) = k + f with k = round(t) (read from the low bits of t + 1.5 * 2^23) and f in
  * [-0.5, 0.5]; 2^f by its Taylor series to degree 7 (relative error below 1e-7 there), 2^k

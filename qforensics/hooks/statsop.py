@@ -120,13 +120,20 @@ def _same_memory(x: Tensor) -> tuple:
 
 def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
              ) -> tuple[int, int]:
-    """One tensor into its entry's part of `row`: numpy on the tensor's own memory (a float32
-    copy for other dtypes), about five passes over it; NaN and inf propagate into the channel
-    ranges, so a tensor whose ranges come out finite holds none and skips the masked pass.
-    Returns its (non-finite, NaN) counts."""
-    x2 = _as_rows(x)
-    if _one_c(x2, row, n, off, cap, tok, x.dim() >= 2):
+    """One tensor into its entry's part of `row`: one pass of fused_reduce.c where it takes
+    the tensor and the figures come out finite (`_one_c`), else `_one_numpy`. Returns its
+    (non-finite, NaN) counts."""
+    if _one_c(_as_rows(x), row, n, off, cap, tok, x.dim() >= 2):
         return 0, 0
+    return _one_numpy(x, row, n, off, cap, tok)
+
+
+def _one_numpy(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
+               ) -> tuple[int, int]:
+    """Numpy on the tensor's own memory (a float32 copy for other dtypes), about five passes
+    over it, exact for non-finite values: NaN and inf propagate into the channel ranges, so a
+    tensor whose ranges come out finite holds none and skips the masked pass."""
+    x2 = _as_rows(x)
     a = (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
     with np.errstate(over="ignore", invalid="ignore"):  # huge finite values: no warning
         return _fill_cpu(a, row, n, off, cap, tok, x.dim() >= 2)
@@ -218,13 +225,35 @@ def _stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
                off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
                entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
     """The CPU kernel: each tensor once, however many entries share it (the same memory,
-    shape, strides and caps: its part of the row is copied)."""
+    shape, strides and caps: its part of the row is copied); the whole group in one call of
+    fused_reduce.c (`_group_c`) when it is loaded, else tensor by tensor."""
     n = int(step)
     row = ring.numpy()[n % ring.shape[0]]
-    done: dict[tuple, tuple[int, int, int]] = {}
+    fn = fused.REDUCER.group()
+    counts = (_group_c(fn, xs, row, n, off, cap, tok) if fn is not None
+              else _each_cpu(xs, row, n, off, cap, tok))
     best = NO_FIRST
     keep = -1  # the first failing candidate output: the snapshot's call
-    for i, (x, o, c, k, e) in enumerate(zip(xs, off, cap, tok, entry)):
+    for i, (bad, nan) in counts:
+        best = min(best, first_key(n, entry[i], nan))
+        if keep < 0 and pair[i] >= 0:
+            keep = i
+    if best != NO_FIRST:
+        f = first.numpy()
+        f[0] = min(int(f[0]), best)
+    if keep >= 0 and snap.numpy()[SNAP["taken"]] == 0:
+        j = pair[keep]
+        _snap_cpu(snap.numpy(), n, xs[keep], entry[keep], xs[j] if j != keep else None,
+                  entry[j] if j != keep else -1)
+
+
+def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
+              cap: Sequence[int], tok: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+    """The group tensor by tensor; returns (index, (non-finite, NaN)) of those that hold a
+    non-finite value, in group order."""
+    done: dict[tuple, tuple[int, int, int]] = {}
+    bad_ones = []
+    for i, (x, o, c, k) in enumerate(zip(xs, off, cap, tok)):
         key = (_same_memory(x), c, k)
         got = done.get(key)
         if got is None:
@@ -235,16 +264,75 @@ def _stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
             w = entry_width(c, k)
             row[o:o + w] = row[src:src + w]
         if bad:
-            best = min(best, first_key(n, e, nan))
-            if keep < 0 and pair[i] >= 0:
-                keep = i
-    if best != NO_FIRST:
-        f = first.numpy()
-        f[0] = min(int(f[0]), best)
-    if keep >= 0 and snap.numpy()[SNAP["taken"]] == 0:
-        j = pair[keep]
-        _snap_cpu(snap.numpy(), n, xs[keep], entry[keep], xs[j] if j != keep else None,
-                  entry[j] if j != keep else -1)
+            bad_ones.append((i, (bad, nan)))
+    return bad_ones
+
+
+GROUP_DESC = 9  # int64 per tensor in fused_reduce.c's qf_group
+_GROUP_DTYPE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _group_c(fn: Any, xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
+             cap: Sequence[int], tok: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+    """The group in one call of fused_reduce.c's `qf_group`: Python only describes each tensor
+    (address, dtype, rows, channels, where its entry goes, or which earlier tensor of the call
+    it repeats); a tensor the C pass does not finish (another dtype or layout, no rows, a
+    non-finite value) is redone exactly by `_one_numpy`, and its repeats copied again.
+    Returns what `_each_cpu` returns."""
+    m = len(xs)
+    desc: list[tuple[int, ...]] = []
+    src_of: dict[int, int] = {}  # a repeat -> the tensor it repeats
+    seen: dict[tuple, int] = {}
+    spill = 0
+    for i in range(m):
+        x, o, c, k = xs[i], off[i], cap[i], tok[i]
+        key = (x.data_ptr(), x.dtype, x.shape, x.stride(), c, k)
+        j = seen.get(key)
+        if j is not None:
+            src_of[i] = j
+            desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k)))
+            continue
+        seen[key] = i
+        code = _GROUP_DTYPE.get(x.dtype)
+        if code is None or not x.is_contiguous():
+            desc.append((0, -1, 0, 0, o, c, k, -1, 0))  # not for C: done stays 0
+            continue
+        d = x.dim()
+        chans = int(x.shape[-1]) if d >= 2 else 1
+        rows = x.numel() // chans if chans else 0
+        kk = k if d >= 2 else 0
+        if 0 < kk < rows > spill:
+            spill = rows
+        desc.append((x.data_ptr(), code, rows, chans, o, c, kk, -1, 0))
+    arr = np.array(desc, np.int64)
+    done, rows_buf = _group_scratch(m, spill)
+    fn(m, arr.ctypes.data, row.ctypes.data, float(n % STAMP_MOD), rows_buf.ctypes.data,
+       len(rows_buf), done.ctypes.data)
+    redo = np.flatnonzero(done[:m] == 0)
+    if not len(redo):
+        return []
+    counts: dict[int, tuple[int, int]] = {}
+    for i in redo.tolist():
+        if i not in src_of:  # a repeat of a redone tensor is copied below
+            counts[i] = _one_numpy(xs[i], row, n, off[i], cap[i], tok[i])
+    for i, j in src_of.items():
+        if j in counts:
+            w = entry_width(cap[i], tok[i])
+            row[off[i]:off[i] + w] = row[off[j]:off[j] + w]
+            counts[i] = counts[j]
+    return sorted((i, bn) for i, bn in counts.items() if bn[0])
+
+
+def _group_scratch(m: int, spill: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's `done` flags and row maxima for `_group_c`, allocated once (grown when a
+    call needs more)."""
+    done = getattr(_SCRATCH, "done", None)
+    if done is None or len(done) < m:
+        done = _SCRATCH.done = np.zeros(max(m, 64), np.int8)
+    buf = getattr(_SCRATCH, "spill", None)
+    if buf is None or len(buf) < spill:
+        buf = _SCRATCH.spill = np.empty(max(spill, 1), np.float32)
+    return done, buf
 
 
 def _snap_cpu(s: np.ndarray, n: int, out: Tensor, e_out: int, inp: Tensor | None,

@@ -109,31 +109,46 @@ def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
-@pytest.mark.parametrize("c_kernel", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("path", ["group", "c", "numpy"])
 @pytest.mark.parametrize("name,x", _cases() + [
     ("more-rows-than-tok", torch.randn(2 * TOK + 3, 64)),
     ("one-row-f32", torch.randn(1, 300))], ids=[n for n, _ in _cases()] + [
     "more-rows-than-tok", "one-row-f32"])
-def test_cpu_kernel_matches_numpy_on_either_path(name: str, x: torch.Tensor, c_kernel: bool,
-                                                 monkeypatch) -> None:
-    """The one-pass C kernel (fused_reduce.c, loaded here) where it takes the tensor and
-    it comes out finite, the numpy passes otherwise: the same figures either way."""
+def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path: str,
+                                               monkeypatch) -> None:
+    """The whole group in one C call (fused_reduce.c's qf_group, the default), tensor by
+    tensor in C (qf_take), or numpy alone: the same figures; C finishes a float32 or bf16
+    tensor that comes out finite, numpy redoes anything else."""
     from qforensics.hooks import fused
 
     assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
     took: list[bool] = []
-    real = fused.REDUCER.take
+    groups: list[int] = []
+    real_take, real_group = fused.REDUCER.take, fused.REDUCER.group()
+    assert real_group is not None
 
     def take(*a):  # noqa: ANN002, ANN202
-        took.append(real(*a) if c_kernel else False)
+        took.append(real_take(*a) if path == "c" else False)
         return took[-1]
 
+    def group(m, *a):  # noqa: ANN001, ANN002, ANN202
+        groups.append(m)
+        return real_group(m, *a)
+
     monkeypatch.setattr(fused.REDUCER, "take", take)
+    monkeypatch.setattr(fused.REDUCER, "group", lambda: group if path == "group" else None)
+    numpy_calls: list[int] = []
+    real_numpy = statsop._one_numpy
+    monkeypatch.setattr(statsop, "_one_numpy",
+                        lambda *a: (numpy_calls.append(1), real_numpy(*a))[1])
     ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
     finite = x.is_floating_point() and bool(torch.isfinite(x).all())
-    if c_kernel and finite and x.dtype in (torch.float32, torch.bfloat16):
-        assert took == [True]  # the C kernel did it
+    in_c = finite and x.dtype in (torch.float32, torch.bfloat16)
+    assert groups == ([1] if path == "group" else [])
+    if path == "c":  # the take ran on every float32 or bf16 tensor, finite or not
+        assert took == [x.dtype in (torch.float32, torch.bfloat16)]
+    assert numpy_calls == ([] if in_c and path != "numpy" else [1])
 
 
 def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
@@ -153,12 +168,15 @@ def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
     assert statsop.decode_first(statsop.first_key(3, 7, True)) == (3, 7, 1)
 
 
-def test_a_shared_tensor_is_written_to_each_of_its_entries() -> None:
-    """q, k and v take one tensor: reduced once on the CPU, each entry's row the same; an entry
-    with other caps is reduced on its own."""
+@pytest.mark.parametrize("nan", [True, False])
+def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool) -> None:
+    """q, k and v take one tensor: reduced once on the CPU, each entry's row the same (copied
+    by the C group pass, or again after numpy redid a non-finite one); an entry with other
+    caps is reduced on its own."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 12, generator=g)
-    x[1, 3] = float("nan")
+    if nan:
+        x[1, 3] = float("nan")
     w = statsop.entry_width(12, 8)
     ring = torch.zeros(2, 3 * w + statsop.entry_width(4, 8))
     first = statsop.new_first(torch.device("cpu"))
@@ -174,7 +192,7 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries() -> None:
     tail = row[3 * w:]
     np.testing.assert_array_equal(tail[:statsop.N_SCAL], solo[1].numpy()[:statsop.N_SCAL])
     assert not tail[statsop.N_SCAL:statsop.N_SCAL + 8].any()
-    assert statsop.decode_first(int(first[0])) == (1, 0, 1)
+    assert statsop.decode_first(int(first[0])) == ((1, 0, 1) if nan else None)
 
 
 def _snap_group(kernel, capacity: int = 4096, order: str = ""):  # noqa: ANN001, ANN202
