@@ -18,6 +18,7 @@ An adapter touches the session only through `AdapterCalls`, never through its pr
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -86,6 +87,7 @@ class AdapterCalls:
     _modules: list[nn.Module]
     _handles: list[Any]
     _writer: Any
+    _drainer: Any  # hooks/drainer.py's Drainer in compiled mode, else None
 
     if TYPE_CHECKING:
         def _end_step(self, complete: bool) -> None: ...
@@ -136,8 +138,13 @@ class AdapterCalls:
 
     def submit_engine(self, **tables: np.ndarray) -> None:
         """Rows of the trace's /engine tables (steps, rows, requests, sampled)."""
-        if self._writer is not None:
-            self._writer.submit(engine_batch(**tables))
+        if self._writer is None:
+            return
+        batch = engine_batch(**tables)
+        if self._drainer is not None:  # after the steps the drainer has not emitted yet
+            self._drainer.put(partial(self._writer.submit, batch))
+        else:
+            self._writer.submit(batch)
 
     def degrade(self, exc: BaseException) -> None:
         """Stop recording after an internal error (logged once); the run goes on."""

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from qforensics.hooks import graphhooks, graphstats, reduce
+from qforensics.hooks.drainer import Drainer
 from qforensics.trace import schema
 
 if TYPE_CHECKING:
@@ -38,6 +40,9 @@ log = logging.getLogger("qforensics.hooks.capture")
 _SELFTEST: dict[str, str | None] = {}  # device type -> None (traces) or why not
 # emit each step one step late on the CPU too (a GPU always does): for tests of that path
 LATE_ON_CPU = False
+# "thread": compiled steps become records in a thread of their own (hooks/drainer.py);
+# "sync": in the model's thread, at the step's end (QFORENSICS_DRAIN=sync)
+DRAIN = os.environ.get("QFORENSICS_DRAIN", "thread")
 
 
 @dataclass
@@ -54,7 +59,8 @@ class LateStep:
     complete: bool
     keep_channels: bool
     has_logits: bool
-    logits_row: np.ndarray | None  # already known (on the CPU, emitted at once)
+    logits_row: np.ndarray | None  # already known
+    logits_t: torch.Tensor | None  # on the CPU: a copy of the last logits row, reduced later
     ids: np.ndarray | None
     incidents: list[np.ndarray]
     kind: dict[str, Any]
@@ -81,7 +87,9 @@ class GraphMode:
     _pending: "PendingStep"
     _handles: list[Any]
     _late: "collections.deque[LateStep]"
+    _drainer: Drainer | None
     _graph_lane: int
+    _degraded: str | None
     _logits: torch.Tensor | None
     _step_ids: torch.Tensor | None
     _step_t0: float
@@ -92,7 +100,9 @@ class GraphMode:
     options: dict[str, Any]
     adapter: "EngineAdapter"
 
-    if TYPE_CHECKING:  # hooks/stepend.py
+    if TYPE_CHECKING:  # hooks/session.py, hooks/stepend.py
+        def _degrade(self, exc: BaseException) -> None: ...
+
         def _emit_batch(self, parts: list[dict[str, Any]], *, step: int, t0: float,
                         t_end: float | None, first_call: int, next_call: int,
                         logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
@@ -120,6 +130,8 @@ class GraphMode:
             entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"])
+        if DRAIN == "thread":
+            self._drainer = Drainer(self._graph_emit_item, self._gs.slots)
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -211,56 +223,93 @@ class GraphMode:
 
     def _graph_end(self, complete: bool) -> None:
         """End a step the ring holds: the host notes what it knows (times, calls, incidents,
-        the adapter's step kind); on a GPU the logits figures and ids go into the step's
-        slot on the device, the slot's copy to pinned memory starts, and the step is emitted
-        at the end of the next one (its copy long done): no sync inside a step. On the CPU
-        the ring is read in place and the step emitted at once."""
+        the adapter's step kind, a copy of the last logits row on the CPU); on a GPU the
+        logits figures and ids go into the step's slot on the device and the slot's copy to
+        pinned memory starts. Its records are built off the hot path, by the drainer thread
+        (hooks/drainer.py), or without one at once on the CPU and a step late on a GPU (its
+        copy long done): no sync inside a step either way."""
         gs = self._gs
         assert gs is not None
         self._graph_flush()
         logits, ids = self._logits, self._step_ids
-        row = ids_np = None
+        row_t = ids_np = None
         if self._graph_late():
             gs.put_step_extras(self.step, reduce.exact_logits(logits)
                                if logits is not None else None, ids)
             gs.start_copy(self.step)  # the slot, its calls outside the graph included
         else:
-            if logits is not None:
-                row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
+            if logits is not None:  # as the step left it: an engine may scale it in place
+                row_t = reduce.last_logits(logits.detach()).clone()
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
-        self._late.append(LateStep(
+        n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
-            self._graph_first, complete, bool(self._pending.keep), logits is not None, row,
-            ids_np, self._incidents, self.adapter.step_kind()))
+            self._graph_first, complete, bool(self._pending.keep), logits is not None, None,
+            row_t, ids_np, self._incidents, self.adapter.step_kind())
         self._incidents = []
+        d = self._drainer
+        if d is not None:
+            if d.error is not None:
+                if self._degraded is None:
+                    self._degrade(RuntimeError(f"compiled steps' records: {d.error}"))
+                return
+            d.put(n)
+            return
+        self._late.append(n)
         self._graph_drain(keep=1 if self._graph_late() else 0)
 
     def _graph_drain(self, keep: int = 0) -> None:
-        """Emit the noted steps but the last `keep`, oldest first."""
+        """Emit the noted steps but the last `keep`, oldest first; with a drainer, wait until
+        it has emitted everything put so far."""
+        d = self._drainer
+        if d is not None:
+            d.flush()
+            if d.error is not None and self._degraded is None:
+                self._degrade(RuntimeError(f"compiled steps' records: {d.error}"))
         late, gs = self._late, self._gs
         while gs is not None and len(late) > keep:
-            n = late.popleft()
-            part = gs.collect(n.step, n.graph_first, n.keep_channels)
-            self._graph_snapshot(part, n.step)
-            row, ids = n.logits_row, n.ids
-            if ids is None:  # a late step: its figures and ids come with its slot
-                figs, ids = gs.step_extras(n.step)
-                row = figs if n.has_logits else None
-            self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
-                             t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
-                             logits_row=row, ids=ids, complete=n.complete,
-                             incidents=n.incidents, kind=n.kind)
+            self._graph_emit(late.popleft())
+
+    def _graph_emit_item(self, item: "LateStep | Callable[[], None]") -> None:
+        """The drainer's work: a step noted at its end, or what an engine wrote between steps."""
+        if isinstance(item, LateStep):
+            self._graph_emit(item)
+        else:
+            item()
+
+    def _graph_emit(self, n: LateStep) -> None:
+        """One noted step's records from its slot of the ring, to the writer."""
+        gs = self._gs
+        assert gs is not None
+        part = gs.collect(n.step, n.graph_first, n.keep_channels)
+        self._graph_snapshot(part, n.step)
+        row, ids = n.logits_row, n.ids
+        if n.logits_t is not None:
+            row = reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(), n.logits_t)
+        if ids is None:  # a late step: its figures and ids come with its slot
+            figs, ids = gs.step_extras(n.step)
+            row = figs if n.has_logits else None
+        self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
+                         t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
+                         logits_row=row, ids=ids, complete=n.complete,
+                         incidents=n.incidents, kind=n.kind)
 
     def _graph_status(self) -> dict[str, Any]:
         st: dict[str, Any] = {"capture_mode": "compiled" if self._gs is not None or
                               self._graph_why else "eager"}
         if self._gs is not None:
             st.update(self._gs.status())
+        d = self._drainer
+        if d is not None:
+            st["graph_drain"] = {"thread": True, "waits": d.waits, "dropped": d.dropped,
+                                 **({"error": d.error} if d.error else {})}
         if self._graph_why:
             st["graph_not_recorded"] = self._graph_why
         return st
 
     def _graph_close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.close(timeout=60)
+            self._drainer = None
         if self._gs is not None:
             self._gs.close()

@@ -43,7 +43,7 @@ log = logging.getLogger("qforensics.hooks.capture")
 LOGITS_FIGURES = 18  # reduce.exact_logits' row
 MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
-RING_SLOTS = 2  # the op writes one slot while the host copies the other
+RING_SLOTS = 4  # the op writes one slot while the drainer reads the others (hooks/drainer.py)
 _REGISTRY: dict[int, "GraphStats"] = {}
 _KEYS = itertools.count(1)
 

@@ -138,6 +138,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self._graph_mode = bool(compiled)
         self._gs = None
         self._late: collections.deque = collections.deque()  # compiled steps not yet emitted
+        self._drainer = None  # compiled mode's drainer thread (hooks/drainer.py)
         self._graph_lane = -1  # the last step whose outside-graph calls went to the ring
         self._graph_why: str | None = None
         self._graph_step = -1

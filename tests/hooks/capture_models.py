@@ -35,3 +35,19 @@ class Tiny(nn.Module):
 
 def ids(n: int = 4) -> torch.Tensor:
     return torch.arange(n).reshape(1, n) % 16
+
+
+def greedy_tokens(model: nn.Module, path, steps: int, **kw) -> list[int]:
+    """`steps` greedy tokens from ids 1-4, the whole sequence re-fed each step, under
+    `qforensics.capture(model, path, **kw)`."""
+    import qforensics
+
+    seq = torch.tensor([[1, 2, 3, 4]])
+    out = []
+    with qforensics.capture(model, path, **kw), torch.no_grad():
+        for _ in range(steps):
+            logits = model(seq)
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+    return out

@@ -14,7 +14,7 @@ from qforensics.errors import CaptureError
 from qforensics.hooks import graphhooks, graphmode, graphstats
 from qforensics.trace import schema
 
-from capture_models import Tiny
+from capture_models import Tiny, greedy_tokens
 
 
 def _stats(tok_rows: int = 64):
@@ -110,24 +110,12 @@ def test_width_bound_reads_declared_sizes():
     assert graphhooks.width_bound(blk, 8192) == 24
 
 
-def _run(model: nn.Module, path, steps: int, **kw) -> list[int]:
-    ids = torch.tensor([[1, 2, 3, 4]])
-    out = []
-    with qforensics.capture(model, path, **kw), torch.no_grad():
-        for _ in range(steps):
-            logits = model(ids)
-            nxt = int(logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
-    return out
-
-
 def test_capture_of_a_compiled_model_matches_eager_capture(tmp_path):
     eager_model = Tiny()
-    toks_e = _run(eager_model, tmp_path / "e.h5", 4)
+    toks_e = greedy_tokens(eager_model, tmp_path / "e.h5", 4)
     model = Tiny()
     compiled = torch.compile(model, dynamic=True)
-    toks_c = _run(compiled, tmp_path / "c.h5", 4)
+    toks_c = greedy_tokens(compiled, tmp_path / "c.h5", 4)
     assert toks_c == toks_e
     te, tc = qforensics.open_trace(tmp_path / "e.h5"), qforensics.open_trace(tmp_path / "c.h5")
     st = tc.meta["status"]
@@ -152,7 +140,7 @@ def test_compiled_capture_finds_the_producer(tmp_path):
     model = Tiny()
     with torch.no_grad():
         model.layers[1].down.weight[2, 3] = float("nan")
-    _run(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
+    greedy_tokens(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
     t = qforensics.open_trace(tmp_path / "c.h5")
     names = list(t.module_columns["name"])
     rec = t.records()
@@ -166,7 +154,7 @@ def test_compiled_capture_finds_the_producer(tmp_path):
 def test_untraceable_torch_records_logits_only_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(graphmode, "_SELFTEST", {"cpu": "Unsupported: pretend"})
     model = Tiny()
-    _run(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
+    greedy_tokens(torch.compile(model, dynamic=True), tmp_path / "c.h5", 2)
     t = qforensics.open_trace(tmp_path / "c.h5")
     st = t.meta["status"]
     assert st["hook_path"] == "none" and "pretend" in st["graph_not_recorded"]
@@ -192,7 +180,7 @@ def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeyp
         if nan:
             with torch.no_grad():
                 model.head.weight[5, 1] = float("nan")
-        return _run(torch.compile(model, dynamic=True), path, 5)
+        return greedy_tokens(torch.compile(model, dynamic=True), path, 5)
 
     assert run(tmp_path / "late.h5", True) == run(tmp_path / "now.h5", False)
     a, b = qforensics.open_trace(tmp_path / "now.h5"), qforensics.open_trace(tmp_path / "late.h5")
@@ -222,7 +210,7 @@ def test_one_op_call_per_block_and_per_module_outside_blocks(tmp_path):
         return gm
 
     model = Tiny()
-    _run(torch.compile(model, backend=counting, dynamic=True), tmp_path / "c.h5", 2)
+    greedy_tokens(torch.compile(model, backend=counting, dynamic=True), tmp_path / "c.h5", 2)
     t = qforensics.open_trace(tmp_path / "c.h5")
     names = list(t.module_columns["name"])
     kinds = dict(zip(names, t.module_columns["kind"]))
@@ -238,14 +226,23 @@ def test_one_op_call_per_block_and_per_module_outside_blocks(tmp_path):
 def test_calls_outside_the_graph_run_in_one_op_call_at_the_step_end(monkeypatch):
     """vLLM's logits are recorded twice outside the graph (as lm_head's output and as the
     step's): queued, then reduced once when the step ends, each entry with their figures."""
-    from qforensics.hooks import statsop
+    import ctypes
+
+    from qforensics.hooks import fused, statsop
 
     gs = _stats()
     gs.begin(0)
+    assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
     reduced: list[tuple] = []
-    orig = statsop._one_cpu
-    monkeypatch.setattr(statsop, "_one_cpu",
-                        lambda x, *a: reduced.append(tuple(x.shape)) or orig(x, *a))
+    real = fused.REDUCER.group()
+
+    def group(m, desc, *a):  # noqa: ANN001, ANN002, ANN202 - the tensors C reduces
+        d = np.ctypeslib.as_array(ctypes.cast(desc, ctypes.POINTER(ctypes.c_int64)),
+                                  shape=(m, statsop.GROUP_DESC))
+        reduced.extend(tuple(int(v) for v in r[2:4]) for r in d if r[7] < 0)
+        return real(m, desc, *a)
+
+    monkeypatch.setattr(fused.REDUCER, "group", lambda: group)
     torch.manual_seed(3)
     t = torch.randn(4, 32)
     assert graphhooks.record_outside(gs, 5, schema.IO_INPUT, 0, 32, t)

@@ -1,0 +1,106 @@
+"""Compiled mode's host side off the hot path: a thread that turns the device ring's steps into
+records and hands them to the writer, while the model's thread goes on with the next step.
+
+Why a thread: on a GPU under CUDA graphs a decode step takes about 2 ms, and reading a slot of
+the ring, building its records, the flight recorder's decisions and the writer's hand-off take
+milliseconds of host time. Done at the step's end, in the model's thread, they hold back the
+next step's launch; here they run beside it. The model's thread only notes what it knows at the
+step's end (times, calls, a copy of the last logits row, the input ids, the guard's incidents)
+and, on a GPU, starts the slot's asynchronous copy (hooks/graphstats.py).
+
+- Order: items run one at a time, in the order they were put: the steps, and anything the
+  engine writes between them (vLLM's own tables, `put`), reach the writer in run order.
+- The ring has `slots` slots; the op writes slot `step % slots`. `put` waits (on the host,
+  never on the device) while `slots - 1` items are still to run, so the op never writes a slot
+  whose step was not yet read: no step is lost, the model's thread waits instead.
+- `flush()` returns once everything put before it ran: the session calls it before a step it
+  emits itself (an eager step in compiled mode), and at close.
+- A failure inside an item stops the drainer (later items are dropped, counted in `dropped`);
+  `error` says why and the session degrades at its next step end: the run goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger("qforensics.hooks.capture")
+
+
+class Drainer:
+    def __init__(self, run: Callable[[Any], None], slots: int, name: str = "qforensics-drain"
+                 ) -> None:
+        self._run_item = run
+        self.depth = max(1, int(slots) - 1)  # items that may wait or run at once
+        self._items: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = 0  # items taken but not finished (0 or 1)
+        self._stop = False
+        self.error: str | None = None
+        self.dropped = 0
+        self.waits = 0  # times `put` found the drainer `depth` items behind
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        """Queue an item; waits while `depth` items are still to run."""
+        with self._cv:
+            if self.error is not None or self._stop:
+                self.dropped += 1
+                return
+            if len(self._items) + self._busy >= self.depth:
+                self.waits += 1
+                self._cv.wait_for(lambda: len(self._items) + self._busy < self.depth
+                                  or self.error is not None)
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every item put so far has run (or the drainer failed). False on timeout."""
+        if threading.current_thread() is self._thread:
+            return True  # an item that flushes: everything before it ran already
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: (not self._items and not self._busy) or self.error is not None,
+                timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then end the thread."""
+        self.flush(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._items) + self._busy
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._items or self._stop)
+                if not self._items:
+                    return  # stopped, nothing left
+                item = self._items.popleft()
+                self._busy = 1
+            try:
+                if self.error is None:
+                    self._run_item(item)
+                else:
+                    self.dropped += 1
+            except BaseException as exc:  # noqa: BLE001 - never let the thread die silently
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.error("qforensics: recording the compiled steps failed (%s); recording "
+                          "stops, the run continues", self.error, exc_info=True)
+            finally:
+                with self._cv:
+                    self._busy = 0
+                    if self.error is not None:
+                        self.dropped += len(self._items)
+                        self._items.clear()
+                    self._cv.notify_all()

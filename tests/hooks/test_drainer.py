@@ -1,0 +1,148 @@
+"""Compiled mode's drainer (hooks/drainer.py): the records of a compiled step are built in a
+thread of their own, in step order, never lost to a ring slot reused too early, and a failure
+there stops recording, not the run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import qforensics
+from qforensics.analyze import PASSED, analyze_trace
+from qforensics.hooks import graphmode, graphstats, stepend
+from qforensics.hooks.drainer import Drainer
+
+from capture_models import Tiny, greedy_tokens
+
+
+def test_items_run_in_order_off_the_calling_thread():
+    seen: list[tuple[int, str]] = []
+    d = Drainer(lambda i: seen.append((i, threading.current_thread().name)), slots=4)
+    for i in range(50):
+        d.put(i)
+    assert d.flush(timeout=10)
+    d.close(timeout=10)
+    assert [i for i, _ in seen] == list(range(50))
+    assert {name for _, name in seen} == {"qforensics-drain"}
+
+
+def test_put_waits_while_the_ring_would_be_overrun():
+    """slots=3: two items may wait or run; a third `put` waits until one has finished."""
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def run(i: int) -> None:
+        gate.wait(10)
+        ran.append(i)
+
+    d = Drainer(run, slots=3)
+    d.put(0)
+    d.put(1)
+    third = threading.Thread(target=d.put, args=(2,))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and ran == []  # held back: item 0 still runs
+    assert d.waits == 1
+    gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    assert d.flush(timeout=10) and ran == [0, 1, 2]
+    d.close(timeout=10)
+
+
+def test_a_failing_item_stops_the_drainer_and_drops_the_rest():
+    def run(i: int) -> None:
+        if i == 2:
+            raise ValueError("bad slot")
+
+    d = Drainer(run, slots=8)
+    for i in range(5):
+        d.put(i)
+    assert d.flush(timeout=10)
+    d.put(5)  # after the failure: dropped at once
+    d.close(timeout=10)
+    assert d.error == "ValueError: bad slot"
+    assert d.dropped == 3  # items 3 and 4, then 5
+
+
+def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypatch):
+    """With the drainer (the default) and without (QFORENSICS_DRAIN=sync): the same tokens
+    and the same trace; with it, every step's batch was built in the drainer's thread, none
+    in the model's, and the last steps were drained at close."""
+    builders: list[str] = []
+    orig = stepend.build_batch
+
+    def spy(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        builders.append(threading.current_thread().name)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(stepend, "build_batch", spy)
+    monkeypatch.setattr(graphmode, "DRAIN", "sync")
+    toks_s = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync.h5", 6)
+    assert set(builders) == {threading.current_thread().name}
+    builders.clear()
+    monkeypatch.setattr(graphmode, "DRAIN", "thread")
+    toks_t = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "thread.h5", 6)
+    assert toks_t == toks_s
+    assert builders == ["qforensics-drain"] * 6
+    a, b = qforensics.open_trace(tmp_path / "sync.h5"), qforensics.open_trace(tmp_path / "thread.h5")
+    assert b.meta["status"]["graph_drain"]["thread"] is True
+    assert "graph_drain" not in a.meta["status"]
+    assert b.steps["step"].tolist() == list(range(6))
+    cols = ["step", "call_index", "module_id", "io", "slot", "rows", "channels", "nan_count",
+            "min", "max", "mean", "std", "absmax"]
+    np.testing.assert_array_equal(a.records()[cols].values, b.records()[cols].values)
+    for f in ("first_call", "n_calls", "token_count", "logits_argmax", "first_nonfinite_call"):
+        assert a.steps[f].tolist() == b.steps[f].tolist(), f
+    for s in range(6):
+        np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
+
+
+def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, monkeypatch):
+    """Records built slower than the model steps: the ring's slots are never overwritten
+    before they are read (the model's thread waits): every step is in the trace, whole."""
+    orig = graphstats.GraphStats.collect
+
+    def slow(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        time.sleep(0.05)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(graphstats.GraphStats, "collect", slow)
+    greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 10)
+    t = qforensics.open_trace(tmp_path / "t.h5")
+    st = t.meta["status"]
+    assert st["graph_drain"]["waits"] > 0 and st["graph_drain"]["dropped"] == 0
+    assert t.steps["step"].tolist() == list(range(10))
+    rec = t.records()
+    per_step = rec.groupby("step").size()
+    assert (per_step == per_step.iloc[0]).all()  # the same calls, every step
+    assert (rec.step.values >= 0).all()
+
+
+def test_a_failure_in_the_drainer_stops_recording_not_thegreedy_tokens(tmp_path, monkeypatch):
+    healthy = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ok.h5", 6)
+    orig = graphstats.GraphStats.collect
+
+    def breaks(self, step, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if step == 2:
+            raise RuntimeError("slot unreadable")
+        return orig(self, step, *a, **kw)
+
+    monkeypatch.setattr(graphstats.GraphStats, "collect", breaks)
+    toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 6)
+    assert toks == healthy  # the model ran on, its outputs untouched
+    t = qforensics.open_trace(tmp_path / "t.h5")
+    st = t.meta["status"]
+    assert "slot unreadable" in st["graph_drain"]["error"]
+    assert "slot unreadable" in st["capture_error"]
+    assert t.steps["step"].tolist() == [0, 1]  # what was recorded before the failure
+    f = analyze_trace(tmp_path / "t.h5")
+    assert f.status != PASSED, f.verdict.line
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
