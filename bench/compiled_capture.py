@@ -18,6 +18,10 @@ phase, then the comparison:
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
 - on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
+With `--drain both` a second captured phase builds the records in the model's thread
+(QFORENSICS_DRAIN=sync) instead of the drainer thread, compared with the same plain phase; each
+captured phase prints the CPU time spent building records (`drain_cpu_ms_per_step`), in
+whichever thread did it.
 With `--profile` the captured phase also prints where its host time goes, per step
 (bench/step_timers.py: the writer's writes, `collect`, the logits' op, ...), on stderr.
 With `--nan` the captured phase then goes on for NAN_STEPS more steps, with one row of the last
@@ -89,6 +93,7 @@ def child(a: argparse.Namespace) -> dict:
     width = len(ids0) + steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     host = [0.0, 0, 0.0]  # wall s, calls, this thread's CPU s
+    drain = [0.0, 0]  # CPU s building records from the ring (the drainer's thread, or this)
     host_timed = None
     out: dict = {"phase": a.phase, "model": how, "device": a.device, "dtype": a.dtype,
                  "layers": model.config.num_hidden_layers, "tokens": a.tokens}
@@ -114,6 +119,18 @@ def child(a: argparse.Namespace) -> dict:
                     host[1] += 1
                     host[2] += time.thread_time() - c0
             setattr(CallHooks, name, timed)
+        from qforensics.hooks.graphmode import GraphMode
+
+        emit = GraphMode._graph_emit
+
+        def timed_emit(*args, **kw):  # noqa: ANN002, ANN003, ANN202 - in whichever thread
+            c0 = time.thread_time()
+            try:
+                return emit(*args, **kw)
+            finally:
+                drain[0] += time.thread_time() - c0
+                drain[1] += 1
+        GraphMode._graph_emit = timed_emit
     comp = torch.compile(model, mode=a.mode)
     tmp = tempfile.mkdtemp(prefix="qf-compiled-bench-")
     path = os.path.join(tmp, "trace.h5")
@@ -131,6 +148,7 @@ def child(a: argparse.Namespace) -> dict:
             sync()
             if i == 1:
                 host[:] = [0.0, 0, 0.0]  # the first step's attach and compile left out
+                drain[:] = [0.0, 0]
                 if timers is not None:
                     for d in timers:
                         d.clear()
@@ -175,6 +193,8 @@ def child(a: argparse.Namespace) -> dict:
         wall, cpu_s = (host[0], host[2]) if host_timed is None else host_timed
         out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
         out["host_cpu_ms_per_step"] = round(cpu_s / max(1, a.tokens - 1) * 1e3, 4)
+        out["drain"] = os.environ.get("QFORENSICS_DRAIN", "thread")
+        out["drain_cpu_ms_per_step"] = round(drain[0] / max(1, drain[1]) * 1e3, 4)
         out.update(_trace_facts(path))
         if a.nan:
             out["nan_planted"] = {"step": a.tokens, "row": NAN_ROW, "module":
@@ -217,10 +237,10 @@ def _trace_facts(path: str) -> dict:
             "cause": f.cause.line if f.cause is not None else None}
 
 
-def run_phase(a: argparse.Namespace, phase: str) -> dict:
+def run_phase(a: argparse.Namespace, phase: str, drain: str = "thread") -> dict:
     cache = tempfile.mkdtemp(prefix="qf-inductor-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "QFORENSICS_DRAIN": drain}
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--tokens",
            str(a.tokens), "--device", a.device, "--dtype", a.dtype, "--mode", a.mode,
            "--layers", str(a.layers)] + (["--random"] if a.random else []) + (
@@ -247,6 +267,8 @@ def compare(p: dict, c: dict) -> dict:
         "step_cpu_ratio": round(c["median_cpu_ms"] / p["median_cpu_ms"], 3),
         "host_ms_per_step": c.get("host_ms_per_step"),
         "host_cpu_ms_per_step": c.get("host_cpu_ms_per_step"),
+        "drain": c.get("drain"),
+        "drain_cpu_ms_per_step": c.get("drain_cpu_ms_per_step"),
         "kernels_added": c["generated_kernels"] - p["generated_kernels"],
         "stats_op_calls": c["stats_op_calls"],
         "calls_per_module": round(c["stats_op_calls"] / max(1, c.get("graph_calls") or 1), 2),
@@ -268,6 +290,10 @@ def parser() -> argparse.ArgumentParser:
                     help="then plant a NaN weight row and check where analyze places it")
     ap.add_argument("--profile", action="store_true",
                     help="print where the captured step's host time goes (stderr)")
+    ap.add_argument("--drain", choices=("thread", "sync", "both"), default="thread",
+                    help="where compiled steps' records are built: the drainer thread (the "
+                         "default), the model's thread (QFORENSICS_DRAIN=sync), or a captured "
+                         "phase of each, compared with the same plain phase")
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
     return ap
@@ -280,9 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = run_phase(a, "plain")
     print(json.dumps({k: v for k, v in p.items() if k != "tokens_out"}), flush=True)
-    c = run_phase(a, "captured")
-    print(json.dumps({k: v for k, v in c.items() if k != "tokens_out"}), flush=True)
-    print(json.dumps(compare(p, c)))
+    drains = ("thread", "sync") if a.drain == "both" else (a.drain,)
+    phases = {}
+    for d in drains:
+        phases[d] = c = run_phase(a, "captured", d)
+        print(json.dumps({k: v for k, v in c.items() if k != "tokens_out"}), flush=True)
+    for c in phases.values():
+        print(json.dumps(compare(p, c)))
     return 0
 
 

@@ -32,9 +32,10 @@ one opaque call per layer instead of ~10 fused reductions per tensor, its mutati
 graph replays keep writing. `step` is a device counter the host advances before each step (no
 sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per tensor, one pass over
 it, the group's tensors gathered into one buffer: two launches a call); the CPU kernel is one
-pass of hooks/fused_reduce.c (built at install time, hooks/prebuild.py) where it takes the
-tensor and it comes out finite, else numpy on the tensor's own memory, and reduces a tensor
-that several entries share (q, k and v's input) once. All write the same layout (tests/hooks/test_statsop.py checks them against numpy, the
+call of hooks/fused_reduce.c's `qf_group` for the whole group (built at install time,
+hooks/prebuild.py; it writes the entry columns in ENTRY_COLS' order), numpy on the tensor's own
+memory for a tensor C does not finish (a non-finite value, another dtype), and it reduces a
+tensor that several entries share (q, k and v's input) once. All write the same layout (tests/hooks/test_statsop.py checks them against numpy, the
 Triton kernel through Triton's interpreter).
 """
 
