@@ -232,19 +232,24 @@ class GraphMode:
         assert gs is not None
         self._graph_flush()
         logits, ids = self._logits, self._step_ids
-        row_t = ids_np = None
+        row = row_t = ids_np = None
         if self._graph_late():
             gs.put_step_extras(self.step, reduce.exact_logits(logits)
                                if logits is not None else None, ids)
             gs.start_copy(self.step)  # the slot, its calls outside the graph included
         else:
-            if logits is not None:  # as the step left it: an engine may scale it in place
+            if logits is not None and logits.device.type == "cpu":
+                # as the step left it (an engine may scale it in place), reduced later
                 row_t = reduce.last_logits(logits.detach()).clone()
+            elif logits is not None:  # an engine's logits on a GPU: read now, as before
+                row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
+            if gs.device.type != "cpu":  # on this thread's stream, after the step's kernels
+                gs.start_copy(self.step)
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
-            self._graph_first, complete, bool(self._pending.keep), logits is not None, None,
+            self._graph_first, complete, bool(self._pending.keep), logits is not None, row,
             row_t, ids_np, self._incidents, self.adapter.step_kind())
         self._incidents = []
         d = self._drainer
