@@ -18,7 +18,7 @@ case "${1:-}" in
     --model) MODE=model; shift ;;
 esac
 # budgets in seconds: main stage, llmcompressor stage, vLLM stage, the whole run
-BUDGET_MAIN=720 BUDGET_LLMC=180 BUDGET_VLLM=2100 BUDGET_TOTAL=3600
+BUDGET_MAIN=720 BUDGET_LLMC=180 BUDGET_VLLM=1200 BUDGET_TOTAL=1800
 [[ $MODE == fast ]] && BUDGET_MAIN=180 BUDGET_TOTAL=180
 [[ $MODE == model ]] && BUDGET_MAIN=600 BUDGET_TOTAL=600
 SUMMARY=()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_runs import (NAN_WORD, PROMPT_A, PROMPT_B, WHATIF_ROUNDS, WHATIF_SCHEMES,
-                       run_recorded, run_tp, run_whatif_vllm)
+                       finish_whatif_vllm, run_recorded, run_tp, start_whatif_vllm)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -40,11 +40,52 @@ def fresh_adapter(monkeypatch):
     yield adapter
 
 
+# The what-if run through vLLM (`whatif_vllm`) is the stage's longest set-up (HF reference, then
+# one engine start per served scheme, one after another), and its checks do not depend on
+# timing. It is started with the session's first vLLM test, kept on the last core (the other
+# tests' engines compute on the first, or one on each), and runs beside them; `quiet_machine`
+# makes a timing-bound check wait for it to end.
+_WHATIF: dict = {}
+
+
+def _whatif_started(tmp_path_factory) -> dict:
+    if "proc" not in _WHATIF:
+        out = tmp_path_factory.mktemp("whatif-vllm") / "w.json"
+        _WHATIF.update(out=out, proc=start_whatif_vllm(
+            out, WHATIF_SCHEMES, ["--target", "95%", "--speed-rounds", str(WHATIF_ROUNDS)],
+            core=-1))
+    return _WHATIF
+
+
+@pytest.fixture(scope="session", autouse=True)
+def whatif_in_background(request, tmp_path_factory):
+    """Starts the what-if run (`whatif_vllm`) at once when a selected test reads it."""
+    if any("whatif_vllm" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        _whatif_started(tmp_path_factory)
+    yield
+    proc = _WHATIF.get("proc")
+    if proc is not None and proc.poll() is None:  # the session ended early: no orphan engines
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="session")
 def whatif_vllm(tmp_path_factory) -> dict:
     """`whatif --engine vllm --target 95%` on every scheme of `WHATIF_SCHEMES`, once."""
-    return run_whatif_vllm(tmp_path_factory.mktemp("whatif-vllm") / "w.json", WHATIF_SCHEMES,
-                           ["--target", "95%", "--speed-rounds", str(WHATIF_ROUNDS)])
+    run = _whatif_started(tmp_path_factory)
+    return finish_whatif_vllm(run["proc"], run["out"])
+
+
+@pytest.fixture(scope="module")
+def quiet_machine() -> None:
+    """For checks that depend on timing (a stop mid-decode, a served incident's traffic): the
+    background what-if run, when there is one, has ended first."""
+    proc = _WHATIF.get("proc")
+    if proc is not None:
+        proc.wait(timeout=1800)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ BUDGET_MIB = 128.0
 
 
 @pytest.fixture(scope="module")
-def incident(tmp_path_factory, bf16_model_dir):
+def incident(tmp_path_factory, bf16_model_dir, quiet_machine):
     from qforensics.demo.vllm_scenarios import serve_env
 
     work = tmp_path_factory.mktemp("incident")

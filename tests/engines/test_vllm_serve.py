@@ -46,7 +46,7 @@ def _wait_for_requests(path, n: int, deadline: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, bf16_model_dir):
+def served(tmp_path_factory, bf16_model_dir, quiet_machine):
     tmp = tmp_path_factory.mktemp("serve")
     port = free_port()
     cmd, env = recorded_server(tmp, bf16_model_dir, port)

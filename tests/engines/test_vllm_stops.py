@@ -1,5 +1,6 @@
 """Stops and crashes of a real vLLM OpenAI server under `qforensics record`, repeated (a race
-shows up in one stop of three): a real HTTP client sends completions, then
+shows up in one stop of three; each stop needs a server of its own, started two at a time by
+`servers`, each worker on a core of its own): a real HTTP client sends completions, then
 - SIGTERM to the whole process group (how a pod is stopped) or to the server alone: the trace
   is sealed every time and the healthy run reads PASSED, the signal noted;
 - SIGKILL to the whole process group mid-decode: the trace left behind opens and is analyzed,
@@ -25,10 +26,12 @@ import pytest
 
 from qforensics.analyze import PASSED, SUSPECT, analyze_trace
 from qforensics.trace.reader import open_trace
-from vllm_runs import free_port, recorded_server, run_recorded
+from vllm_runs import free_port, one_core, recorded_server, run_recorded
 
 pytestmark = pytest.mark.vllm
 
+KILL_WAIT = 5.0  # seconds between the stream's count and SIGKILL (the test says why)
+LONG_TOKENS = 480  # the long request: still decoding KILL_WAIT after its 5th chunk, even alone
 PROMPTS = ["The capital of France is", "Quantization means", "Once upon a time"]
 LONG = "The history of the Roman Empire began"
 
@@ -76,22 +79,73 @@ def _group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
-def _serve(tmp: Path, model_dir: Path):
+def _launch(tmp: Path, model_dir: Path, core: int):
+    """A recorded server started in `tmp`, its worker bound to the core-th core; not waited on."""
     port = free_port()
     cmd, env = recorded_server(tmp, model_dir, port)
     log = open(tmp / "record.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+    proc = subprocess.Popen(cmd, env={**env, **one_core(core)}, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=tmp,
                             start_new_session=True)  # its own process group, like a pod
+    return proc, port
+
+
+def _ready(tmp: Path, proc, port: int) -> None:
     deadline = time.time() + 600
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
-            break
+            return
         except OSError:
             assert proc.poll() is None, (tmp / "record.log").read_text()[-4000:]
             assert time.time() < deadline, "the server did not come up"
             time.sleep(1)
-    return proc, port
+
+
+STOPS = 6  # the tests below that each stop a server: 3 SIGTERM, 3 SIGKILL
+
+
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory, bf16_model_dir, quiet_machine):
+    """The last test's offline run (HEALTHY_PROMPTS x 400 tokens), started in a thread before
+    the servers: its check does not depend on timing; a future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("healthy")
+    with ThreadPoolExecutor(1) as ex:
+        yield ex.submit(run_recorded, tmp, bf16_model_dir, HEALTHY_PROMPTS, 400,
+                        extra=["--eager"], env=one_core(-1))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, bf16_model_dir, quiet_machine, healthy_run):
+    """`take()` -> (folder, process, port) of a recorded server that answers. A server start
+    (about a minute, mostly imports on one core) is what these tests cost, and each stop needs
+    its own: two are started at once, on different cores, and each one taken, once up, starts
+    the one after next, so a test finds its server up, or half started. The checks share
+    nothing but the machine (the SIGKILL test's wait is sized for that)."""
+    started: list = []
+
+    def launch() -> None:
+        if len(started) < STOPS:
+            tmp = tmp_path_factory.mktemp("server")
+            started.append((tmp, *_launch(tmp, bf16_model_dir, len(started))))
+
+    def take():
+        tmp, proc, port = started[taken[0]]
+        taken[0] += 1
+        _ready(tmp, proc, port)
+        launch()  # the one after next starts while this one is used
+        return tmp, proc, port
+
+    taken = [0]
+    launch()
+    launch()
+    yield take
+    for _, proc, _ in started:  # any left over (a test not run, or one that failed early)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
 
 
 def _traffic(port: int, long_tokens: int) -> tuple[list, list, threading.Thread]:
@@ -131,8 +185,8 @@ def _same_counts(answers: list, reqs: list) -> None:
 
 
 @pytest.mark.parametrize("trial,target", [(1, "group"), (2, "server"), (3, "group")])
-def test_sigterm_seals_and_a_healthy_run_passes(trial, target, tmp_path, bf16_model_dir):
-    proc, port = _serve(tmp_path, bf16_model_dir)
+def test_sigterm_seals_and_a_healthy_run_passes(trial, target, servers):
+    tmp_path, proc, port = servers()
     try:
         answers, got, t = _traffic(port, 300)
         if target == "group":
@@ -166,14 +220,16 @@ def test_sigterm_seals_and_a_healthy_run_passes(trial, target, tmp_path, bf16_mo
 
 
 @pytest.mark.parametrize("trial", [1, 2, 3])
-def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf16_model_dir):
-    proc, port = _serve(tmp_path, bf16_model_dir)
+def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, servers):
+    tmp_path, proc, port = servers()
     try:
-        answers, got, t = _traffic(port, 400)
+        answers, got, t = _traffic(port, LONG_TOKENS)
         before = len(got)  # every one of these tokens came from a step submitted before now
         # the point of the wait: what SIGKILL must keep is every step older than the flush
-        # interval (1 s), by the writer's own clock; 2.5 s is that interval plus a step
-        time.sleep(2.5)
+        # interval (1 s), by the writer's own clock; alone, that interval plus a step (2.5 s)
+        # would do; 5 s, because the next server starts beside this one (`servers`) and can
+        # hold the writer back a few seconds
+        time.sleep(KILL_WAIT)
         assert t.is_alive(), "the request ended before the kill: not mid-decode"
         streamed = len(got)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -188,9 +244,9 @@ def test_sigkill_of_the_group_mid_decode_keeps_flushed_steps(trial, tmp_path, bf
         reqs = _requests(tr)
     _same_counts(answers, reqs)
     assert len(reqs) == len(PROMPTS) + 1
-    # every token streamed 2.5 s before the kill came from a step older than the flush interval;
-    # the engine may be ahead of the stream, so only the lower bound is sure
-    assert before <= reqs[-1]["sampled"] <= 400 and streamed >= before
+    # every token streamed KILL_WAIT before the kill came from a step older than the flush
+    # interval; the engine may be ahead of the stream, so only the lower bound is sure
+    assert before <= reqs[-1]["sampled"] <= LONG_TOKENS and streamed >= before
     f = analyze_trace(path)
     assert f.status == SUSPECT and "did not finish normally" in f.verdict.line
     assert "truncated" in f.verdict.line
@@ -208,13 +264,13 @@ HEALTHY_PROMPTS = [
 ]
 
 
-def test_healthy_8x400_run_ends_complete_and_passes(tmp_path, bf16_model_dir):
+def test_healthy_8x400_run_ends_complete_and_passes(healthy_run):
     """The issue's false alarm: the unquantized model, 8 prompts x 400 greedy tokens, eager,
     ended normally (the offline API's exit). It holds what the old rules fired on (here: a
     request that greedily repeats one token, read from the tokens vLLM sampled) and reads
-    PASSED (docs/thresholds.md)."""
+    PASSED (docs/thresholds.md). Run beside the servers (`healthy_run`)."""
 
-    run = run_recorded(tmp_path, bf16_model_dir, HEALTHY_PROMPTS, 400, extra=["--eager"])
+    run = healthy_run.result()
     (path,) = run["files"]
     with open_trace(path) as tr:
         assert tr.end.complete and tr.end.reason.startswith("complete")

@@ -67,10 +67,13 @@ WHATIF_SCHEMES = ["ct:W4A16", "ct:W8A16", "ct:W8A8", "ct:W4A16-g64", MIXED, "awq
                   "w:int4-g64"]
 
 
-def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = None) -> dict:
-    """`qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm` with this
-    Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8 answer tokens;
-    asserts exit 0; returns the JSON and the output."""
+def start_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = None,
+                      core: int | None = None):
+    """Starts `qforensics whatif sample_traces/fp16-reference.h5 --scheme S... --engine vllm`
+    with this Python (vLLM's), the W4A16 kernel (VLLM_CPU_INT4_W4A8=0), 256 text tokens, 8
+    answer tokens, its output in files beside `out`; returns the process, not waited on.
+    ``core``: the whole run (its HF reference, every engine it starts) kept on that core of
+    this process's (an index, -1 the last), so that it can run beside other tests."""
     import subprocess
     import sys
 
@@ -84,10 +87,29 @@ def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = Non
     cmd += ["--engine", "vllm", "--text-tokens", "256", "--max-new-tokens", "8", "--json",
             str(out), *(extra or [])]
     env = {**serve_env(), "VLLM_CPU_INT4_W4A8": "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
+    pin = None
+    if core is not None:
+        cpu = sorted(os.sched_getaffinity(0))[core]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+
+        def pin() -> None:
+            os.sched_setaffinity(0, {cpu})
+    return subprocess.Popen(cmd, env=env, stdout=open(f"{out}.stdout", "w"),
+                            stderr=open(f"{out}.stderr", "w"), text=True, preexec_fn=pin,
+                            start_new_session=True)
+
+
+def finish_whatif_vllm(proc, out: Path, timeout: float = 1800) -> dict:
+    """Waits for a `start_whatif_vllm` run; asserts exit 0; returns the JSON and the output."""
+    proc.wait(timeout=timeout)
+    stdout, stderr = Path(f"{out}.stdout").read_text(), Path(f"{out}.stderr").read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    return {"json": json.loads(out.read_text()), "stdout": stdout, "stderr": stderr}
+
+
+def run_whatif_vllm(out: Path, schemes: list[str], extra: list[str] | None = None) -> dict:
+    """`start_whatif_vllm`, then `finish_whatif_vllm`."""
+    return finish_whatif_vllm(start_whatif_vllm(out, schemes, extra), out)
 
 
 TP = 3  # the tensor-parallel tests' ranks
