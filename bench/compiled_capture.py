@@ -18,8 +18,8 @@ phase, then the comparison:
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
 - on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
-With `--drain both` a second captured phase builds the records in the model's thread
-(QFORENSICS_DRAIN=sync) instead of the drainer thread, compared with the same plain phase; each
+With `--drain both` one captured phase builds the records in the drainer thread
+(QFORENSICS_DRAIN=thread) and one in the model's thread (sync), against the same plain phase; each
 captured phase prints the CPU time spent building records (`drain_cpu_ms_per_step`), in
 whichever thread did it.
 With `--profile` the captured phase also prints where its host time goes, per step
@@ -193,7 +193,7 @@ def child(a: argparse.Namespace) -> dict:
         wall, cpu_s = (host[0], host[2]) if host_timed is None else host_timed
         out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
         out["host_cpu_ms_per_step"] = round(cpu_s / max(1, a.tokens - 1) * 1e3, 4)
-        out["drain"] = os.environ.get("QFORENSICS_DRAIN", "thread")
+        out["drain"] = os.environ.get("QFORENSICS_DRAIN", "auto")
         out["drain_cpu_ms_per_step"] = round(drain[0] / max(1, drain[1]) * 1e3, 4)
         out.update(_trace_facts(path))
         if a.nan:
@@ -237,7 +237,7 @@ def _trace_facts(path: str) -> dict:
             "cause": f.cause.line if f.cause is not None else None}
 
 
-def run_phase(a: argparse.Namespace, phase: str, drain: str = "thread") -> dict:
+def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
     cache = tempfile.mkdtemp(prefix="qf-inductor-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "QFORENSICS_DRAIN": drain}
@@ -290,10 +290,11 @@ def parser() -> argparse.ArgumentParser:
                     help="then plant a NaN weight row and check where analyze places it")
     ap.add_argument("--profile", action="store_true",
                     help="print where the captured step's host time goes (stderr)")
-    ap.add_argument("--drain", choices=("thread", "sync", "both"), default="thread",
-                    help="where compiled steps' records are built: the drainer thread (the "
-                         "default), the model's thread (QFORENSICS_DRAIN=sync), or a captured "
-                         "phase of each, compared with the same plain phase")
+    ap.add_argument("--drain", choices=("auto", "thread", "sync", "both"), default="auto",
+                    help="where compiled steps' records are built (QFORENSICS_DRAIN): auto "
+                         "(the drainer thread on a GPU, the model's thread on the CPU), thread, "
+                         "sync, or both: a captured phase of each of thread and sync, compared "
+                         "with the same plain phase")
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
     return ap

@@ -19,6 +19,19 @@ from qforensics.hooks.drainer import Drainer
 from capture_models import Tiny, greedy_tokens
 
 
+@pytest.fixture(autouse=True)
+def _drainer_on(monkeypatch):
+    """The drainer runs where the model is on a GPU (QFORENSICS_DRAIN=auto); here, forced."""
+    monkeypatch.setattr(graphmode, "DRAIN", "thread")
+
+
+def test_auto_drains_in_the_models_thread_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(graphmode, "DRAIN", "auto")
+    greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 2)
+    st = qforensics.open_trace(tmp_path / "t.h5").meta["status"]
+    assert st["capture_mode"] == "compiled" and "graph_drain" not in st
+
+
 def test_items_run_in_order_off_the_calling_thread():
     seen: list[tuple[int, str]] = []
     d = Drainer(lambda i: seen.append((i, threading.current_thread().name)), slots=4)
@@ -70,7 +83,7 @@ def test_a_failing_item_stops_the_drainer_and_drops_the_rest():
 
 
 def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypatch):
-    """With the drainer (the default) and without (QFORENSICS_DRAIN=sync): the same tokens
+    """With the drainer (QFORENSICS_DRAIN=thread) and without (sync): the same tokens
     and the same trace; with it, every step's batch was built in the drainer's thread, none
     in the model's, and the last steps were drained at close."""
     builders: list[str] = []
