@@ -75,11 +75,6 @@ class Drainer:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    @property
-    def pending(self) -> int:
-        with self._cv:
-            return len(self._items) + self._busy
-
     def _loop(self) -> None:
         while True:
             with self._cv:

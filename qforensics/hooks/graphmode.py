@@ -63,7 +63,7 @@ class LateStep:
     keep_channels: bool
     has_logits: bool
     logits_row: np.ndarray | None  # already known
-    logits_t: torch.Tensor | None  # on the CPU: a copy of the last logits row, reduced later
+    logits_t: torch.Tensor | None  # on the CPU: the last logits row (a copy for the drainer)
     ids: np.ndarray | None
     incidents: list[np.ndarray]
     kind: dict[str, Any]
@@ -253,8 +253,11 @@ class GraphMode:
             gs.start_copy(self.step)  # the slot, its calls outside the graph included
         else:
             if logits is not None and logits.device.type == "cpu":
-                # as the step left it (an engine may scale it in place), reduced later
-                row_t = _host_copy(reduce.last_logits(logits.detach()))
+                # reduced when the step is emitted: at once without a drainer, else later,
+                # from a copy as the step left it (an engine may scale it in place)
+                row_t = reduce.last_logits(logits.detach())
+                if self._drainer is not None:
+                    row_t = _host_copy(row_t)
             elif logits is not None:  # an engine's logits on a GPU: read now, as before
                 row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
