@@ -278,7 +278,7 @@ class FusedReducer:
 
     def group(self) -> Any:
         """fused_reduce.c's `qf_group` (one stats-op call's tensors into a ring row, as
-        hooks/statsop.py `_stats_cpu` describes them), or None: not loaded."""
+        hooks/statscpu.py `stats_cpu` describes them), or None: not loaded."""
         return self._group_fn if self.ready() else None
 
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -219,7 +219,7 @@ int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float 
 DEFINE_TAKE(qf_take_bf16, core_bf16, uint16_t)
 DEFINE_TAKE(qf_take_f32, core_f32, float)
 
-/* One call of the compiled-mode stats op (hooks/statsop.py `_stats_cpu`): its n tensors into
+/* One call of the compiled-mode stats op (hooks/statscpu.py `stats_cpu`): its n tensors into
  * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
  * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16), R, C, off, cap, tok,
  * src, width}: with src >= 0 it holds the values of an earlier tensor of the call, whose entry

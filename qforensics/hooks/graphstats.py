@@ -238,12 +238,34 @@ class GraphStats:
             seg = np.array([e.seg for e in ents], np.int64)
             off = np.array([e.off for e in ents], np.int64)
             cap = np.array([e.cap for e in ents], np.int64)
+            mid = np.array([e.mid for e in ents], np.int64)
             self._idx = {"seg": seg, "off": off, "cap": cap,
                          "tok": np.array([e.tok for e in ents], np.int64),
                          "chan": np.array([e.chan for e in ents], bool),
-                         "scal": off[:, None] + np.arange(N_SCAL)}
+                         "scal": off[:, None] + np.arange(N_SCAL),
+                         "seg_scal": seg[:, None].repeat(N_SCAL, 1),
+                         "mid": mid, "io": np.array([e.io for e in ents], np.int64),
+                         "slot": np.array([e.slot for e in ents], np.int64),
+                         "dtype": np.array([e.dtype for e in ents], np.int64),
+                         "flags": np.array([schema.FLAG_NONFLOAT if e.nonfloat else 0
+                                            for e in ents], np.int64),
+                         "outside": -1}
             self._gathers = {}
         return self._idx
+
+    def _rank(self, ix: dict[str, Any]) -> np.ndarray:
+        """Each module's rank in a step's call order (its call index less the step's first):
+        the compiled calls first, then those outside the graph in the order of their first
+        call; recomputed only when a module is first recorded outside."""
+        if ix["outside"] != len(self.outside):
+            order = self.call_order()
+            rank = np.zeros(int(max(order + [int(ix["mid"].max())])) + 1, np.int64)
+            rank[order] = np.arange(len(order))
+            for mid, k in self.outside.items():  # their calls come after the compiled ones
+                if mid < len(rank):
+                    rank[mid] = len(order) + k
+            ix["rank"], ix["outside"] = rank, len(self.outside)
+        return ix["rank"]
 
     def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Values at `idx` of segment `seg` (per element) across the segments' rows. Entries
@@ -267,26 +289,17 @@ class GraphStats:
             return None
         rows = self._rows(step)
         ix = self._index()
-        s_all = self._take(rows, ix["seg"][:, None].repeat(N_SCAL, 1), ix["scal"])
-        ran = np.nonzero(s_all[:, COL["stamp"]] == float(step % STAMP_MOD))[0]
+        s_all = self._take(rows, ix["seg_scal"], ix["scal"])
+        ran = np.flatnonzero(s_all[:, COL["stamp"]] == float(step % STAMP_MOD))
         if not len(ran):
             return None
-        ent = [self.entries[i] for i in ran.tolist()]
         rec = np.zeros(len(ran), dtype=schema.record_dtype())
-        mids = np.array([e.mid for e in ent], np.int64)
-        order = self.call_order()
-        rank = np.zeros(int(max(order + [int(mids.max())])) + 1, np.int64)
-        rank[order] = np.arange(len(order))
-        for mid, k in self.outside.items():  # their calls come after the compiled ones
-            if mid < len(rank):
-                rank[mid] = len(order) + k
-        rec["call_index"] = first_call + rank[mids]
+        mids = ix["mid"][ran]
+        rec["call_index"] = first_call + self._rank(ix)[mids]
         rec["step"] = step
         rec["module_id"] = mids
-        rec["io"] = [e.io for e in ent]
-        rec["slot"] = [e.slot for e in ent]
-        rec["dtype"] = [e.dtype for e in ent]
-        rec["flags"] = [schema.FLAG_NONFLOAT if e.nonfloat else 0 for e in ent]
+        for col in ("io", "slot", "dtype", "flags"):
+            rec[col] = ix[col][ran]
         s = s_all[ran].astype(np.float64)
         rows_n = s[:, COL["rows"]].astype(np.int64)
         width = s[:, COL["channels"]].astype(np.int64)

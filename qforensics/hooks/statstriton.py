@@ -221,7 +221,7 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
                                 num_warps=4 if bc * br >= 1024 else 1)
 
 
-if triton is not None:  # the op's CUDA kernel (statsop.register_cuda)
+if triton is not None:  # the op's CUDA kernel (statsop.register_kernel)
     from qforensics.hooks import statsop as _statsop
 
-    _statsop.register_cuda(launch_triton)
+    _statsop.register_kernel(launch_triton, "CUDA")

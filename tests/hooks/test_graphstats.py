@@ -229,7 +229,7 @@ def test_calls_outside_the_graph_run_in_one_op_call_at_the_step_end(monkeypatch)
     step's): queued, then reduced once when the step ends, each entry with their figures."""
     import ctypes
 
-    from qforensics.hooks import fused, statsop
+    from qforensics.hooks import fused, statscpu
 
     gs = _stats()
     gs.begin(0)
@@ -239,7 +239,7 @@ def test_calls_outside_the_graph_run_in_one_op_call_at_the_step_end(monkeypatch)
 
     def group(m, desc, *a):  # noqa: ANN001, ANN002, ANN202 - the tensors C reduces
         d = np.ctypeslib.as_array(ctypes.cast(desc, ctypes.POINTER(ctypes.c_int64)),
-                                  shape=(m, statsop.GROUP_DESC))
+                                  shape=(m, statscpu.GROUP_DESC))
         reduced.extend(tuple(int(v) for v in r[2:4]) for r in d if r[7] < 0)
         return real(m, desc, *a)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from qforensics.hooks import statsop
+from qforensics.hooks import statscpu, statsop
 
 CAP, TOK = 700, 40
 
@@ -138,8 +138,8 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     monkeypatch.setattr(fused.REDUCER, "take", take)
     monkeypatch.setattr(fused.REDUCER, "group", lambda: group if path == "group" else None)
     numpy_calls: list[int] = []
-    real_numpy = statsop._one_numpy
-    monkeypatch.setattr(statsop, "_one_numpy",
+    real_numpy = statscpu._one_numpy
+    monkeypatch.setattr(statscpu, "_one_numpy",
                         lambda *a: (numpy_calls.append(1), real_numpy(*a))[1])
     ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
@@ -250,7 +250,7 @@ def test_no_snapshot_without_capacity_or_a_failing_output() -> None:
 _CHILD = r"""
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[2])
-from qforensics.hooks import statsop
+from qforensics.hooks import statscpu, statsop
 from qforensics.hooks.statstriton import launch_triton
 import test_statsop as t
 out = {}
@@ -258,7 +258,7 @@ for i, (name, x) in enumerate(t._cases()):
     ring, first = t._run(launch_triton, x, 11 + i, i)
     out[name + ".ring"] = ring.numpy()
     out[name + ".first"] = first.numpy()
-for kernel, tag in ((launch_triton, "group.triton"), (statsop._stats_cpu, "group.cpu")):
+for kernel, tag in ((launch_triton, "group.triton"), (statscpu.stats_cpu, "group.cpu")):
     ring, first = t._group(kernel)
     out[tag + ".ring"] = ring.numpy()
     out[tag + ".first"] = first.numpy()
@@ -297,7 +297,7 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     w = statsop.entry_width(CAP, TOK)
     np.testing.assert_array_equal(tri[9 % 2, 3 * w:4 * w], tri[9 % 2, w:2 * w])
     # the snapshot: claimed by the first failing output's program, copied, once
-    xs = _snap_group(statsop._stats_cpu)[0]
+    xs = _snap_group(statscpu.stats_cpu)[0]
     for cap in (4096, 30):
         _check_snap(xs, got[f"snap.{cap}"], cap)
     _check_snap(xs, got["snap.reversed"], 4096)
