@@ -167,6 +167,7 @@ class FusedReducer:
         self._split_fns: dict[torch.dtype, Any] = {}
         self._take_fns: dict[torch.dtype, Any] = {}
         self._group_fn: Any = None
+        self._spans_fn: Any = None
         self._thread: threading.Thread | None = None
         self._tried_cache = False
         self.calls = 0
@@ -281,6 +282,11 @@ class FusedReducer:
         hooks/statscpu.py `stats_cpu` describes them), or None: not loaded."""
         return self._group_fn if self.ready() else None
 
+    def spans(self) -> Any:
+        """fused_reduce.c's `qf_spans` (spans of floats copied side by side, given as
+        (address, count) pairs; hooks/graphstats.py), or None: not loaded."""
+        return self._spans_fn if self.ready() else None
+
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
         """reduce.nonfinite_rows' [rows, 1] flags in one C pass; None: use the torch ops (not
         built yet, GPU, another dtype, strided, no rows)."""
@@ -315,6 +321,9 @@ class FusedReducer:
             self._group_fn = lib.qf_group
             self._group_fn.restype = ctypes.c_int
             self._group_fn.argtypes = [i64, ptr, ptr, ctypes.c_float, ptr, i64, ptr]
+            self._spans_fn = lib.qf_spans
+            self._spans_fn.restype = i64
+            self._spans_fn.argtypes = [i64, ptr, ptr]
             self._fns = bind(_SYMBOLS, ptr, i64, i64, i64, ctypes.c_int, ptr)  # set last: ready
         except Exception as exc:  # no compiler, a failed build: the eager pass from now on
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"

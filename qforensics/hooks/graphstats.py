@@ -16,7 +16,9 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   in this step from a stale one (a module that did not run).
 - The host reads the slot once per step (`GraphStats.collect`): on CPU in place (numpy views
   of the ring, no copy); on a GPU through one asynchronous device-to-host copy per segment into
-  pinned buffers allocated once, started when the forward returns.
+  pinned buffers allocated once, started when the forward returns. Columns fixed once the
+  graph is traced are arrays computed once (`_index`); the kept channel ranges, one span per
+  entry, are copied side by side by one call of fused_reduce.c's `qf_spans` (`_spans`).
 - `first`: the op's first-failure word (step, entry, NaN?) of the first call that saw a
   non-finite value (statsop.first_key); read at close into the status. `snap`: the first
   failing output's call, kept by the op (hooks/graphsnap.py).
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import statsop, statstriton
+from qforensics.hooks import fused, statsop, statstriton
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
@@ -327,7 +329,7 @@ class GraphStats:
             spans = self._gather(ran[kept], width[kept])
             # float32 as the ring holds them (the trace's channel dtype at most): half the
             # bytes that float64 would carry through the batch, its merge and its write
-            cmin, cmax = self._spans(rows, spans, 1), self._spans(rows, spans, 2)
+            cmin, cmax = self._spans(rows, spans, "min"), self._spans(rows, spans, "max")
             off = np.full(len(ran), -1, np.int64)
             off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
             rec["chan_offset"] = off
@@ -350,27 +352,38 @@ class GraphStats:
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
 
-    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> list[tuple[int, int, int, int]]:
-        """(segment, start of the minima, start of the maxima, width) of each kept entry; the
-        same entries and widths come back every step, so they are computed once."""
+    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> dict[str, np.ndarray]:
+        """Each kept entry's segment, where its minima and its maxima start in its segment's
+        row, and its width; the same entries and widths come back every step, so they are
+        computed once."""
         key = sel.tobytes() + widths.tobytes()
         got = self._gathers.get(key)
         if got is None:
             ix = self._index()
             starts = ix["off"][sel] + N_SCAL
-            got = self._gathers[key] = list(zip(
-                ix["seg"][sel].tolist(), starts.tolist(), (starts + ix["cap"][sel]).tolist(),
-                widths.tolist()))
+            got = self._gathers[key] = {"seg": ix["seg"][sel], "min": starts,
+                                        "max": starts + ix["cap"][sel], "width": widths.copy(),
+                                        "total": int(widths.sum())}
             if len(self._gathers) > 64:
                 self._gathers = {key: got}
         return got
 
     @staticmethod
-    def _spans(rows: list[np.ndarray], spans: list[tuple[int, int, int, int]], which: int
-               ) -> np.ndarray:
-        """The entries' minima (which=1) or maxima (2), side by side: one slice per entry
-        (contiguous in the ring), half the memory traffic of an index gather."""
-        return np.concatenate([rows[sp[0]][sp[which]:sp[which] + sp[3]] for sp in spans])
+    def _spans(rows: list[np.ndarray], g: dict[str, np.ndarray], which: str) -> np.ndarray:
+        """The kept entries' minima (which="min") or maxima ("max"), side by side, each a
+        contiguous span of its segment's row: one call of fused_reduce.c's `qf_spans` (a
+        memcpy per span), else a slice per entry."""
+        fn = fused.REDUCER.spans()
+        if fn is None:
+            return np.concatenate([rows[s][a:a + w] for s, a, w in zip(
+                g["seg"].tolist(), g[which].tolist(), g["width"].tolist())])
+        bases = np.array([r.ctypes.data for r in rows], np.int64)
+        desc = np.empty((len(g["width"]), 2), np.int64)
+        desc[:, 0] = bases[g["seg"]] + 4 * g[which]  # float32 rows
+        desc[:, 1] = g["width"]
+        out = np.empty(g["total"], np.float32)
+        fn(len(desc), desc.ctypes.data, out.ctypes.data)
+        return out
 
     def call_order(self) -> list[int]:
         """Modules in the order their hooks first ran (each module's call once a step); those

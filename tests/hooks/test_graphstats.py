@@ -44,8 +44,23 @@ def _expect(t: torch.Tensor) -> dict:
             "cmin": lo, "cmax": hi, "tok": np.abs(a).max(1)}  # NaN (Inf) rows read NaN (Inf)
 
 
-@pytest.mark.parametrize("dynamic", [True, False])
-def test_compiled_hooks_match_numpy_full_graph(dynamic):
+@pytest.mark.parametrize("dynamic,spans", [(True, "c"), (False, "c"), (False, "slices")])
+def test_compiled_hooks_match_numpy_full_graph(dynamic, spans, monkeypatch):
+    from qforensics.hooks import fused
+
+    real = None
+    if spans == "c":  # fused_reduce.c, built at install time (or now)
+        if not fused.REDUCER.ready():
+            fused.REDUCER.wait()
+        real = fused.REDUCER.spans()
+        assert real is not None
+    calls: list[int] = []
+
+    def spans_fn(n, desc, out):  # noqa: ANN001, ANN202 - fused_reduce.c's qf_spans, counted
+        calls.append(n)
+        return real(n, desc, out)
+
+    monkeypatch.setattr(fused.REDUCER, "spans", lambda: spans_fn if real is not None else None)
     m, gs = _hooked_mlp()
     f = torch.compile(m, fullgraph=True, dynamic=dynamic)  # a graph break would raise here
     for step, n in enumerate((5, 3, 7)):
@@ -75,6 +90,8 @@ def test_compiled_hooks_match_numpy_full_graph(dynamic):
             to, tc = r["tok_offset"], r["tok_count"]
             np.testing.assert_allclose(part["tok"][to:to + tc], e["tok"], rtol=1e-6)
         assert (rec["nan_count"][0] > 0) == (step == 2)
+    # the channel ranges came through qf_spans (minima, maxima: 4 entries each), or slices
+    assert calls == ([4, 4] * 3 if spans == "c" else [])
 
 
 def test_a_module_that_did_not_run_is_not_reported():
