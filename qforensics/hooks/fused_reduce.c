@@ -29,6 +29,8 @@ static inline float from_bf16(uint16_t v) {
 }
 
 static inline float from_f32(float v) { return v; }
+static inline float from_i64(int64_t v) { return (float)v; }
+static inline float from_i32(int32_t v) { return (float)v; }
 
 /* The figures every loop keeps: sum, sum of squares, min, max. Whether a NaN was seen is read
  * from the block's sum of squares afterwards: a sum of squares is NaN exactly when a value was
@@ -82,8 +84,8 @@ ROW_BEGIN(NAME, T)                                                              
  * a NaN), CMIN and CMAX (g*C each: per-channel ranges when R > 1; when R == 1 the values, into
  * CMIN and, when given, CMAX too), TOK (g*R: per-row absmax, NaN for a row with a NaN). */
 #define DEFINE_CORE(NAME, ROW, T, CONV)                                                     \
-static void NAME(const T *x, int64_t g, int64_t R, int64_t C, float *S_, float *Q_,         \
-                 float *MN, float *MX, float *CMIN, float *CMAX, float *TOK) {              \
+static void NAME(const T *x, int64_t g, int64_t R, int64_t C, int64_t P, float *S_,        \
+                 float *Q_, float *MN, float *MX, float *CMIN, float *CMAX, float *TOK) {   \
     for (int64_t t = 0; t < g; t++) {                                                       \
         double S = 0.0, Q = 0.0;                                                            \
         float tmin = INFINITY, tmax = -INFINITY;                                            \
@@ -96,7 +98,7 @@ static void NAME(const T *x, int64_t g, int64_t R, int64_t C, float *S_, float *
         for (int64_t r = 0; r < R; r++) {                                                   \
             float mn, mx;                                                                   \
             int nan;                                                                        \
-            ROW(x + (t * R + r) * C, C, chans ? cmin : NULL, chans ? cmax : NULL,           \
+            ROW(x + (t * R + r) * P, C, chans ? cmin : NULL, chans ? cmax : NULL,           \
                 R == 1 ? cmin : NULL, &S, &Q, &mn, &mx, &nan);                              \
             tnan |= nan;                                                                    \
             tmin = mn < tmin ? mn : tmin;                                                   \
@@ -110,7 +112,7 @@ static void NAME(const T *x, int64_t g, int64_t R, int64_t C, float *S_, float *
         if (MX) MX[t] = tnan ? NAN : tmax;                                                  \
         if (chans && tnan) { /* the channels that hold a NaN (failing steps only) */        \
             for (int64_t r = 0; r < R; r++) {                                               \
-                const T *row = x + (t * R + r) * C;                                         \
+                const T *row = x + (t * R + r) * P;                                         \
                 for (int64_t c = 0; c < C; c++) {                                           \
                     float v = CONV(row[c]);                                                 \
                     if (v != v) { cmin[c] = NAN; cmax[c] = NAN; }                           \
@@ -125,7 +127,7 @@ static void NAME(const T *x, int64_t g, int64_t R, int64_t C, float *S_, float *
 int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
     const int chans = keep && R > 1;                                                        \
     float *tok = R > 1 ? out + 2 * g + (chans ? 2 * g * C : 2 * g) : NULL;                  \
-    CORE(x, g, R, C, out, out + g, chans ? NULL : out + 2 * g, chans ? NULL : out + 3 * g,  \
+    CORE(x, g, R, C, C, out, out + g, chans ? NULL : out + 2 * g, chans ? NULL : out + 3 * g,  \
          chans ? out + 2 * g : (R == 1 && keep ? out + 4 * g : NULL),                       \
          chans ? out + 2 * g + g * C : NULL, tok);                                          \
     return 0;                                                                               \
@@ -136,7 +138,7 @@ int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {   
 #define DEFINE_SPLIT(NAME, CORE, T)                                                         \
 int NAME(const T *x, int64_t g, int64_t R, int64_t C, float *sums, float *cmin,             \
          float *cmax, float *tok) {                                                         \
-    CORE(x, g, R, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);          \
+    CORE(x, g, R, C, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);          \
     return 0;                                                                               \
 }
 
@@ -201,6 +203,10 @@ DEFINE_ROW_AVX512(row_f32_v, float, from_f32, load16_f32)
 #endif
 DEFINE_CORE(core_bf16, ROW_BF16, uint16_t, from_bf16)
 DEFINE_CORE(core_f32, ROW_F32, float, from_f32)
+DEFINE_ROW(row_i64, int64_t, from_i64)
+DEFINE_ROW(row_i32, int32_t, from_i32)
+DEFINE_CORE(core_i64, row_i64, int64_t, from_i64)
+DEFINE_CORE(core_i32, row_i32, int32_t, from_i32)
 DEFINE_REDUCE(qf_reduce_bf16, core_bf16, uint16_t)
 DEFINE_REDUCE(qf_reduce_f32, core_f32, float)
 DEFINE_SPLIT(qf_split_bf16, core_bf16, uint16_t)
@@ -212,7 +218,7 @@ DEFINE_SPLIT(qf_split_f32, core_f32, float)
 #define DEFINE_TAKE(NAME, CORE, T)                                                          \
 int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float *MX,        \
          float *CMIN, float *CMAX, float *TOK) {                                            \
-    CORE(x, 1, R, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                        \
+    CORE(x, 1, R, C, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                        \
     return 0;                                                                               \
 }
 
@@ -221,14 +227,15 @@ DEFINE_TAKE(qf_take_f32, core_f32, float)
 
 /* One call of the compiled-mode stats op (hooks/statscpu.py `stats_cpu`): its n tensors into
  * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
- * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16), R, C, off, cap, tok,
- * src, width}: with src >= 0 it holds the values of an earlier tensor of the call, whose entry
+ * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R,
+ * C, off, cap, tok, src, width, pitch (elements from one row to the next, >= C: a slice of a
+ * wider tensor's columns)}: with src >= 0 it holds the values of an earlier tensor of the call, whose entry
  * (width floats at ring offset src) is copied to off; else it is reduced in one pass into its
  * entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its channel ranges when
  * 1 < C <= cap, then the maxima of its first min(R, tok) rows when tok > 0 (spill: scratch for
  * R row maxima, spill_n floats). done[i] = 1 when the entry was written and its figures are
  * finite; 0 otherwise (R == 0, a non-finite value): the caller redoes it exactly. */
-#define GROUP_DESC 9
+#define GROUP_DESC 10
 int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spill,
              int64_t spill_n, int8_t *done) {
     for (int64_t i = 0; i < n; i++) {
@@ -251,12 +258,16 @@ int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spi
             else continue;
         }
         float *cmin = keep ? e + 9 : NULL, *cmax = keep ? e + 9 + cap : NULL;
+        const int64_t P = d[9];
+        const void *x = (const void *)(intptr_t)d[0];
         if (d[1] == 1)
-            core_bf16((const uint16_t *)(intptr_t)d[0], 1, R, C, e, e + 1, e + 2, e + 3, cmin,
-                      cmax, tk);
+            core_bf16(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 0)
-            core_f32((const float *)(intptr_t)d[0], 1, R, C, e, e + 1, e + 2, e + 3, cmin,
-                     cmax, tk);
+            core_f32(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+        else if (d[1] == 2)
+            core_i64(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+        else if (d[1] == 3)
+            core_i32(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else
             continue;
         if (!(isfinite(e[0]) && isfinite(e[1]) && isfinite(e[2]) && isfinite(e[3])))

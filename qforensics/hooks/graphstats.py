@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import fused, statsop, statstriton
+from qforensics.hooks import fused, statscpu, statsop, statstriton
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
@@ -414,6 +414,8 @@ class GraphStats:
             "graph_ring": {"slots": self.slots, "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
+        if statscpu.REDOS:  # tensors the CPU kernel's C pass left to numpy, by why
+            st["graph_numpy_redos"] = dict(statscpu.REDOS)
         if statstriton.skipped_in_capture:  # groups a CUDA graph captured before any call
             st["graph_skipped_in_capture"] = int(statstriton.skipped_in_capture)
         st["snapshot_compiled"] = dict(self.snap.state)

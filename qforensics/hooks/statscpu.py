@@ -2,15 +2,18 @@
 kernel is hooks/statstriton.py's).
 
 The whole group in one call of hooks/fused_reduce.c's `qf_group` when the library is loaded
-(`_group_c`: Python only describes each tensor; built at install time, hooks/prebuild.py),
-else tensor by tensor (`_each_cpu`: one pass of fused_reduce.c's take, `_one_c`). Numpy on the
-tensor's own memory redoes, exactly, what C does not finish: a non-finite value, another dtype
-or layout (`_one_numpy`). A tensor that several entries of a call share (q, k and v's input) is
+(`_group_c`: Python only describes each tensor; built at install time, hooks/prebuild.py; it
+reads float32, bf16, int64 and int32 rows, contiguous or a 2-d slice of columns, as vLLM's
+layers hand over their int positions and a fused projection's slices), else tensor by tensor
+(`_each_cpu`: one pass of fused_reduce.c's take, `_one_c`). Numpy on the tensor's own memory
+redoes, exactly, what C does not finish: a non-finite value, another dtype or layout
+(`_one_numpy`). A tensor that several entries of a call share (q, k and v's input) is
 reduced once and its part of the row copied. Every path writes ENTRY_COLS' layout.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from typing import Any, Sequence
@@ -104,7 +107,10 @@ def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: i
         lo, hi = a.min(axis=0), a.max(axis=0)
         if np.isfinite(lo.sum()) and np.isfinite(hi.sum()):
             flat = a.reshape(-1)
-            s, ss = float(a.sum(dtype=np.float64)), float(np.dot(flat, flat))
+            # einsum's own loop, not np.dot: BLAS would wake numpy's OpenBLAS threads, which
+            # then spin on the cores the model's threads need (vLLM compiled: 1.9x -> 1.4x)
+            s = float(a.sum(dtype=np.float64))
+            ss = float(np.einsum("i,i->", flat, flat, dtype=np.float64))
         else:
             fin = np.isfinite(a)
             z = np.where(fin, a, np.float32(0))
@@ -175,8 +181,19 @@ def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
     return bad_ones
 
 
-GROUP_DESC = 9  # int64 per tensor in fused_reduce.c's qf_group
-_GROUP_DTYPE = {torch.float32: 0, torch.bfloat16: 1}
+GROUP_DESC = 10  # int64 per tensor in fused_reduce.c's qf_group
+_GROUP_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32: 3}
+
+
+def _pitch(x: Tensor, d: int, chans: int) -> int:
+    """Elements from one row of x (as [rows, channels]) to the next, for fused_reduce.c: the
+    channels for a contiguous tensor, a 2-d slice's row stride (q, k and v cut from one
+    projection's output), -1 for a layout C does not read (numpy takes it)."""
+    if x.is_contiguous():
+        return chans
+    if d == 2 and x.stride(1) == 1 and x.stride(0) >= chans:
+        return int(x.stride(0))
+    return -1
 
 
 def _group_c(fn: Any, xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
@@ -197,20 +214,21 @@ def _group_c(fn: Any, xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequen
         j = seen.get(key)
         if j is not None:
             src_of[i] = j
-            desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k)))
+            desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k), 0))
             continue
         seen[key] = i
         code = _GROUP_DTYPE.get(x.dtype)
-        if code is None or not x.is_contiguous():
-            desc.append((0, -1, 0, 0, o, c, k, -1, 0))  # not for C: done stays 0
-            continue
         d = x.dim()
         chans = int(x.shape[-1]) if d >= 2 else 1
+        pitch = _pitch(x, d, chans) if code is not None else -1
+        if pitch < 0:
+            desc.append((0, -1, 0, 0, o, c, k, -1, 0, 0))  # not for C: done stays 0
+            continue
         rows = x.numel() // chans if chans else 0
         kk = k if d >= 2 else 0
         if 0 < kk < rows > spill:
             spill = rows
-        desc.append((x.data_ptr(), code, rows, chans, o, c, kk, -1, 0))
+        desc.append((x.data_ptr(), code, rows, chans, o, c, kk, -1, 0, pitch))
     arr = np.array(desc, np.int64)
     done, rows_buf = _group_scratch(m, spill)
     fn(m, arr.ctypes.data, row.ctypes.data, float(n % STAMP_MOD), rows_buf.ctypes.data,
@@ -222,12 +240,26 @@ def _group_c(fn: Any, xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequen
     for i in redo.tolist():
         if i not in src_of:  # a repeat of a redone tensor is copied below
             counts[i] = _one_numpy(xs[i], row, n, off[i], cap[i], tok[i])
+            REDOS[_redo_reason(xs[i], arr[i], counts[i][0])] += 1
     for i, j in src_of.items():
         if j in counts:
             w = entry_width(cap[i], tok[i])
             row[off[i]:off[i] + w] = row[off[j]:off[j] + w]
             counts[i] = counts[j]
     return sorted((i, bn) for i, bn in counts.items() if bn[0])
+
+
+# Tensors numpy redid after the group's C call, by why (the trace's status says it: a dtype or
+# layout C does not read costs ~20 us a tensor more, every step)
+REDOS: collections.Counter = collections.Counter()
+
+
+def _redo_reason(x: Tensor, desc: np.ndarray, bad: int) -> str:
+    """Why C left a tensor to numpy: its dtype (and layout) when C does not read it."""
+    if desc[1] < 0:
+        dt = str(x.dtype).replace("torch.", "")
+        return dt if x.is_contiguous() else f"{dt} strided"
+    return "non-finite" if bad else "no rows" if not desc[2] else "other"
 
 
 def _group_scratch(m: int, spill: int) -> tuple[np.ndarray, np.ndarray]:

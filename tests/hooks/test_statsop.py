@@ -35,6 +35,10 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
         ("wide", wide),
         ("vector", torch.randn(33, generator=g)),
         ("ids-int64", torch.randint(0, 49152, (1, 9), generator=g)),
+        ("positions-int32", torch.arange(100, 106, dtype=torch.int32)),  # vLLM's layer input
+        # columns cut from a wider tensor (q out of a fused qkv projection): a row stride > C
+        ("slice-bf16", torch.randn(5, 960, generator=g).to(torch.bfloat16)[:, 576:768]),
+        ("slice-f32", torch.randn(7, 960, generator=g)[:, 100:676]),
         ("all-nan", torch.full((4, 8), float("nan"))),
     ]
 
@@ -117,8 +121,7 @@ def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
 def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path: str,
                                                monkeypatch) -> None:
     """The whole group in one C call (fused_reduce.c's qf_group, the default), tensor by
-    tensor in C (qf_take), or numpy alone: the same figures; C finishes a float32 or bf16
-    tensor that comes out finite, numpy redoes anything else."""
+    tensor in C (qf_take), or numpy alone: the same figures (numpy's float64 reference)."""
     from qforensics.hooks import fused
 
     assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
@@ -141,14 +144,24 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     real_numpy = statscpu._one_numpy
     monkeypatch.setattr(statscpu, "_one_numpy",
                         lambda *a: (numpy_calls.append(1), real_numpy(*a))[1])
+    redos = sum(statscpu.REDOS.values())
     ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
-    finite = x.is_floating_point() and bool(torch.isfinite(x).all())
-    in_c = finite and x.dtype in (torch.float32, torch.bfloat16)
+    # what C finishes: qf_group a finite float32 or bf16 tensor, or an int64 / int32 one, laid
+    # out as rows (contiguous, or a 2-d slice of columns); qf_take a contiguous finite float32
+    # or bf16 one; numpy redoes everything else
+    finite = not x.is_floating_point() or bool(torch.isfinite(x).all())
+    c_float = x.dtype in (torch.float32, torch.bfloat16)
+    rows_layout = x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)
+    in_c = {"group": finite and rows_layout and (c_float or x.dtype in (torch.int64,
+                                                                       torch.int32)),
+            "c": finite and c_float and x.is_contiguous(), "numpy": False}[path]
     assert groups == ([1] if path == "group" else [])
-    if path == "c":  # the take ran on every float32 or bf16 tensor, finite or not
-        assert took == [x.dtype in (torch.float32, torch.bfloat16)]
-    assert numpy_calls == ([] if in_c and path != "numpy" else [1])
+    if path == "c":  # the take ran on every contiguous float32 or bf16 tensor, finite or not
+        assert took == [c_float and x.is_contiguous()]
+    assert numpy_calls == ([] if in_c else [1])
+    # a tensor the group's C pass left to numpy is counted (the trace's status shows it)
+    assert sum(statscpu.REDOS.values()) - redos == (path == "group" and not in_c)
 
 
 def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
