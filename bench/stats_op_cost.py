@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from qforensics.hooks import fused, statsop
+    from qforensics.hooks import fused, statscpu, statsop  # noqa: F401 - the CPU kernel
 
     if not (fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())):
         raise SystemExit(f"fused_reduce.c is not loaded: {fused.REDUCER.off}")

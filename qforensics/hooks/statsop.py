@@ -143,8 +143,9 @@ _LIBS: list[Any] = []
 
 def register_kernel(kernel: Any, key: str) -> None:
     """The op's kernel for one dispatch key: hooks/statscpu.py registers the CPU one when it is
-    imported (below), hooks/statstriton.py its Triton launcher for CUDA; both import this
-    module's layout, which never imports them at its top: no import circle."""
+    imported (hooks/graphstats.py imports it, as does whoever calls the op on the CPU without
+    it), hooks/statstriton.py its Triton launcher for CUDA; both import this module's layout,
+    which never imports them: no import circle."""
     _get()
     if _LIBS:
         _LIBS[0].impl("stats", kernel, key)
@@ -159,5 +160,3 @@ def _get() -> Any:
 
 
 stats = _get()
-
-from qforensics.hooks import statscpu  # noqa: E402,F401 - registers the CPU kernel
