@@ -314,3 +314,17 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     for cap in (4096, 30):
         _check_snap(xs, got[f"snap.{cap}"], cap)
     _check_snap(xs, got["snap.reversed"], 4096)
+
+
+def test_numpy_pass_calls_no_blas(monkeypatch) -> None:
+    """The CPU kernel's numpy pass (a dtype C does not read) never calls BLAS: numpy's OpenBLAS
+    threads would wake and spin on the cores an engine binds its OpenMP threads to (vLLM
+    compiled ran at 2.1x plain until this held, docs/benchmarks.md)."""
+    def blas(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a BLAS call in the stats op's numpy pass")
+
+    for name in ("dot", "vdot", "inner", "matmul", "tensordot"):
+        monkeypatch.setattr(np, name, blas)
+    for x in (torch.randn(6, 40).to(torch.float16), torch.arange(100, 106)):
+        ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+        _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-3)
