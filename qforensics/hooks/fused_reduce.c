@@ -127,7 +127,8 @@ static void NAME(const T *x, int64_t g, int64_t R, int64_t C, int64_t P, float *
 int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
     const int chans = keep && R > 1;                                                        \
     float *tok = R > 1 ? out + 2 * g + (chans ? 2 * g * C : 2 * g) : NULL;                  \
-    CORE(x, g, R, C, C, out, out + g, chans ? NULL : out + 2 * g, chans ? NULL : out + 3 * g,  \
+    CORE(x, g, R, C, C, out, out + g, chans ? NULL : out + 2 * g,                       \
+         chans ? NULL : out + 3 * g,                                                        \
          chans ? out + 2 * g : (R == 1 && keep ? out + 4 * g : NULL),                       \
          chans ? out + 2 * g + g * C : NULL, tok);                                          \
     return 0;                                                                               \
@@ -138,7 +139,7 @@ int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {   
 #define DEFINE_SPLIT(NAME, CORE, T)                                                         \
 int NAME(const T *x, int64_t g, int64_t R, int64_t C, float *sums, float *cmin,             \
          float *cmax, float *tok) {                                                         \
-    CORE(x, g, R, C, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);          \
+    CORE(x, g, R, C, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);       \
     return 0;                                                                               \
 }
 
@@ -218,7 +219,7 @@ DEFINE_SPLIT(qf_split_f32, core_f32, float)
 #define DEFINE_TAKE(NAME, CORE, T)                                                          \
 int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float *MX,        \
          float *CMIN, float *CMAX, float *TOK) {                                            \
-    CORE(x, 1, R, C, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                        \
+    CORE(x, 1, R, C, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                     \
     return 0;                                                                               \
 }
 
@@ -229,12 +230,13 @@ DEFINE_TAKE(qf_take_f32, core_f32, float)
  * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
  * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R,
  * C, off, cap, tok, src, width, pitch (elements from one row to the next, >= C: a slice of a
- * wider tensor's columns)}: with src >= 0 it holds the values of an earlier tensor of the call, whose entry
- * (width floats at ring offset src) is copied to off; else it is reduced in one pass into its
- * entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its channel ranges when
- * 1 < C <= cap, then the maxima of its first min(R, tok) rows when tok > 0 (spill: scratch for
- * R row maxima, spill_n floats). done[i] = 1 when the entry was written and its figures are
- * finite; 0 otherwise (R == 0, a non-finite value): the caller redoes it exactly. */
+ * wider tensor's columns)}: with src >= 0 it holds the values of an earlier tensor of the
+ * call, whose entry (width floats at ring offset src) is copied to off; else it is reduced in
+ * one pass into its entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its
+ * channel ranges when 1 < C <= cap, then the maxima of its first min(R, tok) rows when
+ * tok > 0 (spill: scratch for R row maxima, spill_n floats). done[i] = 1 when the entry was
+ * written and its figures are finite; 0 otherwise (R == 0, a non-finite value): the caller
+ * redoes it exactly. */
 #define GROUP_DESC 10
 int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spill,
              int64_t spill_n, int8_t *done) {

@@ -27,6 +27,7 @@ No Python at replay; per-call figures match the eager capture's (finite values o
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class GraphStats:
         self.slots = max(1, int(slots))
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
+        self._redos0 = collections.Counter(statscpu.REDOS)  # status: this capture's share
         # (tensor, entry, segment, offset, cap, tok, module, io, slot) the hooks queued for the
         # next op call (graphhooks._flush); empty between calls, at trace time as at run time
         self.queue: list[tuple[Any, ...]] = []
@@ -352,7 +354,7 @@ class GraphStats:
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
 
-    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> dict[str, np.ndarray]:
+    def _gather(self, sel: np.ndarray, widths: np.ndarray) -> dict[str, Any]:
         """Each kept entry's segment, where its minima and its maxima start in its segment's
         row, and its width; the same entries and widths come back every step, so they are
         computed once."""
@@ -369,7 +371,7 @@ class GraphStats:
         return got
 
     @staticmethod
-    def _spans(rows: list[np.ndarray], g: dict[str, np.ndarray], which: str) -> np.ndarray:
+    def _spans(rows: list[np.ndarray], g: dict[str, Any], which: str) -> np.ndarray:
         """The kept entries' minima (which="min") or maxima ("max"), side by side, each a
         contiguous span of its segment's row: one call of fused_reduce.c's `qf_spans` (a
         memcpy per span), else a slice per entry."""
@@ -377,11 +379,18 @@ class GraphStats:
         if fn is None:
             return np.concatenate([rows[s][a:a + w] for s, a, w in zip(
                 g["seg"].tolist(), g[which].tolist(), g["width"].tolist())])
-        bases = np.array([r.ctypes.data for r in rows], np.int64)
-        desc = np.empty((len(g["width"]), 2), np.int64)
-        desc[:, 0] = bases[g["seg"]] + 4 * g[which]  # float32 rows
-        desc[:, 1] = g["width"]
-        out = np.empty(g["total"], np.float32)
+        # (address, count) per span: fixed for a slot's rows (the ring's, or its pinned copy),
+        # so built once per slot and reused every step
+        bases = tuple(r.ctypes.data for r in rows)
+        descs = g.setdefault("descs", {})
+        desc = descs.get((which, bases))
+        if desc is None:
+            if len(descs) > 16:  # rows reallocated (a segment added): drop the old ones
+                descs.clear()
+            desc = descs[(which, bases)] = np.empty((len(g["width"]), 2), np.int64)
+            desc[:, 0] = np.array(bases, np.int64)[g["seg"]] + 4 * g[which]  # float32 rows
+            desc[:, 1] = g["width"]
+        out = np.empty(g["total"], np.float32)  # the step's batch keeps it
         fn(len(desc), desc.ctypes.data, out.ctypes.data)
         return out
 
@@ -414,8 +423,9 @@ class GraphStats:
             "graph_ring": {"slots": self.slots, "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
-        if statscpu.REDOS:  # tensors the CPU kernel's C pass left to numpy, by why
-            st["graph_numpy_redos"] = dict(statscpu.REDOS)
+        redos = statscpu.REDOS - self._redos0  # since this capture began (the count is the
+        if redos:                              # process's: the CPU kernel knows no capture)
+            st["graph_numpy_redos"] = dict(redos)
         if statstriton.skipped_in_capture:  # groups a CUDA graph captured before any call
             st["graph_skipped_in_capture"] = int(statstriton.skipped_in_capture)
         st["snapshot_compiled"] = dict(self.snap.state)

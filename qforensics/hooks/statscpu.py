@@ -135,8 +135,8 @@ def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: i
 
 
 def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
-               off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
-               entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
+              off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
+              entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
     """The CPU kernel: each tensor once, however many entries share it (the same memory,
     shape, strides and caps: its part of the row is copied); the whole group in one call of
     fused_reduce.c (`_group_c`) when it is loaded, else tensor by tensor."""

@@ -276,3 +276,21 @@ def test_calls_outside_the_graph_run_in_one_op_call_at_the_step_end(monkeypatch)
         assert r["min"] == pytest.approx(want["min"]) and r["max"] == pytest.approx(want["max"])
         o = int(r["chan_offset"])
         np.testing.assert_allclose(part["cmax"][o:o + 32], want["cmax"], rtol=1e-6)
+
+
+def test_status_counts_only_this_captures_numpy_redos(monkeypatch):
+    """The CPU kernel's count of tensors left to numpy is the process's; a capture's status
+    says what happened since it began, not what an earlier capture saw."""
+    import collections
+
+    from qforensics.hooks import statscpu
+
+    monkeypatch.setattr(statscpu, "REDOS", collections.Counter({"float16": 3}))
+    gs = _stats()
+    try:
+        assert "graph_numpy_redos" not in gs.status()
+        statscpu.REDOS["float16"] += 2
+        statscpu.REDOS["int8"] += 1
+        assert gs.status()["graph_numpy_redos"] == {"float16": 2, "int8": 1}
+    finally:
+        gs.close()
