@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_runs import NUM, REPO, figures, run_bench
+from bench_runs import NUM, REPO, figures, ratio_slack, run_bench
 
 SAMPLES = sorted((REPO / "sample_traces").glob("*.h5"))
 
@@ -87,3 +87,17 @@ def test_param_health_cost_ratio_is_its_two_times(tmp_path):
         # the check spread over its interval, plus the step ends without one (printed rounded)
         assert abs(amort - (check / every + idle / 1e3)) <= 0.05 / every + 0.0006
         assert abs(pct - 100 * amort / step) <= 0.006 + 100 * 0.0006 / step
+
+
+def test_collect_cost_times_both_paths_on_a_smollm2_sized_ring(tmp_path):
+    out = run_bench("collect_cost.py", "--calls", "5", "--rounds", "1", cwd=tmp_path,
+                    timeout=120)
+    # SmolLM2's 30 layers of 16 entries; each entry keeps one row of its width in channels
+    layer = (576,) * 7 + (1536,) * 3 + (576,) * 4 + (1536, 576)
+    (entries, channels) = figures(rf"collect, {NUM} entries, {NUM} channels a step", out)
+    assert entries == 30 * 16 and channels == 30 * sum(layer)
+    (c_ms,) = figures(rf"qf_spans +{NUM} ms", out)
+    (py_ms,) = figures(rf"slices +{NUM} ms", out)
+    (ratio,) = figures(rf"slices / qf_spans: {NUM}", out)
+    assert c_ms > 0 and py_ms > 0
+    assert abs(ratio - py_ms / c_ms) <= ratio_slack(py_ms, c_ms) + 0.005  # ratio: 2 decimals
