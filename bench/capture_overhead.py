@@ -10,6 +10,8 @@ length) under inference_mode, and times, interleaved round by round on the same 
   nnsight    nnsight (optional: pip install -e ".[bench]") saving the same per-channel absmax
   qf-default qforensics.capture with its defaults (every Linear, every decoder block, logits)
   qf-scalar  qforensics.capture(channel_steps="none"): scalars and per-token maxima only
+  qf-op      qforensics.capture(compiled=True) on the eager model: every hook calls the stats
+             op (hooks/statsop.py) into the device ring, as compiled mode does
 
 and prints the median time of each, its ratio to plain, trace KiB per step and the peak RSS
 increase during a run (and torch.cuda.max_memory_allocated when on a GPU). Every hooked run's
@@ -168,6 +170,7 @@ def main() -> None:
             nn_note = f"nnsight: not installed here ({exc}); pip install -e '.[bench]'"
     runners["qf-default"] = qf("qf-default")
     runners["qf-scalar"] = qf("qf-scalar", channel_steps="none")
+    runners["qf-op"] = qf("qf-op", compiled=True)
 
     ref = generate()
     for setup in runners.values():  # warm-up, and every variant must generate the same tokens

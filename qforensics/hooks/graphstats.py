@@ -138,7 +138,11 @@ class GraphStats:
         tok = self.tok_rows if width > 1 else 0
         need = entry_width(cap, tok)
         if not self.segments or self._used[-1] + need > self.segments[-1].shape[1]:
-            seg = torch.zeros(self.slots, max(SEGMENT_FLOATS, need), dtype=torch.float32,
+            # empty, not zeros: nothing reads a place before the op wrote it (an entry's
+            # stamp, set below, says whether its row is this step's), and on the CPU the
+            # pages no entry reaches are then never touched: the 16 MiB rows cost memory
+            # only as far as they are used (+128 MiB RSS with zeros for HF SmolLM2)
+            seg = torch.empty(self.slots, max(SEGMENT_FLOATS, need), dtype=torch.float32,
                               device=self.device)
             torch._dynamo.mark_static_address(seg)
             setattr(self, f"r{len(self.segments)}", seg)  # read by name in the traced hook
