@@ -28,7 +28,7 @@ from qforensics.analyze.analyzer import analyze_trace
 from qforensics.demo import vllm_scenarios as sc
 from qforensics.trace import schema
 from qforensics.trace.reader import open_trace
-from vllm_runs import PROMPT_A, PROMPT_B
+from vllm_runs import PROMPT_A, PROMPT_B, one_core, side_by_side
 
 pytestmark = [pytest.mark.vllm, pytest.mark.w4a16]  # every run serves the AWQ checkpoint
 
@@ -38,8 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _record(tmp: Path, variant: str, w4a8: str | None, *, guard: bool,
-            score: list[list[int]] | None = None) -> dict:
-    """`qforensics record [--guard] -- python -m qforensics.demo.vllm_serve AWQ_DIR ...`."""
+            score: list[list[int]] | None = None, core: int = 0) -> dict:
+    """`qforensics record [--guard] -- python -m qforensics.demo.vllm_serve AWQ_DIR ...`, its
+    worker on the `core`-th core (vllm_runs.one_core), so that runs side by side overlap."""
     from qforensics.demo.vllm_checkpoints import checkpoint_dir
 
     out = tmp / "out.json"
@@ -52,7 +53,7 @@ def _record(tmp: Path, variant: str, w4a8: str | None, *, guard: bool,
     cmd = [sys.executable, "-c", "from qforensics.cli import main; main()", "record", "-o",
            str(tmp / "t-{rank}.h5"), *(["--guard"] if guard else []), "--", sys.executable,
            "-m", "qforensics.demo.vllm_serve", *serve]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **one_core(core),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("VLLM_CPU_INT4_W4A8", None)
     if w4a8 is not None:
@@ -100,21 +101,52 @@ def _logits_nonfinite_by_step(path: Path) -> dict[int, int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def healthy(tmp_path_factory):
-    return _record(tmp_path_factory.mktemp("healthy"), "ok", "0", guard=False)
+def _amx() -> bool:
+    """vLLM takes W4A8 only with AMX (its mixed_precision/cpu.py: use_w4a8 = the variable and
+    AMX): without, its default kernel is the W4A16 one the pinned runs use, the same engine."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 @pytest.fixture(scope="module")
-def unguarded(tmp_path_factory):
-    return _record(tmp_path_factory.mktemp("unguarded"), "inf-group-scale", "0", guard=False)
+def runs(tmp_path_factory) -> dict:
+    """Every engine run of this file, in two rounds of runs side by side
+    (vllm_runs.side_by_side; the checks read incidents, traces and scores, not timing): the
+    healthy and unguarded runs (and on an AMX CPU the healthy run with vLLM's default kernel),
+    then each guarded run, scored on its healthy run's answers."""
+    mk = tmp_path_factory.mktemp
+    first = {"healthy": lambda: _record(mk("healthy"), "ok", "0", guard=False, core=0),
+             "unguarded": lambda: _record(mk("unguarded"), "inf-group-scale", "0",
+                                          guard=False, core=1)}
+    if _amx():
+        first["healthy_d"] = lambda: _record(mk("healthy-default"), "ok", None, guard=False,
+                                             core=0)
+    got = side_by_side(first)
+
+    def guarded(healthy: str, w4a8: str | None, name: str, core: int):
+        ids = [p + a for p, a in _answers(got[healthy])]
+        return lambda: _record(mk(name), "inf-group-scale", w4a8, guard=True, score=ids,
+                               core=core)
+
+    second = {"guarded": guarded("healthy", "0", "guarded", 0)}
+    if _amx():
+        second["guarded_d"] = guarded("healthy_d", None, "guarded-default", 1)
+    got.update(side_by_side(second))
+    return got
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory, healthy):
-    ids = [p + a for p, a in _answers(healthy)]
-    return _record(tmp_path_factory.mktemp("guarded"), "inf-group-scale", "0", guard=True,
-                   score=ids)
+def healthy(runs):
+    return runs["healthy"]
+
+
+@pytest.fixture(scope="module")
+def unguarded(runs):
+    return runs["unguarded"]
+
+
+@pytest.fixture(scope="module")
+def guarded(runs):
+    return runs["guarded"]
 
 
 def test_without_the_guard_logits_are_nonfinite_and_text_degenerate(unguarded):
@@ -163,17 +195,12 @@ def test_guarded_logits_are_finite_and_tokens_follow_the_healthy_run(guarded, he
 
 
 @pytest.fixture(scope="module")
-def default_kernel_runs(tmp_path_factory, healthy, guarded):
-    if not torch.cpu._is_amx_tile_supported():
-        # vLLM takes W4A8 only with AMX (its mixed_precision/cpu.py: use_w4a8 = the variable
-        # and AMX): without, its default is the W4A16 kernel the runs above pin, the same
-        # engine; the test below reads which kernel ran from the guard's incident
-        return healthy, guarded
-    h = _record(tmp_path_factory.mktemp("healthy-default"), "ok", None, guard=False)
-    ids = [p + a for p, a in _answers(h)]
-    g = _record(tmp_path_factory.mktemp("guarded-default"), "inf-group-scale", None,
-                guard=True, score=ids)
-    return h, g
+def default_kernel_runs(runs):
+    """The healthy and guarded runs with vLLM's default kernel: W4A8 on an AMX CPU; elsewhere
+    the W4A16 kernel the runs above pin (the test reads which ran from the guard's incident)."""
+    if not _amx():
+        return runs["healthy"], runs["guarded"]
+    return runs["healthy_d"], runs["guarded_d"]
 
 
 def test_guard_with_the_default_kernel(default_kernel_runs):
