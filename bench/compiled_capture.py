@@ -233,6 +233,7 @@ def _trace_facts(path: str) -> dict:
                                             and (per_step == n_mod).all()),
             "capture_mode": t.meta["status"].get("capture_mode"),
             "graph_calls": t.meta["status"].get("graph_calls"),
+            "numpy_redos": t.meta["status"].get("graph_numpy_redos", {}),
             "verdict": f.verdict.line,
             "cause": f.cause.line if f.cause is not None else None}
 

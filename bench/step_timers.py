@@ -52,6 +52,9 @@ PROFILED = [
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_end"),
     ("qforensics.hooks.graphstats", "GraphStats", "collect"),
     ("qforensics.hooks.stepend", "StepEnd", "_emit_batch"),
+    # the stats op's CPU kernel, called from inside the compiled graph
+    ("qforensics.hooks.statscpu", None, "stats_cpu"),
+    ("qforensics.hooks.statscpu", None, "_group_c"),
 ]
 
 

@@ -228,18 +228,20 @@ DEFINE_TAKE(qf_take_f32, core_f32, float)
 
 /* One call of the compiled-mode stats op (hooks/statscpu.py `stats_cpu`): its n tensors into
  * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
- * desc[GROUP_DESC * i ...] = {address, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R,
+ * desc[GROUP_DESC * i ...] = {unused, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R,
  * C, off, cap, tok, src, width, pitch (elements from one row to the next, >= C: a slice of a
- * wider tensor's columns)}: with src >= 0 it holds the values of an earlier tensor of the
+ * wider tensor's columns)} and its address addr[i] (the description holds only what a call
+ * site repeats step after step; the addresses change): with src >= 0 it holds the values of an earlier tensor of the
  * call, whose entry (width floats at ring offset src) is copied to off; else it is reduced in
  * one pass into its entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its
  * channel ranges when 1 < C <= cap, then the maxima of its first min(R, tok) rows when
  * tok > 0 (spill: scratch for R row maxima, spill_n floats). done[i] = 1 when the entry was
  * written and its figures are finite; 0 otherwise (R == 0, a non-finite value): the caller
- * redoes it exactly. */
+ * redoes it exactly. Returns how many are not done (0: the caller has nothing to look at). */
 #define GROUP_DESC 10
-int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spill,
-             int64_t spill_n, int8_t *done) {
+int qf_group(int64_t n, const int64_t *desc, const int64_t *addr, float *row, float stamp,
+             float *spill, int64_t spill_n, int8_t *done) {
+    int left = 0;  /* tensors not done: the caller redoes them */
     for (int64_t i = 0; i < n; i++) {
         const int64_t *d = desc + GROUP_DESC * i;
         const int64_t R = d[2], C = d[3], off = d[4], cap = d[5], tok = d[6], src = d[7];
@@ -249,7 +251,7 @@ int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spi
             done[i] = 1;
             continue;
         }
-        if (R <= 0 || C <= 0) continue;
+        if (R <= 0 || C <= 0) { left++; continue; }
         float *e = row + off;
         const int keep = C > 1 && C <= cap;
         const int64_t k = tok > 0 ? (R < tok ? R : tok) : 0;
@@ -257,11 +259,11 @@ int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spi
         if (k) {
             if (R <= tok) tk = e + 9 + 2 * cap;
             else if (spill && spill_n >= R) tk = spill;
-            else continue;
+            else { left++; continue; }
         }
         float *cmin = keep ? e + 9 : NULL, *cmax = keep ? e + 9 + cap : NULL;
         const int64_t P = d[9];
-        const void *x = (const void *)(intptr_t)d[0];
+        const void *x = (const void *)(intptr_t)addr[i];
         if (d[1] == 1)
             core_bf16(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 0)
@@ -270,15 +272,19 @@ int qf_group(int64_t n, const int64_t *desc, float *row, float stamp, float *spi
             core_i64(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 3)
             core_i32(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
-        else
+        else {
+            left++;
             continue;
-        if (!(isfinite(e[0]) && isfinite(e[1]) && isfinite(e[2]) && isfinite(e[3])))
+        }
+        if (!(isfinite(e[0]) && isfinite(e[1]) && isfinite(e[2]) && isfinite(e[3]))) {
+            left++;
             continue;
+        }
         if (tk == spill && k) memcpy(e + 9 + 2 * cap, spill, (size_t)k * sizeof(float));
         e[4] = 0.f; e[5] = 0.f; e[6] = (float)R; e[7] = (float)C; e[8] = stamp;
         done[i] = 1;
     }
-    return 0;
+    return left;
 }
 
 /* exp(x) for x <= 0 in float, in a form the compiler vectorizes (no float->int conversion):

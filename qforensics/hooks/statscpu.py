@@ -2,9 +2,10 @@
 kernel is hooks/statstriton.py's).
 
 The whole group in one call of hooks/fused_reduce.c's `qf_group` when the library is loaded
-(`_group_c`: Python only describes each tensor; built at install time, hooks/prebuild.py; it
-reads float32, bf16, int64 and int32 rows, contiguous or a 2-d slice of columns, as vLLM's
-layers hand over their int positions and a fused projection's slices), else tensor by tensor
+(`_group_c`: Python describes a call site's tensors once, then hands over their addresses;
+built at install time, hooks/prebuild.py; it reads float32, bf16, int64 and int32 rows,
+contiguous or a 2-d slice of columns, as vLLM's layers hand over their int positions and a
+fused projection's slices), else tensor by tensor
 (`_each_cpu`: one pass of fused_reduce.c's take, `_one_c`). Numpy on the tensor's own memory
 redoes, exactly, what C does not finish: a non-finite value, another dtype or layout
 (`_one_numpy`). A tensor that several entries of a call share (q, k and v's input) is
@@ -141,10 +142,11 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
     shape, strides and caps: its part of the row is copied); the whole group in one call of
     fused_reduce.c (`_group_c`) when it is loaded, else tensor by tensor."""
     n = int(step)
-    row = ring.numpy()[n % ring.shape[0]]
     fn = fused.REDUCER.group()
-    counts = (_group_c(fn, xs, row, n, off, cap, tok) if fn is not None
-              else _each_cpu(xs, row, n, off, cap, tok))
+    counts = (_group_c(fn, xs, ring, n, off, cap, tok) if fn is not None
+              else _each_cpu(xs, _row(ring, n), n, off, cap, tok))
+    if not counts:  # every tensor finite: no first-failure word, no snapshot to consider
+        return
     best = NO_FIRST
     keep = -1  # the first failing candidate output: the snapshot's call
     for i, (bad, nan) in counts:
@@ -158,6 +160,11 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
         j = pair[keep]
         _snap_cpu(snap.numpy(), n, xs[keep], entry[keep], xs[j] if j != keep else None,
                   entry[j] if j != keep else -1)
+
+
+def _row(ring: Tensor, n: int) -> np.ndarray:
+    """The ring's row of step n, as numpy (a view)."""
+    return ring.numpy()[n % ring.shape[0]]
 
 
 def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
@@ -196,52 +203,84 @@ def _pitch(x: Tensor, d: int, chans: int) -> int:
     return -1
 
 
-def _group_c(fn: Any, xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
+class _Site:
+    """One op call's description for `qf_group`, built once per call site: its tensors'
+    dtypes, shapes and strides, their entries, and which of them repeat an earlier one (the
+    same memory). A compiled graph hands a call site tensors of the same layout step after
+    step, at addresses that change (Inductor allocates its buffers per run): only the
+    addresses are read at each call (`_group_c`), instead of describing every tensor again
+    (~40 us a call hot, ~100 us between a layer's kernels)."""
+
+    __slots__ = ("desc", "addr", "src_of", "spill")
+
+    def __init__(self, xs: Sequence[Tensor], off: Sequence[int], cap: Sequence[int],
+                 tok: Sequence[int]) -> None:
+        desc: list[tuple[int, ...]] = []
+        self.src_of: dict[int, int] = {}  # a repeat -> the tensor it repeats
+        seen: dict[tuple, int] = {}
+        spill = 0
+        for i, (x, o, c, k) in enumerate(zip(xs, off, cap, tok)):
+            key = (_same_memory(x), c, k)  # what `_each_cpu` dedupes on
+            j = seen.get(key)
+            if j is not None:
+                self.src_of[i] = j
+                desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k), 0))
+                continue
+            seen[key] = i
+            code = _GROUP_DTYPE.get(x.dtype)
+            d = x.dim()
+            chans = int(x.shape[-1]) if d >= 2 else 1
+            pitch = _pitch(x, d, chans) if code is not None else -1
+            if pitch < 0:
+                desc.append((0, -1, 0, 0, o, c, k, -1, 0, 0))  # not for C: done stays 0
+                continue
+            rows = x.numel() // chans if chans else 0
+            kk = k if d >= 2 else 0
+            if 0 < kk < rows > spill:
+                spill = rows
+            desc.append((0, code, rows, chans, o, c, kk, -1, 0, pitch))
+        self.desc = np.array(desc, np.int64).reshape(-1, GROUP_DESC)
+        self.addr = self.desc.ctypes.data
+        self.spill = spill
+
+
+_SITES: dict[tuple, _Site] = {}
+_MAX_SITES = 4096  # a server's many batch shapes: forget them all past this, then relearn
+
+
+def _group_c(fn: Any, xs: Sequence[Tensor], ring: Tensor, n: int, off: Sequence[int],
              cap: Sequence[int], tok: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
     """The group in one call of fused_reduce.c's `qf_group`: Python only describes each tensor
-    (address, dtype, rows, channels, where its entry goes, or which earlier tensor of the call
-    it repeats); a tensor the C pass does not finish (another dtype or layout, no rows, a
-    non-finite value) is redone exactly by `_one_numpy`, and its repeats copied again.
-    Returns what `_each_cpu` returns."""
+    (dtype, rows, channels, where its entry goes, or which earlier tensor of the call it
+    repeats), once per call site (`_Site`), and hands over their addresses; a tensor the C
+    pass does not finish (another dtype or layout, no rows, a non-finite value) is redone
+    exactly by `_one_numpy`, and its repeats copied again. Returns what `_each_cpu` returns."""
     m = len(xs)
-    desc: list[tuple[int, ...]] = []
-    src_of: dict[int, int] = {}  # a repeat -> the tensor it repeats
-    seen: dict[tuple, int] = {}
-    spill = 0
-    for i in range(m):
-        x, o, c, k = xs[i], off[i], cap[i], tok[i]
-        key = (_same_memory(x), c, k)  # what `_each_cpu` dedupes on
-        j = seen.get(key)
-        if j is not None:
-            src_of[i] = j
-            desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k), 0))
-            continue
-        seen[key] = i
-        code = _GROUP_DTYPE.get(x.dtype)
-        d = x.dim()
-        chans = int(x.shape[-1]) if d >= 2 else 1
-        pitch = _pitch(x, d, chans) if code is not None else -1
-        if pitch < 0:
-            desc.append((0, -1, 0, 0, o, c, k, -1, 0, 0))  # not for C: done stays 0
-            continue
-        rows = x.numel() // chans if chans else 0
-        kk = k if d >= 2 else 0
-        if 0 < kk < rows > spill:
-            spill = rows
-        desc.append((x.data_ptr(), code, rows, chans, o, c, kk, -1, 0, pitch))
-    arr = np.array(desc, np.int64)
-    done, rows_buf = _group_scratch(m, spill)
-    fn(m, arr.ctypes.data, row.ctypes.data, float(n % STAMP_MOD), rows_buf.ctypes.data,
-       len(rows_buf), done.ctypes.data)
-    redo = np.flatnonzero(done[:m] == 0)
-    if not len(redo):
+    ptrs = [x.data_ptr() for x in xs]
+    first_of: dict[int, int] = {}  # which tensors share memory: part of what the site is
+    key = (tuple([(x.dtype, x.shape, x.stride()) for x in xs]),
+           tuple([first_of.setdefault(p, i) for i, p in enumerate(ptrs)]),
+           tuple(off), tuple(cap), tuple(tok))
+    site = _SITES.get(key)
+    if site is None:
+        if len(_SITES) >= _MAX_SITES:
+            _SITES.clear()
+        site = _SITES[key] = _Site(xs, off, cap, tok)
+    done, rows_buf, addr, addrs = _group_scratch(m, site.spill)
+    addr[:m] = ptrs
+    slot = n % ring.shape[0]
+    left = fn(m, site.addr, addrs[2], ring.data_ptr() + 4 * slot * ring.stride(0),
+              float(n % STAMP_MOD), addrs[1], len(rows_buf), addrs[0])
+    if not left:
         return []
+    row = ring.numpy()[slot]
+    redo = np.flatnonzero(done[:m] == 0)
     counts: dict[int, tuple[int, int]] = {}
     for i in redo.tolist():
-        if i not in src_of:  # a repeat of a redone tensor is copied below
+        if i not in site.src_of:  # a repeat of a redone tensor is copied below
             counts[i] = _one_numpy(xs[i], row, n, off[i], cap[i], tok[i])
-            REDOS[_redo_reason(xs[i], arr[i], counts[i][0])] += 1
-    for i, j in src_of.items():
+            REDOS[_redo_reason(xs[i], site.desc[i], counts[i][0])] += 1
+    for i, j in site.src_of.items():
         if j in counts:
             w = entry_width(cap[i], tok[i])
             row[off[i]:off[i] + w] = row[off[j]:off[j] + w]
@@ -262,16 +301,20 @@ def _redo_reason(x: Tensor, desc: np.ndarray, bad: int) -> str:
     return "non-finite" if bad else "no rows" if not desc[2] else "other"
 
 
-def _group_scratch(m: int, spill: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's `done` flags and row maxima for `_group_c`, allocated once (grown when a
-    call needs more)."""
+def _group_scratch(m: int, spill: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int]]:
+    """This thread's buffers for `_group_c`, allocated once (grown when a call needs more):
+    the `done` flags, the row maxima, the tensors' addresses; and their addresses."""
     done = getattr(_SCRATCH, "done", None)
-    if done is None or len(done) < m:
-        done = _SCRATCH.done = np.zeros(max(m, 64), np.int8)
-    buf = getattr(_SCRATCH, "spill", None)
-    if buf is None or len(buf) < spill:
-        buf = _SCRATCH.spill = np.empty(max(spill, 1), np.float32)
-    return done, buf
+    if done is None or len(done) < m or len(_SCRATCH.spill) < spill:
+        if done is None or len(done) < m:
+            done = _SCRATCH.done = np.zeros(max(m, 64), np.int8)
+            _SCRATCH.addr = np.zeros(len(done), np.int64)
+        if len(getattr(_SCRATCH, "spill", ())) < max(spill, 1):
+            _SCRATCH.spill = np.empty(max(spill, 1), np.float32)
+        _SCRATCH.addrs = (done.ctypes.data, _SCRATCH.spill.ctypes.data,
+                          _SCRATCH.addr.ctypes.data)
+    return done, _SCRATCH.spill, _SCRATCH.addr, _SCRATCH.addrs
 
 
 def _snap_cpu(s: np.ndarray, n: int, out: Tensor, e_out: int, inp: Tensor | None,
@@ -287,4 +330,10 @@ def _snap_cpu(s: np.ndarray, n: int, out: Tensor, e_out: int, inp: Tensor | None
     s[SNAP["taken"]] = 1.0
 
 
-statsop.register_kernel(stats_cpu, "CPU")
+def _kernel(*args: Any) -> None:
+    """What the dispatcher calls: `stats_cpu` looked up at each call, so that a timer
+    (bench/step_timers.py) can wrap it."""
+    stats_cpu(*args)
+
+
+statsop.register_kernel(_kernel, "CPU")

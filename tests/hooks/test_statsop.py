@@ -208,6 +208,45 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool) -> None:
     assert statsop.decode_first(int(first[0])) == ((1, 0, 1) if nan else None)
 
 
+def test_one_call_site_called_again_with_other_buffers() -> None:
+    """A call site's description is built once (statscpu._Site) and reused: each later call
+    at that site, with new tensors at other addresses (as Inductor allocates its buffers per
+    run), another row count, or tensors that share memory where they did not, still writes
+    each tensor's own figures, each checked against numpy's float64 reference."""
+    from qforensics.hooks import fused
+
+    assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
+    sites = len(statscpu._SITES)
+    w = statsop.entry_width(CAP, TOK)
+    off = [50, 50 + w, 50 + 2 * w]
+    g = torch.Generator().manual_seed(11)
+    ring = torch.zeros(3, 50 + 3 * w)
+    calls = []
+    a = torch.randn(6, 64, generator=g)
+    calls.append([a, torch.randn(6, 64, generator=g), torch.randn(6, 32, generator=g)])
+    calls.append([torch.randn(6, 64, generator=g) * 5, torch.randn(6, 64, generator=g),
+                  torch.randn(6, 32, generator=g)])  # the same layout, new buffers
+    b = torch.randn(6, 64, generator=g)
+    calls.append([b, b, torch.randn(6, 32, generator=g)])  # now one buffer, two entries
+    calls.append([torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g),
+                  torch.randn(9, 32, generator=g)])  # other row counts
+    for step, xs in enumerate(calls):
+        ring.zero_()
+        first = statsop.new_first(torch.device("cpu"))
+        redos = sum(statscpu.REDOS.values())
+        statsop.stats(xs, ring, first, torch.tensor(step), off, [CAP] * 3, [TOK] * 3,
+                      [0, 1, 2], _snap(), [-1] * 3)
+        # finite float32 rows: all done by the C pass, none left to numpy to put right
+        assert sum(statscpu.REDOS.values()) == redos
+        for x, o in zip(xs, off):  # each entry moved to where _check reads (offset 50)
+            one = ring.clone()
+            one[:, 50:50 + w] = ring[:, o:o + w]
+            one[:, 50 + w:] = 0
+            _check(x, one.numpy(), first.numpy(), step, 0, 1e-5)
+    # the first two calls share one description; the shared buffer and the rows make two more
+    assert len(statscpu._SITES) - sites == 3
+
+
 def _snap_group(kernel, capacity: int = 4096, order: str = ""):  # noqa: ANN001, ANN202
     """Four modules' inputs and outputs in one group (`pair` as graphhooks builds it): the
     second's, the third's and a fourth's (no input in the group) outputs fail; then a later
