@@ -6,11 +6,15 @@
 A decoder layer's group as graphhooks hands it over (SmolLM2's widths: attention input shared
 by q/k/v, their outputs, o_proj, gate/up sharing their input, down_proj: 14 tensors, 9 of them
 distinct), at three shapes (vLLM decode: 8 rows bf16; HF decode: 1 row float32; HF re-fed: 22
-rows float32), through `torch.ops.qforensics.stats`:
-- group: the whole call in one call of fused_reduce.c's qf_group (the default);
-- each: tensor by tensor, one C call each (the path when qf_group is not loaded).
-Printed: this thread's CPU time per op call and per tensor, and the ratio; plus the cost of an
-op call with no tensor (the dispatcher's share).
+rows float32):
+- c++: through `torch.ops.qforensics.stats`, the C++ kernel behind the dispatcher
+  (hooks/statsop_cpu.cpp; the default wherever it is built), no Python in the call;
+- group: the Python kernel (hooks/statscpu.py, called as the dispatcher would), the whole call
+  in one call of fused_reduce.c's qf_group;
+- each: the Python kernel tensor by tensor, one C call each (the path when qf_group is not
+  loaded).
+Printed: this thread's CPU time per op call and per tensor, and the ratios to c++; plus the
+cost of a dispatcher call with no tensor.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from qforensics.hooks import fused, statscpu, statsop  # noqa: F401 - the CPU kernel
+    from qforensics.hooks import fused, statscpu, statsnative, statsop
 
     if not (fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())):
         raise SystemExit(f"fused_reduce.c is not loaded: {fused.REDUCER.off}")
+    if statsnative.KERNEL["kernel"] != "c++":
+        raise SystemExit(f"the C++ kernel is not loaded: {statsnative.KERNEL['why']}")
     torch.manual_seed(0)
     real_group = fused.REDUCER.group
     cpu = torch.device("cpu")
@@ -51,25 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         ring, first, snap = torch.zeros(4, o), statsop.new_first(cpu), statsop.new_snap(cpu, 0)
         args = (ring, first, torch.tensor(1), offs, caps, toks, list(range(n)), snap, [-1] * n)
         per = {}
-        for mode in ("group", "each"):
-            fused.REDUCER.group = real_group if mode == "group" else (lambda: None)
+        for mode in ("c++", "group", "each"):
+            fused.REDUCER.group = real_group if mode != "each" else (lambda: None)
+            call = statsop.stats if mode == "c++" else statscpu.stats_cpu
             try:
                 for _ in range(50):
-                    statsop.stats(xs, *args)
+                    call(xs, *args)
                 t0 = time.thread_time()
                 for _ in range(a.calls):
-                    statsop.stats(xs, *args)
+                    call(xs, *args)
                 per[mode] = (time.thread_time() - t0) / a.calls
             finally:
                 fused.REDUCER.group = real_group
-        print(f"{rows:>2} rows {str(dt).replace('torch.', ''):>8}: group {per['group'] * 1e6:6.1f} "
-              f"us/call ({per['group'] * 1e6 / n:.2f}/tensor), each {per['each'] * 1e6:6.1f} "
-              f"us/call ({per['each'] * 1e6 / n:.2f}/tensor), each/group "
-              f"{per['each'] / per['group']:.2f}")
+        print(f"{rows:>2} rows {str(dt).replace('torch.', ''):>8}: "
+              + ", ".join(f"{m} {per[m] * 1e6:6.1f} us/call ({per[m] * 1e6 / n:.2f}/tensor)"
+                          for m in per)
+              + f"; group/c++ {per['group'] / per['c++']:.2f}, each/c++ "
+              f"{per['each'] / per['c++']:.2f}")
     t0 = time.thread_time()
     for _ in range(a.calls):
         statsop.stats([], ring, first, torch.tensor(1), [], [], [], [], snap, [])
-    print(f"an op call with no tensor: {(time.thread_time() - t0) / a.calls * 1e6:.1f} us")
+    print(f"a dispatcher call with no tensor (c++): "
+          f"{(time.thread_time() - t0) / a.calls * 1e6:.1f} us")
     return 0
 
 

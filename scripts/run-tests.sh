@@ -50,6 +50,11 @@ if ! command -v cc >/dev/null; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc
 fi
+# a C++ compiler: the compiled-mode stats op's CPU kernel (qforensics/hooks/statsop_cpu.cpp)
+if ! command -v c++ >/dev/null; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++
+fi
 # and Python's headers: the hooks' C extension (qforensics/hooks/fast_take.c) includes Python.h
 if ! ${PYTHON:-python3} -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then

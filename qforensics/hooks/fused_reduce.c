@@ -265,13 +265,13 @@ int qf_group(int64_t n, const int64_t *desc, const int64_t *addr, float *row, fl
         const int64_t P = d[9];
         const void *x = (const void *)(intptr_t)addr[i];
         if (d[1] == 1)
-            core_bf16(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+            core_bf16((const uint16_t *)x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 0)
-            core_f32(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+            core_f32((const float *)x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 2)
-            core_i64(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+            core_i64((const int64_t *)x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else if (d[1] == 3)
-            core_i32(x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
+            core_i32((const int32_t *)x, 1, R, C, P, e, e + 1, e + 2, e + 3, cmin, cmax, tk);
         else {
             left++;
             continue;

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qforensics.hooks import fused, statscpu, statsop, statstriton
+from qforensics.hooks import fused, statscpu, statsnative, statsop, statstriton
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
@@ -427,6 +427,8 @@ class GraphStats:
             "graph_ring": {"slots": self.slots, "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
+        if self.device.type == "cpu":  # which CPU kernel the op ran: C++, or Python and why
+            st["stats_kernel"] = dict(statsnative.KERNEL)
         redos = statscpu.REDOS - self._redos0  # since this capture began (the count is the
         if redos:                              # process's: the CPU kernel knows no capture)
             st["graph_numpy_redos"] = dict(redos)

@@ -1,13 +1,14 @@
 """Build the native kernels at install time: `python -m qforensics.hooks.prebuild`.
 
-hooks/fused_reduce.c (the CPU stats op's and the eager reduction's one-pass kernels) and
-hooks/fast_take.c (the eager hooks' C takes) are compiled with the system C compiler into the
+hooks/fused_reduce.c (the CPU stats op's and the eager reduction's one-pass kernels),
+hooks/fast_take.c (the eager hooks' C takes) and hooks/statsop_cpu.cpp (the stats op's C++
+kernel, against this torch's headers: hooks/statsnative.py) are compiled into the
 kernel cache (hooks/fused.py `build`: keyed by source, flags and CPU, loaded only from a folder
 nobody else can write). A run then loads them on its first step instead of compiling them in a
 background thread while its first steps take the slower numpy path; a run on a machine where
 they were not built still builds them itself. scripts/install.sh runs this.
 
-Exit 0 when both are built (their paths printed), 1 when one could not be (why printed: no
+Exit 0 when all are built (their paths printed), 1 when one could not be (why printed: no
 compiler, no Python headers); the project works without them, only slower.
 """
 
@@ -19,10 +20,11 @@ from pathlib import Path
 
 
 def main() -> int:
-    from qforensics.hooks import fast_take, fused
+    from qforensics.hooks import fast_take, fused, statsnative
 
     failed = 0
-    jobs = [("fused_reduce.c", lambda: fused.build())]
+    jobs = [("fused_reduce.c", lambda: fused.build()),
+            ("statsop_cpu.cpp", statsnative.build)]
     if (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         jobs.append(("fast_take.c", lambda: fused.build(source=fast_take.SOURCE,
                                                         flags=fast_take.build_flags(), libs=())))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qforensics.hooks import fused, statsop
+from qforensics.hooks import fused, statsnative, statsop
 from qforensics.hooks.statsop import (N_SCAL, NO_FIRST, SNAP, SNAP_COLS, SNAP_HEADER,
                                       STAMP_MOD, chan_span, entry_width, first_key,
                                       snap_split, tok_start, _as_rows, _same_memory)
@@ -336,4 +336,6 @@ def _kernel(*args: Any) -> None:
     stats_cpu(*args)
 
 
-statsop.register_kernel(_kernel, "CPU")
+# the C++ kernel (hooks/statsnative.py) where it is built; this module's Python one otherwise
+if not statsnative.load():
+    statsop.register_kernel(_kernel, "CPU")

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qforensics.hooks import fast_take, fused, prebuild
+from qforensics.hooks import fast_take, fused, prebuild, statsnative
 
 
-def test_prebuild_puts_both_kernels_where_runs_look_for_them(capsys):
+def test_prebuild_puts_the_kernels_where_runs_look_for_them(capsys):
     assert prebuild.main() == 0
     out = capsys.readouterr().out
     built = {line.split(": ", 1)[0]: Path(line.split(": ", 1)[1]) for line in out.splitlines()}
     assert built["fused_reduce.c"] == fused.library_path()
     assert built["fast_take.c"] == fused.library_path(
         source=fast_take.SOURCE, flags=fast_take.build_flags(), libs=())
+    assert built["statsop_cpu.cpp"] == fused.library_path(
+        statsnative.compiler(), source=statsnative.SOURCE, flags=statsnative.build_flags(),
+        libs=statsnative.build_libs())
     for path in built.values():
         assert path.exists() and fused.trusted(path)

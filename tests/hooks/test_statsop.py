@@ -17,6 +17,19 @@ from qforensics.hooks import statscpu, statsop
 CAP, TOK = 700, 40
 
 
+@pytest.fixture(params=["c++", "python"])
+def kernel(request):  # noqa: ANN001, ANN201
+    """The op's CPU kernels: the C++ one behind the dispatcher (hooks/statsop_cpu.cpp, what
+    runs wherever it is built; the install builds it) and the Python one (hooks/statscpu.py,
+    what runs where it is not)."""
+    if request.param == "c++":
+        from qforensics.hooks import statsnative
+
+        assert statsnative.KERNEL["kernel"] == "c++", statsnative.KERNEL["why"]
+        return torch.ops.qforensics.stats
+    return statscpu.stats_cpu
+
+
 def _cases() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     big = torch.randn(37, 650, generator=g) * 3  # several row and channel tiles
@@ -108,8 +121,8 @@ def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entr
 
 
 @pytest.mark.parametrize("name,x", _cases(), ids=[n for n, _ in _cases()])
-def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor) -> None:
-    ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor, kernel) -> None:  # noqa: ANN001
+    ring, first = _run(kernel, x, 7, 3)
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
@@ -145,7 +158,7 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     monkeypatch.setattr(statscpu, "_one_numpy",
                         lambda *a: (numpy_calls.append(1), real_numpy(*a))[1])
     redos = sum(statscpu.REDOS.values())
-    ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+    ring, first = _run(statscpu.stats_cpu, x, 7, 3)
     _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
     # what C finishes: qf_group a finite float32 or bf16 tensor, or an int64 / int32 one, laid
     # out as rows (contiguous, or a 2-d slice of columns); qf_take a contiguous finite float32
@@ -164,7 +177,32 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     assert sum(statscpu.REDOS.values()) - redos == (path == "group" and not in_c)
 
 
-def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
+def test_the_dispatcher_runs_the_cpp_kernel_without_python(monkeypatch) -> None:  # noqa: ANN001
+    """Where the C++ kernel is built (the install builds it) an op call runs no Python: with
+    the Python kernel made to fail, a call through the dispatcher still writes its figures; and
+    it writes what the Python kernel writes, group for group (every float case in one call, a
+    repeated tensor among them)."""
+    from qforensics.hooks import statsnative
+
+    assert statsnative.KERNEL["kernel"] == "c++", statsnative.KERNEL["why"]
+    py_ring, py_first = _group(statscpu.stats_cpu)
+
+    def fail(*a):  # noqa: ANN002, ANN202
+        raise AssertionError("the Python kernel ran")
+
+    monkeypatch.setattr(statscpu, "stats_cpu", fail)
+    monkeypatch.setattr(statscpu, "_kernel", fail)
+    ring, first = _group(torch.ops.qforensics.stats)
+    got, want = ring.numpy(), py_ring.numpy()
+    assert (np.isnan(got) == np.isnan(want)).all()
+    fin = np.isfinite(want)
+    assert (np.isfinite(got) == fin).all()
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-4)
+    np.testing.assert_array_equal(got[~fin], want[~fin])
+    assert first.tolist() == py_first.tolist()
+
+
+def test_first_word_keeps_the_earliest_step_then_the_first_entry(kernel) -> None:  # noqa: ANN001
     w = statsop.entry_width(8, 4)
     ring = torch.zeros(2, w * 3)
     first = statsop.new_first(torch.device("cpu"))
@@ -172,17 +210,17 @@ def test_first_word_keeps_the_earliest_step_then_the_first_entry() -> None:
     nan = torch.full((2, 8), float("nan"))
     assert statsop.decode_first(int(first[0])) is None
     # one group, handed over out of call order: entry 2 (NaN) before entry 1 (inf)
-    statsop.stats([ones, nan, inf], ring, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
-                  [4] * 3, [0, 2, 1], _snap(), [-1] * 3)
+    kernel([ones, nan, inf], ring, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
+           [4] * 3, [0, 2, 1], _snap(), [-1] * 3)
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     # a later step never takes it over, an earlier entry of it neither
-    statsop.stats([nan], ring, first, torch.tensor(5), [0], [8], [4], [0], _snap(), [-1])
+    kernel([nan], ring, first, torch.tensor(5), [0], [8], [4], [0], _snap(), [-1])
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     assert statsop.decode_first(statsop.first_key(3, 7, True)) == (3, 7, 1)
 
 
 @pytest.mark.parametrize("nan", [True, False])
-def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool) -> None:
+def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool, kernel) -> None:  # noqa: ANN001
     """q, k and v take one tensor: reduced once on the CPU, each entry's row the same (copied
     by the C group pass, or again after numpy redid a non-finite one); an entry with other
     caps is reduced on its own."""
@@ -193,11 +231,11 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool) -> None:
     w = statsop.entry_width(12, 8)
     ring = torch.zeros(2, 3 * w + statsop.entry_width(4, 8))
     first = statsop.new_first(torch.device("cpu"))
-    statsop.stats([x, x, x, x], ring, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
+    kernel([x, x, x, x], ring, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
                   [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3], _snap(), [-1] * 4)
     row = ring[1].numpy()
     solo = torch.zeros(2, w)
-    statsop.stats([x.clone()], solo, statsop.new_first(torch.device("cpu")), torch.tensor(1),
+    kernel([x.clone()], solo, statsop.new_first(torch.device("cpu")), torch.tensor(1),
                   [0], [12], [8], [0], _snap(), [-1])
     for k in range(3):
         np.testing.assert_array_equal(row[k * w:(k + 1) * w], solo[1].numpy())
@@ -234,7 +272,7 @@ def test_one_call_site_called_again_with_other_buffers() -> None:
         ring.zero_()
         first = statsop.new_first(torch.device("cpu"))
         redos = sum(statscpu.REDOS.values())
-        statsop.stats(xs, ring, first, torch.tensor(step), off, [CAP] * 3, [TOK] * 3,
+        statscpu.stats_cpu(xs, ring, first, torch.tensor(step), off, [CAP] * 3, [TOK] * 3,
                       [0, 1, 2], _snap(), [-1] * 3)
         # finite float32 rows: all done by the C pass, none left to numpy to put right
         assert sum(statscpu.REDOS.values()) == redos
@@ -282,18 +320,19 @@ def _check_snap(xs, snap: np.ndarray, capacity: int) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("capacity", [4096, 30])
-def test_cpu_kernel_keeps_the_first_failing_output_call_once(capacity: int) -> None:
-    xs, snap = _snap_group(torch.ops.qforensics.stats, capacity)
+def test_cpu_kernel_keeps_the_first_failing_output_call_once(capacity: int,
+                                                             kernel) -> None:  # noqa: ANN001
+    xs, snap = _snap_group(kernel, capacity)
     _check_snap(xs, snap.numpy(), capacity)
 
 
-def test_no_snapshot_without_capacity_or_a_failing_output() -> None:
-    xs, snap = _snap_group(torch.ops.qforensics.stats, 0)
+def test_no_snapshot_without_capacity_or_a_failing_output(kernel) -> None:  # noqa: ANN001
+    xs, snap = _snap_group(kernel, 0)
     assert snap.numpy().tolist() == [1.0] + [0.0] * (statsop.SNAP_HEADER - 1)
     w = statsop.entry_width(8, 4)
     snap = statsop.new_snap(torch.device("cpu"), 64)
     nan = torch.full((2, 8), float("nan"))  # a failing input is no candidate
-    statsop.stats([nan, torch.ones(2, 8)], torch.zeros(2, 2 * w),
+    kernel([nan, torch.ones(2, 8)], torch.zeros(2, 2 * w),
                   statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w], [8] * 2,
                   [4] * 2, [0, 1], snap, [-1, 0])
     assert not snap.numpy().any()
@@ -365,5 +404,5 @@ def test_numpy_pass_calls_no_blas(monkeypatch) -> None:
     for name in ("dot", "vdot", "inner", "matmul", "tensordot"):
         monkeypatch.setattr(np, name, blas)
     for x in (torch.randn(6, 40).to(torch.float16), torch.arange(100, 106)):
-        ring, first = _run(torch.ops.qforensics.stats, x, 7, 3)
+        ring, first = _run(statscpu.stats_cpu, x, 7, 3)
         _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-3)
