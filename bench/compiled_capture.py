@@ -17,7 +17,9 @@ phase, then the comparison:
 - on a loaded machine wall times wander: each step's CPU time (all threads of the process) is
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
-- on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0).
+- on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0); on the CPU, which
+  kernel the op ran (`stats_kernel`: c++, or python where it is not built) and the tensors
+  the Python kernel left to numpy (`numpy_redos`).
 With `--drain both` one captured phase builds the records in the drainer thread
 (QFORENSICS_DRAIN=thread) and one in the model's thread (sync), against the same plain phase; each
 captured phase prints the CPU time spent building records (`drain_cpu_ms_per_step`), in
@@ -234,6 +236,7 @@ def _trace_facts(path: str) -> dict:
             "capture_mode": t.meta["status"].get("capture_mode"),
             "graph_calls": t.meta["status"].get("graph_calls"),
             "numpy_redos": t.meta["status"].get("graph_numpy_redos", {}),
+            "stats_kernel": (t.meta["status"].get("stats_kernel") or {}).get("kernel"),
             "verdict": f.verdict.line,
             "cause": f.cause.line if f.cause is not None else None}
 

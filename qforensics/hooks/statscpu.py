@@ -1,5 +1,6 @@
-"""The stats op's CPU kernel (hooks/statsop.py defines the op and the record layout; the CUDA
-kernel is hooks/statstriton.py's).
+"""The stats op's CPU kernel in Python: what runs where its C++ kernel (hooks/statsop_cpu.cpp,
+hooks/statsnative.py) is not built (hooks/statsop.py defines the op and the record layout; the
+CUDA kernel is hooks/statstriton.py's).
 
 The whole group in one call of hooks/fused_reduce.c's `qf_group` when the library is loaded
 (`_group_c`: Python describes a call site's tensors once, then hands over their addresses;

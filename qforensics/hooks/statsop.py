@@ -32,10 +32,11 @@ one opaque call per layer instead of ~10 fused reductions per tensor, its mutati
 graph replays keep writing. `step` is a device counter the host advances before each step (no
 sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per tensor, one pass over
 it, the group's tensors gathered into one buffer: two launches a call); the CPU kernel is
-hooks/statscpu.py's (the whole group in one call of hooks/fused_reduce.c's `qf_group`, numpy
-for what C does not finish, a tensor that several entries share reduced once). All write the
-same layout (tests/hooks/test_statsop.py checks them against numpy, the
-Triton kernel through Triton's interpreter).
+C++ behind the dispatcher (hooks/statsop_cpu.cpp, built by hooks/statsnative.py: the whole
+group in one call of hooks/fused_reduce.c's `qf_group`, an exact pass for what C does not
+finish, a tensor that several entries share reduced once), or where that is not built the
+same in Python (hooks/statscpu.py). All write the same layout (tests/hooks/test_statsop.py
+checks each against numpy, the Triton kernel through Triton's interpreter).
 """
 
 from __future__ import annotations
