@@ -121,9 +121,10 @@ def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: i
             s, ss = float(z.sum(dtype=np.float64)), float((z * z).sum(dtype=np.float64))
             bad, nan = int(fin.size - np.count_nonzero(fin)), int(np.isnan(a).sum())
         gmin, gmax = float(lo.min()), float(hi.max())
-    else:
+    else:  # no rows: no finite value anywhere, in any channel
         s = ss = 0.0
         gmin, gmax = np.inf, -np.inf
+        lo, hi = np.full(chans, np.inf, np.float32), np.full(chans, -np.inf, np.float32)
     row[off:off + N_SCAL] = (s, ss, gmin, gmax, bad, nan, rows, chans, n % STAMP_MOD)
     if 1 < chans <= cap:
         c0, c1 = chan_span(off, cap)

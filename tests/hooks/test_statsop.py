@@ -202,6 +202,25 @@ def test_the_dispatcher_runs_the_cpp_kernel_without_python(monkeypatch) -> None:
     assert first.tolist() == py_first.tolist()
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_a_tensor_with_no_rows_reads_as_no_finite_value(shape, kernel) -> None:  # noqa: ANN001
+    """A tensor with no rows (an engine step that scheduled no token for a layer): sums 0, no
+    finite min or max (+inf / -inf), 0 rows, its channels; each channel's range +inf / -inf;
+    no token maxima; no failure."""
+    w = statsop.entry_width(16, 4)
+    ring = torch.zeros(2, w)
+    first = statsop.new_first(torch.device("cpu"))
+    kernel([torch.randn(shape)], ring, first, torch.tensor(3), [0], [16], [4], [0], _snap(),
+           [-1])
+    row = ring[1].numpy()
+    inf = float("inf")
+    assert row[:statsop.N_SCAL].tolist() == [0, 0, inf, -inf, 0, 0, 0, 8, 3]
+    c0, c1 = statsop.chan_span(0, 16)
+    assert row[c0:c0 + 8].tolist() == [inf] * 8 and row[c1:c1 + 8].tolist() == [-inf] * 8
+    assert not row[statsop.tok_start(0, 16):].any()
+    assert statsop.decode_first(int(first[0])) is None
+
+
 def test_first_word_keeps_the_earliest_step_then_the_first_entry(kernel) -> None:  # noqa: ANN001
     w = statsop.entry_width(8, 4)
     ring = torch.zeros(2, w * 3)
