@@ -155,14 +155,14 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
     float* row = ring.data_ptr<float>() + pos_mod(n, ring.size(0)) * ring.stride(0);
     const float stamp = static_cast<float>(pos_mod(n, QF_STAMP_MOD));
     thread_local Scratch sc;
-    sc.desc.assign(static_cast<size_t>(m) * 10, 0);
+    sc.desc.assign(static_cast<size_t>(m) * GROUP_DESC, 0);
     sc.addr.assign(static_cast<size_t>(m), 0);
     sc.src.assign(static_cast<size_t>(m), -1);
     sc.done.assign(static_cast<size_t>(m), 0);
     int64_t spill = 1;
     for (int64_t i = 0; i < m; i++) {
         const at::Tensor& x = xs[i];
-        int64_t* d = sc.desc.data() + 10 * i;
+        int64_t* d = sc.desc.data() + GROUP_DESC * i;
         for (int64_t j = 0; j < i; j++) {
             if (sc.src[j] < 0 && cap[j] == cap[i] && tok[j] == tok[i] && same_values(xs[j], x)) {
                 sc.src[i] = j;
@@ -171,7 +171,7 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
         }
         if (sc.src[i] >= 0) {
             const int64_t j = sc.src[i];
-            const int64_t w[10] = {0, 0, 0, 0, off[i], cap[i], tok[i], off[j],
+            const int64_t w[GROUP_DESC] = {0, 0, 0, 0, off[i], cap[i], tok[i], off[j],
                                    entry_width(cap[i], tok[i]), 0};
             std::memcpy(d, w, sizeof w);
             continue;
@@ -185,14 +185,14 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
             else if (dim == 2 && x.stride(1) == 1 && x.stride(0) >= chans) pitch = x.stride(0);
         }
         if (pitch < 0 || chans <= 0) {  // not for C: done stays 0, redone below
-            const int64_t w[10] = {0, -1, 0, 0, off[i], cap[i], tok[i], -1, 0, 0};
+            const int64_t w[GROUP_DESC] = {0, -1, 0, 0, off[i], cap[i], tok[i], -1, 0, 0};
             std::memcpy(d, w, sizeof w);
             continue;
         }
         const int64_t rows = x.numel() / chans;
         const int64_t kk = dim >= 2 ? tok[i] : 0;
         if (kk > 0 && kk < rows) spill = std::max(spill, rows);
-        const int64_t w[10] = {0, code, rows, chans, off[i], cap[i], kk, -1, 0, pitch};
+        const int64_t w[GROUP_DESC] = {0, code, rows, chans, off[i], cap[i], kk, -1, 0, pitch};
         std::memcpy(d, w, sizeof w);
         sc.addr[i] = reinterpret_cast<int64_t>(x.data_ptr());
     }
@@ -201,9 +201,10 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
                               static_cast<int64_t>(sc.spill.size()), sc.done.data());
     if (!left) return;  // every tensor finite: no first-failure word, no snapshot to consider
     sc.counts.assign(static_cast<size_t>(m), {0, 0});
-    std::vector<int8_t> redone(static_cast<size_t>(m), 0);
+    // redone below: what C left, but for repeats (copied from their first after it)
+    auto redone = [&](int64_t j) { return !sc.done[j] && sc.src[j] < 0; };
     for (int64_t i = 0; i < m; i++) {
-        if (sc.done[i] || sc.src[i] >= 0) continue;  // a repeat is copied below
+        if (!redone(i)) continue;
         const at::Tensor& x = xs[i];
         const int64_t chans = x.dim() >= 2 ? x.size(-1) : 1;
         if (chans == 0) {  // no channels: nothing to read, the figures of no value
@@ -213,11 +214,10 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
             sc.counts[i] = exact_rows(a.const_data_ptr<float>(), a.size(0), a.size(1),
                                       row + off[i], cap[i], tok[i], x.dim() >= 2, stamp);
         }
-        redone[i] = 1;
     }
     for (int64_t i = 0; i < m; i++) {
         const int64_t j = sc.src[i];
-        if (j >= 0 && redone[j]) {
+        if (j >= 0 && redone(j)) {
             std::memmove(row + off[i], row + off[j],
                          static_cast<size_t>(entry_width(cap[i], tok[i])) * sizeof(float));
             sc.counts[i] = sc.counts[j];
