@@ -153,7 +153,11 @@ class Sent:
 class Traffic:
     """The client's schedule: `workers` concurrent loops send healthy completions (greedy and
     sampled, short and long) for `duration` seconds; from `trigger_at` on, `poisoned` long
-    requests carrying the rare word go out, `poison_gap` seconds apart."""
+    requests carrying the rare word go out, one at a time, `poison_gap` seconds apart. The
+    traffic lasts until every poisoned request was answered and `tail` seconds more, however
+    slow the server was: a step the writer has not flushed yet (it flushes within a second,
+    trace/writer.py) is lost to a kill, as in a real crash, and an incident must be older than
+    that when the pod dies for its trace to hold it."""
 
     port: int
     duration: float
@@ -161,6 +165,7 @@ class Traffic:
     poisoned: int = 2
     poison_gap: float = 5.0
     workers: int = 3
+    tail: float = 5.0
     sent: list[Sent] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -182,10 +187,10 @@ class Traffic:
         with self._lock:
             self.sent.append(s)
 
-    def _healthy(self, w: int, t0: float) -> None:
+    def _healthy(self, w: int, stop: threading.Event) -> None:
         texts = healthy_texts()
         i = w
-        while time.time() - t0 < self.duration:
+        while not stop.is_set():
             p = texts[i % len(texts)]
             cut = len(p) if i % 3 == 0 else max(40, len(p) // (2 + i % 4))
             self._post(p[:cut], max_tokens=8 + 8 * (i % 5),
@@ -194,19 +199,25 @@ class Traffic:
 
     def run(self, progress: Callable[[float, int], None] = lambda t, n: None) -> list[Sent]:
         t0 = time.time()
-        threads = [threading.Thread(target=self._healthy, args=(w, t0), daemon=True)
+        stop = threading.Event()
+        threads = [threading.Thread(target=self._healthy, args=(w, stop), daemon=True)
                    for w in range(self.workers)]
         for t in threads:
             t.start()
-        k = 0
-        while time.time() - t0 < self.duration:
+        k, last_done = 0, t0
+        while True:
             now = time.time() - t0
             if k < self.poisoned and now >= self.trigger_at + k * self.poison_gap:
                 self._post(poisoned_prompt(k), max_tokens=6, temperature=0.0, poisoned=True)
                 k += 1
+                last_done = time.time()
                 continue
+            if (k >= self.poisoned and now >= self.duration
+                    and time.time() >= last_done + self.tail):
+                break
             progress(now, len(self.sent))
-            time.sleep(1.0)
+            time.sleep(0.5)
+        stop.set()
         for t in threads:
             t.join(timeout=320)
         return sorted(self.sent, key=lambda s: s.t_sent)

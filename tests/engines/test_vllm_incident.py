@@ -58,7 +58,10 @@ def test_traffic_was_served_and_the_trace_kept_its_budget(incident):
     assert all(not s.error for s in sent), [s.error for s in sent if s.error][:3]
     healthy = [s for s in sent if not s.poisoned]
     assert len(healthy) >= 6 and any(s.temperature > 0 for s in healthy)
-    assert len(_poisoned(incident)) == 2
+    # each poisoned request's seconds in the server: a slow one (seen once in CI: 22 s for 6
+    # tokens) is worth the next reader's look at the server's log
+    waits = [(s.prompt_tokens, round(s.t_done - s.t_sent, 1)) for s in _poisoned(incident)]
+    assert len(waits) == 2, waits
     # the poisoned prompts are longer than any healthy one: their length names them
     assert max(s.prompt_tokens for s in healthy) < min(s.prompt_tokens for s in
                                                         _poisoned(incident))
