@@ -140,12 +140,17 @@ class GraphMode:
         limit = int(self.options["channel_limit"])
         bounds = [graphhooks.width_bound(m, limit) for _, m, _ in mods]
         blocks = [k == "block" for _, _, k in mods]
+        # channel ranges left in the ring until needed (hooks/ringranges.py): with the flight
+        # recorder, which then resolves them, and a float32 trace (float16 clips as it copies)
+        lazy = self._recorder is not None and self.options["channel_dtype"] != "float16"
         self._gs = graphstats.GraphStats(  # + 1: the logits (hooks/callhooks.py)
             entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
-            channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"])
+            channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
+            slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy
+                   else graphstats.RING_SLOTS), lazy=lazy)
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
-            self._drainer = Drainer(self._graph_emit_item, self._gs.slots)
+            self._drainer = Drainer(self._graph_emit_item, graphstats.RING_SLOTS)
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -321,6 +326,11 @@ class GraphMode:
                               self._graph_why else "eager"}
         if self._gs is not None:
             st.update(self._gs.status())
+            if self._gs.lazy and self._recorder is not None:
+                # ring steps whose ranges were never copied (a later step replaced them in
+                # the file's ring), and those a slot had moved past (hooks/ringranges.py)
+                st["graph_ranges"] = {"lazy": True, "never_copied": self._recorder.lazy.dropped,
+                                      "lost": self._gs.ranges_lost}
         d = self._drainer
         if d is not None:
             st["graph_drain"] = {"thread": True, "waits": d.waits, "dropped": d.dropped,

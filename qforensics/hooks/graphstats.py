@@ -18,7 +18,8 @@ Why this shape (see docs/architecture.md, "Compiled mode"):
   of the ring, no copy); on a GPU through one asynchronous device-to-host copy per segment into
   pinned buffers allocated once, started when the forward returns. Columns fixed once the
   graph is traced are arrays computed once (`_index`); the kept channel ranges, one span per
-  entry, are copied side by side by one call of fused_reduce.c's `qf_spans` (`_spans`).
+  entry, are copied side by side by one call of fused_reduce.c's `qf_spans` (`_spans`): at
+  once, or, with `lazy`, only when a batch needs them (hooks/ringranges.py).
 - `first`: the op's first-failure word (step, entry, NaN?) of the first call that saw a
   non-finite value (statsop.first_key); read at close into the status. `snap`: the first
   failing output's call, kept by the op (hooks/graphsnap.py).
@@ -38,6 +39,7 @@ import torch
 
 from qforensics.hooks import fused, statscpu, statsnative, statsop, statstriton
 from qforensics.hooks.graphsnap import CompiledSnap
+from qforensics.hooks.ringranges import SlotRanges
 from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
 from qforensics.trace import schema
 
@@ -47,6 +49,8 @@ LOGITS_FIGURES = 18  # reduce.exact_logits' row
 MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
 RING_SLOTS = 4  # the op writes one slot while the drainer reads the others (hooks/drainer.py)
+# with lazy channel ranges (`GraphStats.lazy`), the ring also holds the file ring's last steps
+# until the writer needs them: ring_steps + RING_SLOTS + 1 slots (hooks/ringranges.py)
 _REGISTRY: dict[int, "GraphStats"] = {}
 _KEYS = itertools.count(1)
 
@@ -76,11 +80,15 @@ class GraphStats:
 
     def __init__(self, *, entries: int, tok_rows: int, device: torch.device,
                  channel_limit: int, channel_io: str, slots: int = RING_SLOTS,
-                 snap_bytes: int = 0) -> None:
+                 snap_bytes: int = 0, lazy: bool = False) -> None:
         self.key = next(_KEYS)
         self.device = device
         self.max_entries = int(entries)
         self.slots = max(1, int(slots))
+        # a step's channel ranges stay in its slot, read only when a batch needs them
+        # (hooks/ringranges.py); `slots` must then cover the flight recorder's ring
+        self.lazy = bool(lazy)
+        self.ranges_lost = 0  # lazy reads that found their slot moved on (said in the status)
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
         self._redos0 = collections.Counter(statscpu.REDOS)  # status: this capture's share
@@ -196,10 +204,11 @@ class GraphStats:
             return
         slot = step % self.slots
         host = self._host.get(slot)
-        if host is None or len(host) != len(self.segments) + 2:
-            host = self._host[slot] = [
-                torch.empty(int(seg.shape[1]), dtype=torch.float32, pin_memory=True)
-                for seg in self.segments] + [
+        if host is None or len(host) != len(self.segments) + 2 or any(
+                h.numel() < used for h, used in zip(host, self._used)):
+            host = self._host[slot] = [  # as much as the entries use: slots x segments
+                torch.empty(max(1, used), dtype=torch.float32, pin_memory=True)
+                for used in self._used] + [
                 torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=True),
                 torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=True)]
         for dst, seg, used in zip(host, self.segments, self._used):
@@ -333,9 +342,12 @@ class GraphStats:
         kept = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
         if keep_channels and kept.any():
             spans = self._gather(ran[kept], width[kept])
-            # float32 as the ring holds them (the trace's channel dtype at most): half the
-            # bytes that float64 would carry through the batch, its merge and its write
-            cmin, cmax = self._spans(rows, spans, "min"), self._spans(rows, spans, "max")
+            if self.lazy:  # left in the slot until a batch needs them (ringranges.py)
+                cmin, cmax = SlotRanges(self, step, spans).halves()
+            else:
+                # float32 as the ring holds them (the trace's channel dtype at most): half
+                # the bytes that float64 would carry through the batch, its merge and write
+                cmin, cmax = self.ranges(rows, spans)
             off = np.full(len(ran), -1, np.int64)
             off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
             rec["chan_offset"] = off
@@ -357,6 +369,29 @@ class GraphStats:
         rec["tok_offset"] = toff
         rec["tok_count"] = cnt
         return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
+
+    def ranges(self, rows: list[np.ndarray], spans: dict[str, Any]
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """The kept entries' channel minima and maxima in `rows` (a slot), side by side."""
+        return self._spans(rows, spans, "min"), self._spans(rows, spans, "max")
+
+    def read_ranges(self, step: int, spans: dict[str, Any]
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """`step`'s channel ranges from its slot, None when the slot no longer holds that step
+        (the op has written a later one there): its entries' stamps are checked before and
+        after the copy."""
+        slot = step % self.slots
+        if self.device.type != "cpu" and self._copied.get(slot) != step:
+            return None  # its pinned copy holds a later step now
+        rows = self._rows(step)
+        stamp = float(step % STAMP_MOD)
+        at = spans.setdefault("stamp_at", spans["min"] - N_SCAL + COL["stamp"])
+        if not (self._take(rows, spans["seg"], at) == stamp).all():
+            return None
+        got = self.ranges(rows, spans)
+        if not (self._take(rows, spans["seg"], at) == stamp).all():
+            return None
+        return got
 
     def _gather(self, sel: np.ndarray, widths: np.ndarray) -> dict[str, Any]:
         """Each kept entry's segment, where its minima and its maxima start in its segment's

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from qforensics.hooks.ringranges import LazyTracker, materialize
 from qforensics.trace import schema
 from qforensics.trace.badstep import step_is_bad
 from qforensics.trace.writer import StepBatch
@@ -58,6 +59,12 @@ def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Cal
     return lambda s: s in chosen
 
 
+def _ranges(cmin, cmax) -> tuple[np.ndarray, np.ndarray] | None:  # noqa: ANN001
+    """A held step's ranges as arrays (copied out of the op's ring if still there)."""
+    r = getattr(cmin, "resolve", None)
+    return (cmin, cmax) if r is None else r()
+
+
 _MIN_HISTORY = 4  # steps of history before a growth trigger may fire
 
 
@@ -75,6 +82,8 @@ class FlightRecorder:
         self._kept = collections.Counter()
         self._seen_nonfinite = False
         self._prev_ids: np.ndarray | None = None  # the last step's input ids (`_refeeds`)
+        # compiled mode's ring steps whose channel ranges are still in the op's ring
+        self.lazy = LazyTracker(horizon=self.slots + 1, file_slots=self.slots)
 
     def apply(self, batch: StepBatch, *, prefill: bool | None = None,
               warmup: bool = False) -> None:
@@ -86,10 +95,12 @@ class FlightRecorder:
         request) and `warmup` (a warm-up / profile forward on dummy data: it goes to the ring,
         never triggers and never enters the histories the growth triggers compare with)."""
         if len(batch.steps) != 1:
+            materialize(batch)
             return
         s = batch.steps[0]
         step = int(s["step"])
         rec = batch.records
+        self.lazy.advance(step)  # before this step is noted: a replacement already submitted
         if warmup:
             keep = False
         elif prefill is None:
@@ -116,16 +127,19 @@ class FlightRecorder:
             if kept:
                 keep = True
                 first = step - self.window
-                batch.promote = [(st, cmin, cmax) for st, cmin, cmax in self._memory
-                                 if st >= first]
+                batch.promote = [(st, *got) for st, got in (
+                    (st, _ranges(cmin, cmax)) for st, cmin, cmax in self._memory
+                    if st >= first) if got is not None]
                 self._memory = collections.deque(
                     (m for m in self._memory if m[0] < first), maxlen=self.slots)
         if keep or not len(batch.chan_min):
+            materialize(batch)  # kept for good: copied out of the op's ring now
             return
         batch.ring = True
         held = rec["chan_offset"] >= 0
         rec["flags"] = np.where(held, rec["flags"] | schema.FLAG_RING, rec["flags"])
         self._memory.append((step, batch.chan_min, batch.chan_max))
+        self.lazy.note_ring(step, batch.chan_min)
 
     def _refeeds(self, ids: np.ndarray) -> bool:
         """This step's input ids are the previous step's with one more token (appended, or

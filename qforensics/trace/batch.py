@@ -36,6 +36,21 @@ class StepBatch:
         default_factory=lambda: np.zeros(0, schema.param_watch_dtype()))
 
 
+def resolve_channels(b: StepBatch) -> bool:
+    """Turn a batch's channel ranges into arrays where they are still held elsewhere (compiled
+    mode leaves a ring step's in the stats op's ring: hooks/ringranges.py): True when the batch
+    holds them, False when they are gone (then it holds none)."""
+    r = getattr(b.chan_min, "resolve", None)
+    if r is None:
+        return True
+    got = r()
+    if got is None:
+        b.chan_min = b.chan_max = np.zeros(0, np.float32)
+        return False
+    b.chan_min, b.chan_max = got
+    return True
+
+
 def rebase_channels(rec: np.ndarray, base: int) -> None:
     """Shift the absolute channel offsets of records by `base` (ring-relative ones stay)."""
     absolute = (rec["chan_offset"] >= 0) & ((rec["flags"] & schema.FLAG_RING) == 0)

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from qforensics.trace import schema
-from qforensics.trace.batch import StepBatch
+from qforensics.trace.batch import StepBatch, resolve_channels
 
 log = logging.getLogger("qforensics.trace.writer")
 
@@ -118,6 +118,10 @@ class ColumnWriter:
             return
         step = int(b.steps["step"][0])
         slot = step % self.ring_slots
+        if not resolve_channels(b):  # its ranges left the op's ring: the slot names the step
+            put_at(self._cols["ring/count"], slot, 0)
+            put_at(self._cols["ring/step"], slot, step)
+            return
         n = len(b.chan_min)
         dmin, dmax = self._cols["ring/min"], self._cols["ring/max"]
         if n > dmin.shape[1]:

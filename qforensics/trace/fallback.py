@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from qforensics.trace import schema
-from qforensics.trace.batch import StepBatch
+from qforensics.trace.batch import StepBatch, resolve_channels
 from qforensics.trace.layout import json_attr
 from qforensics.trace.rawput import RawRegion
 
@@ -103,7 +103,7 @@ class FallbackWriter:
         raw.put(cols[schema.RING_STEPS], slot, row)
         raw.put(cols[schema.RING_DETAIL], 2 * slot,
                 np.array([len(rec) if r_cap else 0, len(tok) if r_cap else 0], np.int64))
-        n = len(b.chan_min)
+        n = len(b.chan_min) if resolve_channels(b) else 0
         dmin = cols["ring/min"]
         if n and n <= dmin.shape[1]:
             raw.put_row(dmin, slot, np.asarray(b.chan_min, dmin.dtype))
