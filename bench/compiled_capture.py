@@ -24,6 +24,9 @@ With `--drain both` one captured phase builds the records in the drainer thread
 (QFORENSICS_DRAIN=thread) and one in the model's thread (sync), against the same plain phase; each
 captured phase prints the CPU time spent building records (`drain_cpu_ms_per_step`), in
 whichever thread did it.
+With `--flush-interval S` the writer writes every S seconds (default 1): on the CPU, where a
+step takes ~0.1 s, a long one leaves as many steps to a write as a GPU's ~2 ms steps do, so
+that most ring steps are never written (hooks/ringranges.py).
 With `--profile` the captured phase also prints where its host time goes, per step
 (bench/step_timers.py: the writer's writes, `collect`, the logits' op, ...), on stderr.
 With `--nan` the captured phase then goes on for NAN_STEPS more steps, with one row of the last
@@ -136,7 +139,8 @@ def child(a: argparse.Namespace) -> dict:
     comp = torch.compile(model, mode=a.mode)
     tmp = tempfile.mkdtemp(prefix="qf-compiled-bench-")
     path = os.path.join(tmp, "trace.h5")
-    ctx = qforensics.capture(comp, path) if a.phase == "captured" else None
+    ctx = (qforensics.capture(comp, path, flush_interval=a.flush_interval)
+           if a.phase == "captured" else None)
     if ctx is not None:
         ctx.__enter__()
     x = torch.zeros((1, width), dtype=torch.long, device=dev)
@@ -248,7 +252,8 @@ def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--tokens",
            str(a.tokens), "--device", a.device, "--dtype", a.dtype, "--mode", a.mode,
            "--layers", str(a.layers)] + (["--random"] if a.random else []) + (
-        ["--nan"] if a.nan else []) + (["--profile"] if a.profile else [])
+        ["--nan"] if a.nan else []) + (["--profile"] if a.profile else []) + [
+        "--flush-interval", str(a.flush_interval)]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
@@ -300,6 +305,9 @@ def parser() -> argparse.ArgumentParser:
                          "sync, or both: a captured phase of each of thread and sync, compared "
                          "with the same plain phase")
     ap.add_argument("--timeout", type=int, default=1200)
+    ap.add_argument("--flush-interval", type=float, default=1.0,
+                    help="the writer's flush interval (s): steps per write, as on a GPU's "
+                    "~500 steps a second, with a longer one on the CPU")
     ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
     return ap
 
