@@ -84,7 +84,12 @@ class GraphStats:
         self.key = next(_KEYS)
         self.device = device
         self.max_entries = int(entries)
-        self.slots = max(1, int(slots))
+        # `slots` steps stay readable on the host: in the ring itself on the CPU; on a GPU in
+        # pinned copies, one per step, while the device ring keeps RING_SLOTS (all of each
+        # slot's segment rows are allocated there: 16 MiB each)
+        self.host_slots = max(1, int(slots))
+        self.slots = (self.host_slots if device.type == "cpu"
+                      else min(self.host_slots, RING_SLOTS))
         # a step's channel ranges stay in its slot, read only when a batch needs them
         # (hooks/ringranges.py); `slots` must then cover the flight recorder's ring
         self.lazy = bool(lazy)
@@ -202,11 +207,11 @@ class GraphStats:
         read in `collect`. On CPU: nothing (collect reads the ring in place)."""
         if self.device.type == "cpu":
             return
-        slot = step % self.slots
-        host = self._host.get(slot)
+        slot, hs = step % self.slots, step % self.host_slots
+        host = self._host.get(hs)
         if host is None or len(host) != len(self.segments) + 2 or any(
                 h.numel() < used for h, used in zip(host, self._used)):
-            host = self._host[slot] = [  # as much as the entries use: slots x segments
+            host = self._host[hs] = [  # as much as the entries use: slots x segments
                 torch.empty(max(1, used), dtype=torch.float32, pin_memory=True)
                 for used in self._used] + [
                 torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=True),
@@ -217,19 +222,19 @@ class GraphStats:
         n = self.ids_n[slot]
         if n:
             host[-1][:n].copy_(self.ids[slot, :n], non_blocking=True)
-        ev = self._event.get(slot)
+        ev = self._event.get(hs)
         if ev is None:
-            ev = self._event[slot] = torch.cuda.Event()
+            ev = self._event[hs] = torch.cuda.Event()
         ev.record()
-        self._copied[slot] = step
+        self._copied[hs] = step
 
     def _host_slot(self, step: int) -> list[np.ndarray]:
         """The host copy of `step`'s slot (a GPU), its copy started if it was not."""
-        slot = step % self.slots
-        if self._copied.get(slot) != step:
+        hs = step % self.host_slots
+        if self._copied.get(hs) != step:
             self.start_copy(step)
-        self._event[slot].synchronize()  # one step late: long done
-        return [h.numpy() for h in self._host[slot]]
+        self._event[hs].synchronize()  # one step late: long done
+        return [h.numpy() for h in self._host[hs]]
 
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""
@@ -380,8 +385,7 @@ class GraphStats:
         """`step`'s channel ranges from its slot, None when the slot no longer holds that step
         (the op has written a later one there): its entries' stamps are checked before and
         after the copy."""
-        slot = step % self.slots
-        if self.device.type != "cpu" and self._copied.get(slot) != step:
+        if self.device.type != "cpu" and self._copied.get(step % self.host_slots) != step:
             return None  # its pinned copy holds a later step now
         rows = self._rows(step)
         stamp = float(step % STAMP_MOD)
@@ -459,7 +463,8 @@ class GraphStats:
         st: dict[str, Any] = {
             "graph_entries": len(self.entries), "graph_calls": len(self.call_order()),
             "graph_channels": int(sum(e.cap for e in self.entries if e.cap > 1)),
-            "graph_ring": {"slots": self.slots, "segments": len(self.segments),
+            "graph_ring": {"slots": self.slots, "host_slots": self.host_slots,
+                           "segments": len(self.segments),
                            "bytes": int(sum(s.numel() * 4 for s in self.segments))},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
         if self.device.type == "cpu":  # which CPU kernel the op ran: C++, or Python and why

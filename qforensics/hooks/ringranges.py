@@ -15,8 +15,9 @@ once, by the first of:
 - the recorder again, `ring_steps` steps later at the latest (`LazyTracker.advance`): by then
   the op is about to reuse the slot. A step that a later ring step of the same file slot has
   replaced by then is dropped, never copied: the writer would not write it.
-The ring has ring_steps + RING_SLOTS + 1 slots (hooks/graphstats.py), so that a step is still
-in its slot however far the drainer lags (it waits at RING_SLOTS - 1 steps). A read checks
+The ring has ring_steps + RING_SLOTS + 1 slots (hooks/graphstats.py; on a GPU, its pinned host
+copies, one per step), so that a step is still there however far the drainer lags (it waits
+at RING_SLOTS - 1 steps). A read checks
 the entries' stamps before and after the copy; a slot that moved on reads None (`lost`),
 said in the status, never as data.
 """
