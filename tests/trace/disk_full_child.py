@@ -17,17 +17,26 @@ import qforensics
 from capture_models import Tiny
 
 grow, steps, bad, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+# "compiled": torch.compile'd, each step re-feeding its sequence plus one token, so that its
+# steps are decodes whose channel ranges go to the ring (left in the op's ring until needed)
+compiled = len(sys.argv) > 5 and sys.argv[5] == "compiled"
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a kill
 m = Tiny()
 with torch.no_grad():
     m.head.weight.mul_(30)  # confident logits: a healthy run here reads as one
 gen = torch.Generator().manual_seed(1)
-with torch.no_grad(), qforensics.capture(m, path, flush_interval=0.01) as cap:
+model = torch.compile(m, dynamic=True) if compiled else m
+seq = torch.randint(0, 16, (1, 6), generator=gen)
+with torch.no_grad(), qforensics.capture(model, path, flush_interval=0.01) as cap:
     for i in range(steps):
         if i == 50:  # by now the ring has turned: its chunks are on disk
             size = os.path.getsize(path) + grow
             resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         if i == bad:
             m.layers[1].down.weight[3, 2] = float("nan")
-        m(torch.randint(0, 16, (1, 6), generator=gen))
+        if compiled:
+            model(seq)
+            seq = torch.cat([seq, torch.randint(0, 16, (1, 1), generator=gen)], 1)
+        else:
+            model(torch.randint(0, 16, (1, 6), generator=gen))
 print(json.dumps({"degraded": cap.degraded}))

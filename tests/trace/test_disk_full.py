@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import qforensics
@@ -24,12 +25,13 @@ STEPS, RING = 300, 16  # capture's default ring_steps
 
 
 def _run(tmp_path: Path, bad: int, child: str = "disk_full_child.py", grow: int = 20000,
-         steps: int = STEPS) -> tuple[Path, dict, str]:
+         steps: int = STEPS, *extra: str) -> tuple[Path, dict, str]:
     path = tmp_path / "t.h5"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent / "hooks"), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(HERE / child), str(grow), str(steps), str(bad),
-                        str(path)], capture_output=True, text=True, env=env, timeout=600)
+                        str(path), *extra], capture_output=True, text=True, env=env,
+                       timeout=600)
     # the host is never stopped: not by the failed writes, not at exit (HDF5 used to crash
     # there, SIGSEGV, on a file it could not close)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -79,11 +81,39 @@ def test_a_nan_after_writing_failed_is_found(tmp_path, bad):
         assert f"NaN/Inf at step {bad}" in f.verdict.line
 
 
+def test_compiled_ring_steps_kept_in_memory_keep_their_channels(tmp_path):
+    """Compiled mode leaves a ring step's channel ranges in the stats op's ring until the
+    writer needs them (hooks/ringranges.py); once writing failed, the writer keeps the last
+    ring_steps steps in memory and writes them at close, when the op's ring (ring_steps + 5
+    slots) still holds them: the NaN planted late is found with its producer, and the memory
+    ring's steps hold their channels, none lost."""
+    bad = STEPS - 5
+    path, out, _ = _run(tmp_path, bad, "disk_full_child.py", 20000, STEPS, "compiled")
+    assert "File too large" in out["degraded"]
+    st = _status(path)
+    assert st["capture_mode"] == "compiled" and st["graph_ranges"]["lazy"]
+    assert st["graph_ranges"]["lost"] == 0
+    assert st["memory_ring"]["ring"] == RING
+    f = analyze_trace(path)
+    assert f.verdict.status == "FAILED", f.verdict.line
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == bad
+    assert f.first_nonfinite.producer_module == "layers.1.down"
+    with qforensics.open_trace(path) as t:
+        assert t.ring_detail_steps() == list(range(STEPS - RING, STEPS))
+        # a healthy ring step before the NaN: its down projection's input ranges are there
+        _, recs, _ = t.ring_step(bad - 1)
+        [i] = np.nonzero((recs["module"] == "layers.1.down") & (recs["io"] == 0))[0][:1]
+        row = {k: recs[k][i] for k in ("row", "chan_offset", "channels", "tok_offset",
+                                       "tok_count")}
+        lo, hi = t.channel_ranges(row)
+        assert len(lo) == int(recs["channels"][i]) and (lo <= hi).all()
+        assert np.isfinite(lo).all() and lo.min() < hi.max()
+
+
 def test_raw_row_writes_land_where_hdf5_reads_them(tmp_path):
     """Several chunks a row (the real model's ring rows are 1024 records of 512 a chunk): each
     raw write is read back by HDF5 at its row and columns, and nowhere else."""
     import h5py
-    import numpy as np
 
     from qforensics.trace.rawput import RawRegion
 
