@@ -87,8 +87,9 @@ def test_compiled_ring_steps_kept_in_memory_keep_their_channels(tmp_path):
     ring_steps steps in memory and writes them at close, when the op's ring (ring_steps + 5
     slots) still holds them: the NaN planted late is found with its producer, and the memory
     ring's steps hold their channels, none lost."""
-    bad = STEPS - 5
-    path, out, _ = _run(tmp_path, bad, "disk_full_child.py", 20000, STEPS, "compiled")
+    steps = 120
+    bad = steps - 5
+    path, out, _ = _run(tmp_path, bad, "disk_full_child.py", 20000, steps, "compiled")
     assert "File too large" in out["degraded"]
     st = _status(path)
     assert st["capture_mode"] == "compiled" and st["graph_ranges"]["lazy"]
@@ -99,7 +100,7 @@ def test_compiled_ring_steps_kept_in_memory_keep_their_channels(tmp_path):
     assert f.first_nonfinite is not None and f.first_nonfinite.step == bad
     assert f.first_nonfinite.producer_module == "layers.1.down"
     with qforensics.open_trace(path) as t:
-        assert t.ring_detail_steps() == list(range(STEPS - RING, STEPS))
+        assert t.ring_detail_steps() == list(range(steps - RING, steps))
         # a healthy ring step before the NaN: its down projection's input ranges are there
         _, recs, _ = t.ring_step(bad - 1)
         [i] = np.nonzero((recs["module"] == "layers.1.down") & (recs["io"] == 0))[0][:1]
