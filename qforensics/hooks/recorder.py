@@ -13,7 +13,9 @@ trace's bytes) are kept for good only for:
   growth tests compare steps that are not prefills (a prefill is kept anyway);
 - every other step goes to a rolling window of the last `slots` steps, held here in memory (to
   promote it when a trigger fires) and by the writer in a fixed-size circular region of the file
-  (so a kill -9 keeps the last window).
+  (so a kill -9 keeps the last window). In compiled mode "held" means left in the stats op's
+  ring until needed (hooks/ringranges.py): this class copies out what it keeps or promotes,
+  and resolves every other ring step `slots + 1` steps later (`LazyTracker`).
 
 Host-side numpy on a handful of numbers per step; nothing here touches a device.
 """
