@@ -389,7 +389,9 @@ class GraphStats:
             return None  # its pinned copy holds a later step now
         rows = self._rows(step)
         stamp = float(step % STAMP_MOD)
-        at = spans.setdefault("stamp_at", spans["min"] - N_SCAL + COL["stamp"])
+        at = spans.get("stamp_at")  # where the kept entries' stamps lie: once per gather
+        if at is None:
+            at = spans["stamp_at"] = spans["min"] - N_SCAL + COL["stamp"]
         if not (self._take(rows, spans["seg"], at) == stamp).all():
             return None
         got = self.ranges(rows, spans)

@@ -31,6 +31,7 @@ import numpy as np
 from qforensics.hooks.ringranges import LazyTracker, materialize
 from qforensics.trace import schema
 from qforensics.trace.badstep import step_is_bad
+from qforensics.trace.batch import held_ranges
 from qforensics.trace.writer import StepBatch
 
 def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Callable[[int], bool]:
@@ -59,12 +60,6 @@ def parse_steps(spec: str | Iterable[int] | Callable[[int], bool] | None) -> Cal
         return lambda s: s in chosen or (open_from is not None and s >= open_from)
     chosen = {int(s) for s in spec}
     return lambda s: s in chosen
-
-
-def _ranges(cmin, cmax) -> tuple[np.ndarray, np.ndarray] | None:  # noqa: ANN001
-    """A held step's ranges as arrays (copied out of the op's ring if still there)."""
-    r = getattr(cmin, "resolve", None)
-    return (cmin, cmax) if r is None else r()
 
 
 _MIN_HISTORY = 4  # steps of history before a growth trigger may fire
@@ -130,7 +125,7 @@ class FlightRecorder:
                 keep = True
                 first = step - self.window
                 batch.promote = [(st, *got) for st, got in (
-                    (st, _ranges(cmin, cmax)) for st, cmin, cmax in self._memory
+                    (st, held_ranges(cmin, cmax)) for st, cmin, cmax in self._memory
                     if st >= first) if got is not None]
                 self._memory = collections.deque(
                     (m for m in self._memory if m[0] < first), maxlen=self.slots)

@@ -12,8 +12,8 @@ device ring (or its pinned copy on a GPU) and where each entry's span lies. They
 once, by the first of:
 - the flight recorder, for a step it keeps (a prefill, a trigger's window: `materialize`);
 - the writer, for a step whose ring slot it writes (trace/batch.resolve_channels);
-- the recorder again, `ring_steps` steps later at the latest (`LazyTracker.advance`): by then
-  the op is about to reuse the slot. A step that a later ring step of the same file slot has
+- the recorder again, `ring_steps + 1` steps later at the latest (`LazyTracker.advance`): by
+  then the op may soon reuse the slot. A step that a later ring step of the same file slot has
   replaced by then is dropped, never copied: the writer would not write it.
 The ring has ring_steps + RING_SLOTS + 1 slots (hooks/graphstats.py; on a GPU, its pinned host
 copies, one per step), so that a step is still there however far the drainer lags (it waits

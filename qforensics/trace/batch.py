@@ -5,6 +5,7 @@ append. No h5py, no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,14 +37,18 @@ class StepBatch:
         default_factory=lambda: np.zeros(0, schema.param_watch_dtype()))
 
 
+def held_ranges(cmin: Any, cmax: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """Channel minima and maxima as arrays, copied out where they are still held elsewhere
+    (compiled mode leaves a ring step's in the stats op's ring: hooks/ringranges.py, whose
+    halves have `resolve`); None when they are gone."""
+    r = getattr(cmin, "resolve", None)
+    return (cmin, cmax) if r is None else r()
+
+
 def resolve_channels(b: StepBatch) -> bool:
-    """Turn a batch's channel ranges into arrays where they are still held elsewhere (compiled
-    mode leaves a ring step's in the stats op's ring: hooks/ringranges.py): True when the batch
-    holds them, False when they are gone (then it holds none)."""
-    r = getattr(b.chan_min, "resolve", None)
-    if r is None:
-        return True
-    got = r()
+    """A batch's channel ranges as arrays (`held_ranges`): True when the batch holds them,
+    False when they are gone (then it holds none)."""
+    got = held_ranges(b.chan_min, b.chan_max)
     if got is None:
         b.chan_min = b.chan_max = np.zeros(0, np.float32)
         return False
