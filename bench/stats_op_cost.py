@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         offs, o = [], 0
         for c, t in zip(caps, toks):
             offs.append(o)
-            o += statsop.entry_width(c, t)
+            o += statsop.entry_width(c)
         ring, first, snap = torch.zeros(4, o), statsop.new_first(cpu), statsop.new_snap(cpu, 0)
-        args = (ring, first, torch.tensor(1), offs, caps, toks, list(range(n)), snap, [-1] * n)
+        tring = statsop.new_toks(4, 64, n, cpu)
+        args = (ring, tring, first, torch.tensor(1), offs, caps, toks, list(range(n)), snap,
+                [-1] * n)
         per = {}
         for mode in ("c++", "group", "each"):
             fused.REDUCER.group = real_group if mode != "each" else (lambda: None)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{per['each'] / per['c++']:.2f}")
     t0 = time.thread_time()
     for _ in range(a.calls):
-        statsop.stats([], ring, first, torch.tensor(1), [], [], [], [], snap, [])
+        statsop.stats([], ring, tring, first, torch.tensor(1), [], [], [], [], snap, [])
     print(f"a dispatcher call with no tensor (c++): "
           f"{(time.thread_time() - t0) / a.calls * 1e6:.1f} us")
     return 0

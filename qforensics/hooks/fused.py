@@ -320,7 +320,8 @@ class FusedReducer:
             self._take_fns = bind(_TAKE, ptr, i64, i64, *[ptr] * 7)
             self._group_fn = lib.qf_group
             self._group_fn.restype = ctypes.c_int
-            self._group_fn.argtypes = [i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, ptr]
+            self._group_fn.argtypes = [i64, ptr, ptr, ptr, ptr, i64, ctypes.c_float, ptr, i64,
+                                      ptr]
             self._spans_fn = lib.qf_spans
             self._spans_fn.restype = i64
             self._spans_fn.argtypes = [i64, ptr, ptr]

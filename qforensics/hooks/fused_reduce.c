@@ -227,38 +227,43 @@ DEFINE_TAKE(qf_take_bf16, core_bf16, uint16_t)
 DEFINE_TAKE(qf_take_f32, core_f32, float)
 
 /* One call of the compiled-mode stats op (hooks/statscpu.py `stats_cpu`): its n tensors into
- * one ring row, in the row layout statsop.ENTRY_COLS defines. Tensor i is described by
- * desc[GROUP_DESC * i ...] = {unused, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R,
- * C, off, cap, tok, src, width, pitch (elements from one row to the next, >= C: a slice of a
- * wider tensor's columns)} and its address addr[i] (the description holds only what a call
- * site repeats step after step; the addresses change): with src >= 0 it holds the values of an earlier tensor of the
- * call, whose entry (width floats at ring offset src) is copied to off; else it is reduced in
- * one pass into its entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its
- * channel ranges when 1 < C <= cap, then the maxima of its first min(R, tok) rows when
- * tok > 0 (spill: scratch for R row maxima, spill_n floats). done[i] = 1 when the entry was
- * written and its figures are finite; 0 otherwise (R == 0, a non-finite value): the caller
- * redoes it exactly. Returns how many are not done (0: the caller has nothing to look at). */
+ * one ring row, in the row layout statsop.ENTRY_COLS defines, and their token maxima into one
+ * slot of the token ring (toks: [T rows][tstride entries], token-major: row r of the entry in
+ * column `col` at toks[r * tstride + col]). Tensor i is described by desc[GROUP_DESC * i ...] =
+ * {col, dtype (0: float32, 1: bfloat16, 2: int64, 3: int32), R, C, off, cap, tok, src, width,
+ * pitch (elements from one row to the next, >= C: a slice of a wider tensor's columns)} and its
+ * address addr[i] (the description holds only what a call site repeats step after step; the
+ * addresses change): with src >= 0 it holds the values of an earlier tensor of the call, whose
+ * entry (width floats at ring offset src, its token maxima in column C) is copied to off (and
+ * its first min(R, tok) token maxima to column col); else it is reduced in one pass into its
+ * entry at off: sum, sum of squares, min, max, 0, 0, R, C, stamp, then its channel ranges when
+ * 1 < C <= cap, and the maxima of its first min(R, tok) rows into its column when tok > 0
+ * (tok <= T: the caller clamps; spill: scratch for R row maxima, spill_n floats). done[i] = 1
+ * when the entry was written and its figures are finite; 0 otherwise (R == 0, a non-finite
+ * value): the caller redoes it exactly. Returns how many are not done (0: the caller has
+ * nothing to look at). */
 #define GROUP_DESC 10
-int qf_group(int64_t n, const int64_t *desc, const int64_t *addr, float *row, float stamp,
-             float *spill, int64_t spill_n, int8_t *done) {
+int qf_group(int64_t n, const int64_t *desc, const int64_t *addr, float *row, float *toks,
+             int64_t tstride, float stamp, float *spill, int64_t spill_n, int8_t *done) {
     int left = 0;  /* tensors not done: the caller redoes them */
     for (int64_t i = 0; i < n; i++) {
         const int64_t *d = desc + GROUP_DESC * i;
-        const int64_t R = d[2], C = d[3], off = d[4], cap = d[5], tok = d[6], src = d[7];
+        const int64_t col = d[0], R = d[2], C = d[3], off = d[4], cap = d[5], tok = d[6];
+        const int64_t src = d[7];
+        const int64_t k = tok > 0 ? (R < tok ? R : tok) : 0;
         done[i] = 0;
         if (src >= 0) {
             memmove(row + off, row + src, (size_t)d[8] * sizeof(float));
+            for (int64_t r = 0; r < k; r++) toks[r * tstride + col] = toks[r * tstride + C];
             done[i] = 1;
             continue;
         }
         if (R <= 0 || C <= 0) { left++; continue; }
         float *e = row + off;
         const int keep = C > 1 && C <= cap;
-        const int64_t k = tok > 0 ? (R < tok ? R : tok) : 0;
         float *tk = NULL;
         if (k) {
-            if (R <= tok) tk = e + 9 + 2 * cap;
-            else if (spill && spill_n >= R) tk = spill;
+            if (spill && spill_n >= R) tk = spill;
             else { left++; continue; }
         }
         float *cmin = keep ? e + 9 : NULL, *cmax = keep ? e + 9 + cap : NULL;
@@ -280,7 +285,7 @@ int qf_group(int64_t n, const int64_t *desc, const int64_t *addr, float *row, fl
             left++;
             continue;
         }
-        if (tk == spill && k) memcpy(e + 9 + 2 * cap, spill, (size_t)k * sizeof(float));
+        for (int64_t r = 0; r < k; r++) toks[r * tstride + col] = spill[r];
         e[4] = 0.f; e[5] = 0.f; e[6] = (float)R; e[7] = (float)C; e[8] = stamp;
         done[i] = 1;
     }

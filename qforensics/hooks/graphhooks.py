@@ -50,8 +50,8 @@ def _flush(gs: GraphStats) -> None:
         while j < len(items) and items[j][2] == seg:
             j += 1
         grp = items[i:j]
-        torch.ops.qforensics.stats([g[0] for g in grp], getattr(gs, f"r{seg}"), gs.first,
-                                   gs.step_t, [g[3] for g in grp], [g[4] for g in grp],
+        torch.ops.qforensics.stats([g[0] for g in grp], getattr(gs, f"r{seg}"), gs.toks,
+                                   gs.first, gs.step_t, [g[3] for g in grp], [g[4] for g in grp],
                                    [g[5] for g in grp], [g[1] for g in grp], gs.snap.buf,
                                    _pairs(grp))
         i = j

@@ -80,6 +80,11 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
         t.dtype).reshape(t.shape)
 
 
+def _rows(ids: torch.Tensor | None) -> int | None:
+    """The token rows of a step, from its input ids (None: not known, every row is copied)."""
+    return None if ids is None else int(ids.numel())
+
+
 def is_compiled(model: nn.Module) -> bool:
     """torch.compile wraps this model (OptimizedModule) or compiled its call (Module.compile)."""
     return type(model).__name__ == "OptimizedModule" or getattr(
@@ -255,7 +260,7 @@ class GraphMode:
         if self._graph_late():
             gs.put_step_extras(self.step, reduce.exact_logits(logits)
                                if logits is not None else None, ids)
-            gs.start_copy(self.step)  # the slot, its calls outside the graph included
+            gs.start_copy(self.step, _rows(ids))  # the slot, its outside calls included
         else:
             if logits is not None and logits.device.type == "cpu":
                 # reduced when the step is emitted: at once without a drainer, else later,
@@ -268,7 +273,7 @@ class GraphMode:
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
             if gs.device.type != "cpu":  # on this thread's stream, after the step's kernels
-                gs.start_copy(self.step)
+                gs.start_copy(self.step, _rows(ids))
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
             self._graph_first, complete, bool(self._pending.keep), logits is not None, row,

@@ -40,7 +40,7 @@ import torch
 from qforensics.hooks import fused, statscpu, statsnative, statsop, statstriton
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.ringranges import SlotRanges
-from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width
+from qforensics.hooks.statsop import COL, N_SCAL, STAMP_MOD, entry_width, new_toks
 from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
@@ -104,6 +104,14 @@ class GraphStats:
             torch._dynamo.mark_static_address(t)
         self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
         self.tok_rows = max(1, int(tok_rows))
+        # token maxima, token-major (statsop.py): a step's row r of every entry side by side,
+        # so a decode step's maxima are one short run, and a GPU copies only the step's rows;
+        # there two slots: each step's rows are copied to the host right after the step, on
+        # its stream (the rows of max_entries columns are allocated whole on a device)
+        self.toks = new_toks(self.slots if device.type == "cpu" else min(2, self.slots),
+                             self.tok_rows, self.max_entries, device)
+        torch._dynamo.mark_static_address(self.toks)
+        self._tok_copied: dict[int, int] = {}  # a GPU: host slot -> token rows its copy holds
         self.channel_limit = int(channel_limit)
         self.channel_io = channel_io
         self.entries: list[Entry] = []
@@ -149,7 +157,7 @@ class GraphStats:
             self.channel_io == "inputs" and io == schema.IO_INPUT))
         cap = width if keep else 0
         tok = self.tok_rows if width > 1 else 0
-        need = entry_width(cap, tok)
+        need = entry_width(cap)
         if not self.segments or self._used[-1] + need > self.segments[-1].shape[1]:
             # empty, not zeros: nothing reads a place before the op wrote it (an entry's
             # stamp, set below, says whether its row is this step's), and on the CPU the
@@ -201,27 +209,38 @@ class GraphStats:
             self.ids[slot, :n].copy_(flat[:n], non_blocking=True)
         self.ids_n[slot] = n
 
-    def start_copy(self, step: int) -> None:
-        """After the step (on a GPU): its slot of every segment, with its logits figures and
-        input ids, copied asynchronously into pinned host buffers allocated once per slot;
-        read in `collect`. On CPU: nothing (collect reads the ring in place)."""
+    def start_copy(self, step: int, rows: int | None = None) -> None:
+        """After the step (on a GPU): its slot of every segment, its first `rows` token rows
+        (None: all; the host knows a step's tokens, the entries' rows are those), its logits
+        figures and input ids, copied asynchronously into pinned host buffers allocated once
+        per slot (the token rows' grown when a step has more); read in `collect`. On CPU:
+        nothing (collect reads the ring in place)."""
         if self.device.type == "cpu":
             return
         slot, hs = step % self.slots, step % self.host_slots
+        t_rows = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
+        ncol = self.toks.shape[2]
         host = self._host.get(hs)
-        if host is None or len(host) != len(self.segments) + 2 or any(
+        if host is None or len(host) != len(self.segments) + 3 or any(
                 h.numel() < used for h, used in zip(host, self._used)):
             host = self._host[hs] = [  # as much as the entries use: slots x segments
                 torch.empty(max(1, used), dtype=torch.float32, pin_memory=True)
                 for used in self._used] + [
                 torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=True),
-                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=True)]
+                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=True),
+                torch.empty(0, dtype=torch.float32)]
+        if host[-1].numel() < t_rows * ncol:  # grown to the most rows a step had (rare)
+            host[-1] = torch.empty(max(t_rows, min(64, self.tok_rows)) * ncol,
+                                   dtype=torch.float32, pin_memory=True)
         for dst, seg, used in zip(host, self.segments, self._used):
             dst[:used].copy_(seg[slot, :used], non_blocking=True)
-        host[-2].copy_(self.figs[slot], non_blocking=True)
+        tslot = self.toks[step % self.toks.shape[0], :t_rows]
+        host[-1][:t_rows * ncol].copy_(tslot.reshape(-1), non_blocking=True)
+        self._tok_copied[hs] = t_rows
+        host[-3].copy_(self.figs[slot], non_blocking=True)
         n = self.ids_n[slot]
         if n:
-            host[-1][:n].copy_(self.ids[slot, :n], non_blocking=True)
+            host[-2][:n].copy_(self.ids[slot, :n], non_blocking=True)
         ev = self._event.get(hs)
         if ev is None:
             ev = self._event[hs] = torch.cuda.Event()
@@ -243,6 +262,16 @@ class GraphStats:
             return [seg[slot, :used].numpy() for seg, used in zip(self.segments, self._used)]
         return self._host_slot(step)[:len(self.segments)]
 
+    def _tok_slot(self, step: int) -> np.ndarray:
+        """This step's token maxima, [rows, entries]: on CPU a view of the token ring's
+        slot, on a GPU the rows its host copy holds."""
+        if self.device.type == "cpu":
+            return self.toks[step % self.toks.shape[0]].numpy()
+        hs = step % self.host_slots
+        host = self._host_slot(step)[-1]
+        return host[:self._tok_copied[hs] * self.toks.shape[2]].reshape(
+            -1, self.toks.shape[2])
+
     def step_extras(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The logits figures and input ids put for `step` (`put_step_extras`)."""
         slot = step % self.slots
@@ -250,7 +279,7 @@ class GraphStats:
         if self.device.type == "cpu":
             return self.figs[slot].numpy().astype(np.float64), self.ids[slot, :n].numpy().copy()
         host = self._host_slot(step)
-        return host[-2].astype(np.float64), host[-1][:n].copy()
+        return host[-3].astype(np.float64), host[-2][:n].copy()
 
     def _index(self) -> dict[str, Any]:
         """Per entry, fixed once the graph is traced: its segment, where its scalars, channel
@@ -359,16 +388,17 @@ class GraphStats:
         else:
             rec["chan_offset"] = -1
             cmin = cmax = np.zeros(0, np.float32)
-        # token maxima: each entry's first rows, side by side
-        cnt = np.minimum(rows_n, ix["tok"][ran])
+        # token maxima: each entry's first rows, side by side (its column of the token
+        # ring's slot; on a GPU no more rows than the step's copy holds)
+        tslot = self._tok_slot(step)
+        cnt = np.minimum(np.minimum(rows_n, ix["tok"][ran]), tslot.shape[0])
         if cnt.any():
             has = cnt > 0
-            starts = ix["off"][ran] + N_SCAL + 2 * ix["cap"][ran]
-            base = np.repeat(starts[has] - np.concatenate([[0], np.cumsum(cnt[has])[:-1]]),
-                             cnt[has]) + np.arange(int(cnt.sum()))
-            toks = self._take(rows, np.repeat(ix["seg"][ran][has], cnt[has]), base)
+            starts = np.concatenate([[0], np.cumsum(cnt[has])[:-1]])
+            r = np.arange(int(cnt.sum())) - np.repeat(starts, cnt[has])
+            toks = tslot.reshape(-1).take(r * tslot.shape[1] + np.repeat(ran[has], cnt[has]))
             toff = np.full(len(ran), -1, np.int64)
-            toff[has] = np.concatenate([[0], np.cumsum(cnt[has])[:-1]])
+            toff[has] = starts
         else:
             toks, toff = np.zeros(0, np.float32), np.full(len(ran), -1, np.int64)
         rec["tok_offset"] = toff
@@ -467,7 +497,8 @@ class GraphStats:
             "graph_channels": int(sum(e.cap for e in self.entries if e.cap > 1)),
             "graph_ring": {"slots": self.slots, "host_slots": self.host_slots,
                            "segments": len(self.segments),
-                           "bytes": int(sum(s.numel() * 4 for s in self.segments))},
+                           "bytes": int(sum(s.numel() * 4 for s in self.segments)),
+                           "token_bytes": int(self.toks.numel() * 4)},
             **({"graph_not_recorded": self.lost[:20]} if self.lost else {})}
         if self.device.type == "cpu":  # which CPU kernel the op ran: C++, or Python and why
             st["stats_kernel"] = dict(statsnative.KERNEL)

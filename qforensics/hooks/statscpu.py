@@ -10,7 +10,8 @@ fused projection's slices), else tensor by tensor
 (`_each_cpu`: one pass of fused_reduce.c's take, `_one_c`). Numpy on the tensor's own memory
 redoes, exactly, what C does not finish: a non-finite value, another dtype or layout
 (`_one_numpy`). A tensor that several entries of a call share (q, k and v's input) is
-reduced once and its part of the row copied. Every path writes ENTRY_COLS' layout.
+reduced once and its part of the row copied. Every path writes ENTRY_COLS' layout, and the
+token maxima into the entry's column of the token ring's slot (`tcol`, a strided view).
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ from torch import Tensor
 from qforensics.hooks import fused, statsnative, statsop
 from qforensics.hooks.statsop import (N_SCAL, NO_FIRST, SNAP, SNAP_COLS, SNAP_HEADER,
                                       STAMP_MOD, chan_span, entry_width, first_key,
-                                      snap_split, tok_start, _as_rows, _same_memory)
+                                      snap_split, _as_rows, _same_memory)
 
 
-def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
+def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray
              ) -> tuple[int, int]:
-    """One tensor into its entry's part of `row`: one pass of fused_reduce.c where it takes
+    """One tensor into its entry's part of `row`, its token maxima into `tcol` (its column
+    of the token ring's slot; length 0: none kept): one pass of fused_reduce.c where it takes
     the tensor and the figures come out finite (`_one_c`), else `_one_numpy`. Returns its
     (non-finite, NaN) counts."""
-    if _one_c(_as_rows(x), row, n, off, cap, tok, x.dim() >= 2):
+    if _one_c(_as_rows(x), row, n, off, cap, tcol, x.dim() >= 2):
         return 0, 0
-    return _one_numpy(x, row, n, off, cap, tok)
+    return _one_numpy(x, row, n, off, cap, tcol)
 
 
-def _one_numpy(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
+def _one_numpy(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray
                ) -> tuple[int, int]:
     """Numpy on the tensor's own memory (a float32 copy for other dtypes), about five passes
     over it, exact for non-finite values: NaN and inf propagate into the channel ranges, so a
@@ -48,7 +50,7 @@ def _one_numpy(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int
     x2 = _as_rows(x)
     a = (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
     with np.errstate(over="ignore", invalid="ignore"):  # huge finite values: no warning
-        return _fill_cpu(a, row, n, off, cap, tok, x.dim() >= 2)
+        return _fill_cpu(a, row, n, off, cap, tcol, x.dim() >= 2)
 
 
 _SCRATCH = threading.local()  # per thread: the C call's 4 figures, and its row maxima
@@ -68,7 +70,7 @@ def _scratch(spill_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
     return sc, _SCRATCH.rows
 
 
-def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int,
+def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray,
            per_token: bool) -> bool:
     """One tensor in one pass of fused_reduce.c's take (bf16 or float32, contiguous), its
     figures written straight into the ring row: ~5 us against ~25 for the numpy passes at
@@ -79,13 +81,12 @@ def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int,
     if not rows:
         return False
     at = row.ctypes.data
-    scal, spill = _scratch(rows if per_token and 0 < tok < rows else 0)
+    k = min(rows, len(tcol)) if per_token else 0
+    scal, spill = _scratch(rows if k else 0)
     sp = scal.ctypes.data
     c0, c1 = chan_span(off, cap)
     keep = 1 < chans <= cap
-    k = min(rows, tok) if per_token and tok > 0 else 0
-    tp = None if not k else spill.ctypes.data if spill is not None else (
-        at + 4 * tok_start(off, cap))
+    tp = spill.ctypes.data if spill is not None else None
     if not fused.REDUCER.take(x2, rows, chans, (sp, sp + 4, sp + 8, sp + 12,
                                                 at + 4 * c0 if keep else None,
                                                 at + 4 * c1 if keep else None, tp)):
@@ -95,13 +96,12 @@ def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tok: int,
             and math.isfinite(hi)):
         return False
     if spill is not None:
-        t0 = tok_start(off, cap)
-        row[t0:t0 + k] = spill[:k]
+        tcol[:k] = spill[:k]
     row[off:off + N_SCAL] = (s, ss, lo, hi, 0, 0, rows, chans, n % STAMP_MOD)
     return True
 
 
-def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: int,
+def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray,
               per_token: bool) -> tuple[int, int]:
     rows, chans = a.shape
     bad = nan = 0
@@ -130,14 +130,13 @@ def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tok: i
         c0, c1 = chan_span(off, cap)
         row[c0:c0 + chans] = lo
         row[c1:c1 + chans] = hi
-    if tok > 0 and per_token and rows:
-        k = min(rows, tok)
-        t0 = tok_start(off, cap)
-        np.abs(a[:k]).max(axis=1, out=row[t0:t0 + k])  # max propagates NaN
+    if len(tcol) and per_token and rows:
+        k = min(rows, len(tcol))
+        np.abs(a[:k]).max(axis=1, out=tcol[:k])  # max propagates NaN
     return bad, nan
 
 
-def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
+def stats_cpu(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tensor, step: Tensor,
               off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
               entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
     """The CPU kernel: each tensor once, however many entries share it (the same memory,
@@ -145,8 +144,9 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
     fused_reduce.c (`_group_c`) when it is loaded, else tensor by tensor."""
     n = int(step)
     fn = fused.REDUCER.group()
-    counts = (_group_c(fn, xs, ring, n, off, cap, tok) if fn is not None
-              else _each_cpu(xs, _row(ring, n), n, off, cap, tok))
+    tok = _clamp_tok(toks, tok, entry)
+    counts = (_group_c(fn, xs, ring, toks, n, off, cap, tok, entry) if fn is not None
+              else _each_cpu(xs, _row(ring, n), _row(toks, n), n, off, cap, tok, entry))
     if not counts:  # every tensor finite: no first-failure word, no snapshot to consider
         return
     best = NO_FIRST
@@ -165,26 +165,44 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
 
 
 def _row(ring: Tensor, n: int) -> np.ndarray:
-    """The ring's row of step n, as numpy (a view)."""
+    """The ring's row (or the token ring's slot) of step n, as numpy (a view)."""
     return ring.numpy()[n % ring.shape[0]]
 
 
-def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, n: int, off: Sequence[int],
-              cap: Sequence[int], tok: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+def _clamp_tok(toks: Tensor, tok: Sequence[int], entry: Sequence[int]) -> list[int]:
+    """Token maxima each entry keeps: at most the token ring's rows, none for an entry past
+    its columns."""
+    rows, cols = int(toks.shape[1]), int(toks.shape[2])
+    return [min(int(k), rows) if 0 <= e < cols else 0 for k, e in zip(tok, entry)]
+
+
+_NO_TOKS = np.zeros(0, np.float32)
+
+
+def _col(tslot: np.ndarray, k: int, e: int) -> np.ndarray:
+    """Entry e's first k token maxima in a token ring's slot (a strided view; k 0: none)."""
+    return tslot[:k, e] if k else _NO_TOKS
+
+
+def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, tslot: np.ndarray, n: int,
+              off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
+              entry: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
     """The group tensor by tensor; returns (index, (non-finite, NaN)) of those that hold a
     non-finite value, in group order."""
-    done: dict[tuple, tuple[int, int, int]] = {}
+    done: dict[tuple, tuple[int, int, int, int]] = {}
     bad_ones = []
-    for i, (x, o, c, k) in enumerate(zip(xs, off, cap, tok)):
+    for i, (x, o, c, k, e) in enumerate(zip(xs, off, cap, tok, entry)):
         key = (_same_memory(x), c, k)
         got = done.get(key)
         if got is None:
-            bad, nan = _one_cpu(x, row, n, o, c, k)
-            done[key] = (o, bad, nan)
+            bad, nan = _one_cpu(x, row, n, o, c, _col(tslot, k, e))
+            done[key] = (o, e, bad, nan)
         else:
-            src, bad, nan = got
-            w = entry_width(c, k)
+            src, e_src, bad, nan = got
+            w = entry_width(c)
             row[o:o + w] = row[src:src + w]
+            if k:
+                tslot[:k, e] = tslot[:k, e_src]
         if bad:
             bad_ones.append((i, (bad, nan)))
     return bad_ones
@@ -216,31 +234,32 @@ class _Site:
     __slots__ = ("desc", "addr", "src_of", "spill")
 
     def __init__(self, xs: Sequence[Tensor], off: Sequence[int], cap: Sequence[int],
-                 tok: Sequence[int]) -> None:
+                 tok: Sequence[int], entry: Sequence[int]) -> None:
         desc: list[tuple[int, ...]] = []
         self.src_of: dict[int, int] = {}  # a repeat -> the tensor it repeats
         seen: dict[tuple, int] = {}
         spill = 0
-        for i, (x, o, c, k) in enumerate(zip(xs, off, cap, tok)):
+        for i, (x, o, c, k, e) in enumerate(zip(xs, off, cap, tok, entry)):
             key = (_same_memory(x), c, k)  # what `_each_cpu` dedupes on
             j = seen.get(key)
-            if j is not None:
+            d = x.dim()
+            chans = int(x.shape[-1]) if d >= 2 else 1
+            rows = x.numel() // chans if chans else 0
+            if j is not None:  # a repeat: its rows, the column it copies in C's place
                 self.src_of[i] = j
-                desc.append((0, 0, 0, 0, o, c, k, off[j], entry_width(c, k), 0))
+                desc.append((e, 0, rows, entry[j], o, c, k if d >= 2 else 0, off[j],
+                             entry_width(c), 0))
                 continue
             seen[key] = i
             code = _GROUP_DTYPE.get(x.dtype)
-            d = x.dim()
-            chans = int(x.shape[-1]) if d >= 2 else 1
             pitch = _pitch(x, d, chans) if code is not None else -1
             if pitch < 0:
-                desc.append((0, -1, 0, 0, o, c, k, -1, 0, 0))  # not for C: done stays 0
+                desc.append((e, -1, 0, 0, o, c, 0, -1, 0, 0))  # not for C: done stays 0
                 continue
-            rows = x.numel() // chans if chans else 0
             kk = k if d >= 2 else 0
-            if 0 < kk < rows > spill:
+            if kk and rows > spill:  # C writes every row's maximum there
                 spill = rows
-            desc.append((0, code, rows, chans, o, c, kk, -1, 0, pitch))
+            desc.append((e, code, rows, chans, o, c, kk, -1, 0, pitch))
         self.desc = np.array(desc, np.int64).reshape(-1, GROUP_DESC)
         self.addr = self.desc.ctypes.data
         self.spill = spill
@@ -250,8 +269,9 @@ _SITES: dict[tuple, _Site] = {}
 _MAX_SITES = 4096  # a server's many batch shapes: forget them all past this, then relearn
 
 
-def _group_c(fn: Any, xs: Sequence[Tensor], ring: Tensor, n: int, off: Sequence[int],
-             cap: Sequence[int], tok: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+def _group_c(fn: Any, xs: Sequence[Tensor], ring: Tensor, toks: Tensor, n: int,
+             off: Sequence[int], cap: Sequence[int], tok: Sequence[int], entry: Sequence[int]
+             ) -> list[tuple[int, tuple[int, int]]]:
     """The group in one call of fused_reduce.c's `qf_group`: Python only describes each tensor
     (dtype, rows, channels, where its entry goes, or which earlier tensor of the call it
     repeats), once per call site (`_Site`), and hands over their addresses; a tensor the C
@@ -262,30 +282,34 @@ def _group_c(fn: Any, xs: Sequence[Tensor], ring: Tensor, n: int, off: Sequence[
     first_of: dict[int, int] = {}  # which tensors share memory: part of what the site is
     key = (tuple([(x.dtype, x.shape, x.stride()) for x in xs]),
            tuple([first_of.setdefault(p, i) for i, p in enumerate(ptrs)]),
-           tuple(off), tuple(cap), tuple(tok))
+           tuple(off), tuple(cap), tuple(tok), tuple(entry))
     site = _SITES.get(key)
     if site is None:
         if len(_SITES) >= _MAX_SITES:
             _SITES.clear()
-        site = _SITES[key] = _Site(xs, off, cap, tok)
+        site = _SITES[key] = _Site(xs, off, cap, tok, entry)
     done, rows_buf, addr, addrs = _group_scratch(m, site.spill)
     addr[:m] = ptrs
     slot = n % ring.shape[0]
     left = fn(m, site.addr, addrs[2], ring.data_ptr() + 4 * slot * ring.stride(0),
+              toks.data_ptr() + 4 * (n % toks.shape[0]) * toks.stride(0), toks.shape[2],
               float(n % STAMP_MOD), addrs[1], len(rows_buf), addrs[0])
     if not left:
         return []
-    row = ring.numpy()[slot]
+    row, tslot = ring.numpy()[slot], _row(toks, n)
     redo = np.flatnonzero(done[:m] == 0)
     counts: dict[int, tuple[int, int]] = {}
     for i in redo.tolist():
         if i not in site.src_of:  # a repeat of a redone tensor is copied below
-            counts[i] = _one_numpy(xs[i], row, n, off[i], cap[i], tok[i])
+            counts[i] = _one_numpy(xs[i], row, n, off[i], cap[i],
+                                   _col(tslot, tok[i], entry[i]))
             REDOS[_redo_reason(xs[i], site.desc[i], counts[i][0])] += 1
     for i, j in site.src_of.items():
         if j in counts:
-            w = entry_width(cap[i], tok[i])
+            w, k = entry_width(cap[i]), tok[i] if xs[i].dim() >= 2 else 0
             row[off[i]:off[i] + w] = row[off[j]:off[j] + w]
+            if k:
+                tslot[:k, entry[i]] = tslot[:k, entry[j]]
             counts[i] = counts[j]
     return sorted((i, bn) for i, bn in counts.items() if bn[0])
 

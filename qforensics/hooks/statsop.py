@@ -1,20 +1,26 @@
 """The one stats op: the statistics of a group of tensors in one call, written into a device
 ring.
 
-`torch.ops.qforensics.stats(xs, ring, first, step, off, cap, tok, entry, snap, pair)` reduces
-each tensor
-of `xs` (viewed as [rows, channels], channels the last dim; a 0/1-d tensor is [n, 1]) and writes
-its entry's part of the ring slot `step % R` (`ring`: [R, W] float32), at `off[i]`, laid out as
-`ENTRY_COLS` says:
+`torch.ops.qforensics.stats(xs, ring, toks, first, step, off, cap, tok, entry, snap, pair)`
+reduces each tensor of `xs` (viewed as [rows, channels], channels the last dim; a 0/1-d tensor
+is [n, 1]) and writes its entry's part of the ring slot `step % R` (`ring`: [R, W] float32), at
+`off[i]`, laid out as `ENTRY_COLS` says:
 
     [ sum, sum of squares, min, max, non-finite, nan, rows, channels, stamp | channel minima
-      (cap) | channel maxima (cap) | token absmax (tok) ]
+      (cap) | channel maxima (cap) ]
+
+and its token maxima into `toks` ([S, T, E] float32), token-major: row r of tensor i at
+`toks[step % S, r, entry[i]]` (S may be fewer slots than the ring's: a GPU copies a step's
+token rows to the host as soon as the step ends). A decode step's maxima are then one short run of
+the slot (every entry's row 0 side by side), not one page per entry, and a GPU copies to the
+host only the rows the step has (graphstats.start_copy).
 
 - sums, min and max are over the finite values only (min +inf / max -inf when there is none);
   `stamp` is `step mod 2**24`, so the host tells a row written at this step from a stale one;
 - the channel ranges are written when `1 < channels <= cap` (finite values only; +inf/-inf for
   a channel without one), the token maxima when `tok > 0` and x has >= 2 dims, for its first
-  `min(rows, tok)` rows (NaN for a row that holds a NaN, else inf for one that holds an inf);
+  `min(rows, tok, T)` rows (NaN for a row that holds a NaN, else inf for one that holds an
+  inf);
 - `first` ([1] int64) keeps the least `first_key(step, entry, nan)` of the calls that saw a
   non-finite value: the earliest step, then the entry placed first (entries are placed in
   call order), whichever order the tensors are reduced in;
@@ -64,9 +70,10 @@ SNAP_HEADER = 16
 _ENTRY_BITS = 32
 
 
-def entry_width(cap: int, tok: int) -> int:
-    """Floats one entry takes in a ring row: scalars, channel minima and maxima, token maxima."""
-    return N_SCAL + 2 * cap + tok
+def entry_width(cap: int) -> int:
+    """Floats one entry takes in a ring row: scalars, channel minima and maxima (its token
+    maxima are a column of `toks`)."""
+    return N_SCAL + 2 * cap
 
 
 def chan_span(off: int, cap: int) -> tuple[int, int]:
@@ -84,8 +91,12 @@ def _same_memory(x: Tensor) -> tuple:
     return (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
 
 
-def tok_start(off: int, cap: int) -> int:
-    return off + N_SCAL + 2 * cap
+def new_toks(slots: int, rows: int, entries: int, device: torch.device) -> Tensor:
+    """The token maxima's ring: [slots, rows, entries] float32. Empty, not zeros: the host
+    reads only the rows an entry wrote in the step its stamp names, and on the CPU the pages
+    no step reaches are never touched."""
+    return torch.empty(max(1, int(slots)), max(1, int(rows)), max(1, int(entries)),
+                       dtype=torch.float32, device=device)
 
 
 def new_first(device: torch.device) -> Tensor:
@@ -114,8 +125,8 @@ def decode_first(key: int) -> tuple[int, int, int] | None:
 
 # -- the op ----------------------------------------------------------------------------------
 
-SCHEMA = ("stats(Tensor[] xs, Tensor(a!) ring, Tensor(b!) first, Tensor step, int[] off, "
-          "int[] cap, int[] tok, int[] entry, Tensor(c!) snap, int[] pair) -> ()")
+SCHEMA = ("stats(Tensor[] xs, Tensor(a!) ring, Tensor(b!) toks, Tensor(c!) first, Tensor step, "
+          "int[] off, int[] cap, int[] tok, int[] entry, Tensor(d!) snap, int[] pair) -> ()")
 
 
 def new_snap(device: torch.device, capacity: int) -> Tensor:
@@ -133,7 +144,7 @@ def _define() -> Any:
     lib.define(SCHEMA)
 
     @torch.library.register_fake("qforensics::stats", lib=lib)
-    def _fake(xs, ring, first, step, off, cap, tok, entry, snap, pair):  # noqa: ANN001, ANN202
+    def _fake(xs, ring, toks, first, step, off, cap, tok, entry, snap, pair):  # noqa: ANN001, ANN202
         return None
 
     _LIBS.append(lib)  # a Library unregisters its ops when collected

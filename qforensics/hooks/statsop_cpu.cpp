@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t kNoFirst = std::numeric_limits<int64_t>::max();
 
-int64_t entry_width(int64_t cap, int64_t tok) { return QF_N_SCAL + 2 * cap + tok; }
+int64_t entry_width(int64_t cap) { return QF_N_SCAL + 2 * cap; }
 
 int64_t pos_mod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
 
@@ -57,10 +57,11 @@ bool same_values(const at::Tensor& a, const at::Tensor& b) {
            a.sizes() == b.sizes() && a.strides() == b.strides();
 }
 
-// The exact pass over float32 rows [R, C]: the entry at `e` written whole; returns
-// (non-finite, NaN) counts.
+// The exact pass over float32 rows [R, C]: the entry at `e` written whole, the first
+// min(R, tok) token maxima at t[0], t[ts], t[2 ts]...; returns (non-finite, NaN) counts.
 std::pair<int64_t, int64_t> exact_rows(const float* a, int64_t R, int64_t C, float* e,
-                                       int64_t cap, int64_t tok, bool per_token, float stamp) {
+                                       int64_t cap, float* t, int64_t ts, int64_t tok,
+                                       bool per_token, float stamp) {
     double s = 0.0, ss = 0.0;
     int64_t bad = 0, nan = 0;
     std::vector<float> lo(static_cast<size_t>(C), INFINITY), hi(static_cast<size_t>(C), -INFINITY);
@@ -94,7 +95,6 @@ std::pair<int64_t, int64_t> exact_rows(const float* a, int64_t R, int64_t C, flo
     }
     if (tok > 0 && per_token && R > 0) {
         const int64_t k = std::min(R, tok);
-        float* t = e + QF_N_SCAL + 2 * cap;
         for (int64_t r = 0; r < k; r++) {
             const float* p = a + r * C;
             float m = 0.f;
@@ -103,7 +103,7 @@ std::pair<int64_t, int64_t> exact_rows(const float* a, int64_t R, int64_t C, flo
                 if (std::isnan(p[c])) has_nan = true;
                 else m = std::max(m, std::fabs(p[c]));
             }
-            t[r] = has_nan ? NAN : (C ? m : -INFINITY);
+            t[r * ts] = has_nan ? NAN : (C ? m : -INFINITY);
         }
     }
     return {bad, nan};
@@ -139,12 +139,14 @@ struct Scratch {
     std::vector<std::pair<int64_t, int64_t>> counts;
 };
 
-void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
-           const at::Tensor& step, c10::IntArrayRef off, c10::IntArrayRef cap,
+void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& toks,
+           const at::Tensor& first, const at::Tensor& step, c10::IntArrayRef off, c10::IntArrayRef cap,
            c10::IntArrayRef tok, c10::IntArrayRef entry, const at::Tensor& snap,
            c10::IntArrayRef pair) {
     TORCH_CHECK(ring.scalar_type() == at::kFloat && ring.dim() == 2 && ring.stride(1) == 1,
                 "qforensics::stats: the ring must be [R, W] float32 with unit column stride");
+    TORCH_CHECK(toks.scalar_type() == at::kFloat && toks.dim() == 3 && toks.is_contiguous(),
+                "qforensics::stats: toks must be [S, T, E] float32, contiguous");
     const int64_t m = static_cast<int64_t>(xs.size());
     TORCH_CHECK(static_cast<int64_t>(off.size()) == m && static_cast<int64_t>(cap.size()) == m &&
                 static_cast<int64_t>(tok.size()) == m && static_cast<int64_t>(entry.size()) == m &&
@@ -154,6 +156,12 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
                                                       : step.item<int64_t>();
     float* row = ring.data_ptr<float>() + pos_mod(n, ring.size(0)) * ring.stride(0);
     const float stamp = static_cast<float>(pos_mod(n, QF_STAMP_MOD));
+    const int64_t ts = toks.size(2), trows = toks.size(1);
+    float* tslot = toks.data_ptr<float>() + pos_mod(n, toks.size(0)) * toks.stride(0);
+    // an entry's token maxima: its column of the slot, at most T rows; none past E columns
+    auto tok_of = [&](int64_t i) {
+        return entry[i] >= 0 && entry[i] < ts ? std::min<int64_t>(tok[i], trows) : 0;
+    };
     thread_local Scratch sc;
     sc.desc.assign(static_cast<size_t>(m) * GROUP_DESC, 0);
     sc.addr.assign(static_cast<size_t>(m), 0);
@@ -171,8 +179,12 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
         }
         if (sc.src[i] >= 0) {
             const int64_t j = sc.src[i];
-            const int64_t w[GROUP_DESC] = {0, 0, 0, 0, off[i], cap[i], tok[i], off[j],
-                                   entry_width(cap[i], tok[i]), 0};
+            const int64_t chans = x.dim() >= 2 ? x.size(-1) : 1;
+            const int64_t rows = chans ? x.numel() / chans : 0;
+            const int64_t kk = x.dim() >= 2 ? std::min(tok_of(i), tok_of(j)) : 0;
+            // a repeat: its rows, and the column it copies its token maxima from in C's place
+            const int64_t w[GROUP_DESC] = {entry[i], 0, rows, entry[j], off[i], cap[i], kk,
+                                           off[j], entry_width(cap[i]), 0};
             std::memcpy(d, w, sizeof w);
             continue;
         }
@@ -185,20 +197,22 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
             else if (dim == 2 && x.stride(1) == 1 && x.stride(0) >= chans) pitch = x.stride(0);
         }
         if (pitch < 0 || chans <= 0) {  // not for C: done stays 0, redone below
-            const int64_t w[GROUP_DESC] = {0, -1, 0, 0, off[i], cap[i], tok[i], -1, 0, 0};
+            const int64_t w[GROUP_DESC] = {entry[i], -1, 0, 0, off[i], cap[i], 0, -1, 0, 0};
             std::memcpy(d, w, sizeof w);
             continue;
         }
         const int64_t rows = x.numel() / chans;
-        const int64_t kk = dim >= 2 ? tok[i] : 0;
-        if (kk > 0 && kk < rows) spill = std::max(spill, rows);
-        const int64_t w[GROUP_DESC] = {0, code, rows, chans, off[i], cap[i], kk, -1, 0, pitch};
+        const int64_t kk = dim >= 2 ? tok_of(i) : 0;
+        if (kk > 0) spill = std::max(spill, rows);  // C writes every row's maximum there
+        const int64_t w[GROUP_DESC] = {entry[i], code, rows, chans, off[i], cap[i], kk, -1, 0,
+                                       pitch};
         std::memcpy(d, w, sizeof w);
         sc.addr[i] = reinterpret_cast<int64_t>(x.data_ptr());
     }
     if (static_cast<int64_t>(sc.spill.size()) < spill) sc.spill.resize(static_cast<size_t>(spill));
-    const int left = qf_group(m, sc.desc.data(), sc.addr.data(), row, stamp, sc.spill.data(),
-                              static_cast<int64_t>(sc.spill.size()), sc.done.data());
+    const int left = qf_group(m, sc.desc.data(), sc.addr.data(), row, tslot, ts, stamp,
+                              sc.spill.data(), static_cast<int64_t>(sc.spill.size()),
+                              sc.done.data());
     if (!left) return;  // every tensor finite: no first-failure word, no snapshot to consider
     sc.counts.assign(static_cast<size_t>(m), {0, 0});
     // redone below: what C left, but for repeats (copied from their first after it)
@@ -208,18 +222,23 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& first,
         const at::Tensor& x = xs[i];
         const int64_t chans = x.dim() >= 2 ? x.size(-1) : 1;
         if (chans == 0) {  // no channels: nothing to read, the figures of no value
-            sc.counts[i] = exact_rows(nullptr, 0, 0, row + off[i], cap[i], tok[i], false, stamp);
+            sc.counts[i] = exact_rows(nullptr, 0, 0, row + off[i], cap[i], tslot, ts, 0, false,
+                                      stamp);
         } else {
             at::Tensor a = as_rows_f32(x.detach());
             sc.counts[i] = exact_rows(a.const_data_ptr<float>(), a.size(0), a.size(1),
-                                      row + off[i], cap[i], tok[i], x.dim() >= 2, stamp);
+                                      row + off[i], cap[i], tslot + entry[i], ts, tok_of(i),
+                                      x.dim() >= 2, stamp);
         }
     }
     for (int64_t i = 0; i < m; i++) {
         const int64_t j = sc.src[i];
         if (j >= 0 && redone(j)) {
             std::memmove(row + off[i], row + off[j],
-                         static_cast<size_t>(entry_width(cap[i], tok[i])) * sizeof(float));
+                         static_cast<size_t>(entry_width(cap[i])) * sizeof(float));
+            const int64_t* d = sc.desc.data() + GROUP_DESC * i;
+            for (int64_t r = 0; r < std::min(d[2], d[6]); r++)
+                tslot[r * ts + entry[i]] = tslot[r * ts + entry[j]];
             sc.counts[i] = sc.counts[j];
         }
     }

@@ -35,11 +35,14 @@ TABLE_COLS = 12
 
 if triton is not None:
     @triton.jit
-    def _stats_kernel(x_ptr, tab_ptr, ring_ptr, first_ptr, step_ptr, width, nslots, snap_ptr,
-                      snap_cap, BR: tl.constexpr, BC: tl.constexpr, BLK: tl.constexpr):
+    def _stats_kernel(x_ptr, tab_ptr, ring_ptr, tok_ptr, first_ptr, step_ptr, width, nslots,
+                      tok_slots, tok_slot, tok_cols, snap_ptr, snap_cap, BR: tl.constexpr,
+                      BC: tl.constexpr, BLK: tl.constexpr):
         """Program i reduces tensor i of the group ([rows, chans], contiguous, at `start` in
         the gathered buffer) in one pass: row tiles outer, channel tiles inner; channel ranges
-        of later row tiles are merged into what the first wrote."""
+        of later row tiles are merged into what the first wrote. Token maxima go to its
+        entry's column of the token ring's slot (`tok_slots` slots of `tok_slot` floats,
+        `tok_cols` a row)."""
         t = tab_ptr + tl.program_id(0) * 12
         start = tl.load(t)
         rows = tl.load(t + 1)
@@ -51,6 +54,7 @@ if triton is not None:
         keep_chan = (chans > 1) & (chans <= cap)
         step = tl.load(step_ptr)
         base = ring_ptr + (step % nslots) * width + off
+        tbase = tok_ptr + (step % tok_slots) * tok_slot + entry
         acc_s = tl.zeros((), tl.float32)
         acc_ss = tl.zeros((), tl.float32)
         acc_bad = tl.zeros((), tl.int32)
@@ -93,7 +97,7 @@ if triton is not None:
                 t_nan += tl.sum((m & isnan).to(tl.int32), axis=1)
                 t_inf += tl.sum((m & isinf).to(tl.int32), axis=1)
             tv = tl.where(t_nan > 0, float("nan"), tl.where(t_inf > 0, float("inf"), t_fin))
-            tl.store(base + 9 + 2 * cap + rr, tv, mask=rm & (rr < tok))
+            tl.store(tbase + rr.to(tl.int64) * tok_cols, tv, mask=rm & (rr < tok))
             tl.debug_barrier()
         idx = tl.arange(0, 16)
         vals = tl.where(idx == 0, acc_s, tl.where(idx == 1, acc_ss, tl.where(
@@ -177,7 +181,8 @@ def _table(key: tuple, rows: list[list[int]], device: torch.device) -> Tensor | 
     return t
 
 
-def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tensor,
+def launch_triton(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tensor,
+                  step: Tensor,
                   off: Sequence[int], cap: Sequence[int], tok: Sequence[int],
                   entry: Sequence[int], snap: Tensor, pair: Sequence[int]) -> None:
     """The Triton kernel on a group (a GPU; or CPU tensors under TRITON_INTERPRET=1): the
@@ -201,10 +206,12 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
             start += x2.numel()
         where.append((s0, *x2.shape))
     rows = []
+    t_rows, t_cols = int(toks.shape[1]), int(toks.shape[2])
     for i, (x, o, c, k, e, p) in enumerate(zip(xs, off, cap, tok, entry, pair)):
         has_in = p >= 0 and p != i
         src = where[p] if has_in else (0, 0, 0)
-        rows.append([*where[i], o, c, k if x.dim() >= 2 else 0, e, int(p >= 0), *src,
+        k = min(int(k), t_rows) if x.dim() >= 2 and 0 <= e < t_cols else 0
+        rows.append([*where[i], o, c, k, e, int(p >= 0), *src,
                      entry[p] if has_in else -1])
     key = (ring.device, tuple(tuple(r) for r in rows))
     tab = _table(key, rows, ring.device)
@@ -216,8 +223,9 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, first: Tensor, step: Tenso
     maxr = max(r[1] for r in rows)
     bc = min(max(16, triton.next_power_of_2(max(maxc, 1))), 1024)
     br = max(1, min(triton.next_power_of_2(max(maxr, 1)), max(1, 4096 // bc)))
-    _stats_kernel[(len(rows),)](flat, tab, ring, first, step, ring.shape[1], ring.shape[0],
-                                snap, snap.numel() - SNAP_HEADER, BR=br, BC=bc, BLK=1024,
+    _stats_kernel[(len(rows),)](flat, tab, ring, toks, first, step, ring.shape[1],
+                                ring.shape[0], toks.shape[0], t_rows * t_cols, t_cols, snap,
+                                snap.numel() - SNAP_HEADER, BR=br, BC=bc, BLK=1024,
                                 num_warps=4 if bc * br >= 1024 else 1)
 
 

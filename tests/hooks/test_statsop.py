@@ -15,6 +15,12 @@ import torch
 from qforensics.hooks import statscpu, statsop
 
 CAP, TOK = 700, 40
+ENTRIES = 32  # the token ring's columns in these tests (entries 0..31)
+
+
+def _toks(ring: torch.Tensor, rows: int = TOK) -> torch.Tensor:
+    """A token ring beside `ring` (its slots), zeroed so that a stray write shows."""
+    return torch.zeros(ring.shape[0], rows, ENTRIES)
 
 
 @pytest.fixture(params=["c++", "python"])
@@ -76,30 +82,35 @@ def _snap(capacity: int = 0) -> torch.Tensor:
 
 
 def _run(kernel, x: torch.Tensor, step: int, entry: int):  # noqa: ANN001, ANN202
-    ring = torch.zeros(3, 50 + statsop.entry_width(CAP, TOK))
+    ring = torch.zeros(3, 50 + statsop.entry_width(CAP))
+    toks = _toks(ring)
     first = statsop.new_first(torch.device("cpu"))
-    kernel([x], ring, first, torch.tensor(step), [50], [CAP], [TOK], [entry], _snap(), [-1])
-    return ring, first
+    kernel([x], ring, toks, first, torch.tensor(step), [50], [CAP], [TOK], [entry], _snap(),
+           [-1])
+    return ring, toks, first
 
 
 def _group(kernel):  # noqa: ANN001, ANN202
     """Every float case in one call, each at its own offset (one program per tensor)."""
     xs = [x for _, x in _cases() if x.is_floating_point()]
     xs = xs[:3] + [xs[1]] + xs[3:]  # big-f32 twice: one tensor, two entries (q and k)
-    w = statsop.entry_width(CAP, TOK)
+    w = statsop.entry_width(CAP)
     ring = torch.zeros(2, w * len(xs))
+    toks = _toks(ring)
     first = statsop.new_first(torch.device("cpu"))
     n = len(xs)
-    kernel(xs, ring, first, torch.tensor(9), [i * w for i in range(n)], [CAP] * n, [TOK] * n,
-           list(range(10, 10 + n)), _snap(), [-1] * n)
-    return ring, first
+    kernel(xs, ring, toks, first, torch.tensor(9), [i * w for i in range(n)], [CAP] * n,
+           [TOK] * n, list(range(10, 10 + n)), _snap(), [-1] * n)
+    return ring, toks, first
 
 
-def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entry: int,
-           tol: float) -> None:
+def _check(x: torch.Tensor, ring: np.ndarray, toks: np.ndarray, first: np.ndarray, step: int,
+           entry: int, tol: float) -> None:
     ref = _reference(x, step)
-    row = ring[step % ring.shape[0]]
-    assert not ring[[i for i in range(ring.shape[0]) if i != step % ring.shape[0]]].any()
+    slot = step % ring.shape[0]
+    row = ring[slot]
+    others = [i for i in range(ring.shape[0]) if i != slot]
+    assert not ring[others].any() and not toks[others].any()
     got = row[50:50 + statsop.N_SCAL].astype(np.float64)
     np.testing.assert_allclose(got[2:], ref["scal"][2:], rtol=0, atol=0)  # exact figures
     np.testing.assert_allclose(got[:2], ref["scal"][:2], rtol=tol,
@@ -111,10 +122,13 @@ def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entr
         np.testing.assert_array_equal(row[c1:c1 + chans], ref["hi"].astype(np.float32))
     else:
         assert not row[c0:c0 + 2 * CAP].any()  # nothing written
-    t0 = statsop.tok_start(50, CAP)
+    assert not row[c1 + CAP:].any()
+    # token maxima: the entry's column of the slot, token-major; no other column written
     k = min(len(ref["tok"]), TOK) if x.dim() >= 2 else 0
-    np.testing.assert_array_equal(row[t0:t0 + k], ref["tok"][:k].astype(np.float32))
-    assert not row[t0 + k:].any()
+    col = toks[slot, :, entry]
+    np.testing.assert_array_equal(col[:k], ref["tok"][:k].astype(np.float32))
+    assert not col[k:].any()
+    assert not np.delete(toks[slot], entry, axis=1).any()
     bad = ref["scal"][4] > 0
     want = (step, entry, int(ref["scal"][5] > 0)) if bad else None
     assert statsop.decode_first(int(first[0])) == want
@@ -122,8 +136,8 @@ def _check(x: torch.Tensor, ring: np.ndarray, first: np.ndarray, step: int, entr
 
 @pytest.mark.parametrize("name,x", _cases(), ids=[n for n, _ in _cases()])
 def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor, kernel) -> None:  # noqa: ANN001
-    ring, first = _run(kernel, x, 7, 3)
-    _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
+    ring, toks, first = _run(kernel, x, 7, 3)
+    _check(x, ring.numpy(), toks.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
 @pytest.mark.parametrize("path", ["group", "c", "numpy"])
@@ -158,8 +172,8 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     monkeypatch.setattr(statscpu, "_one_numpy",
                         lambda *a: (numpy_calls.append(1), real_numpy(*a))[1])
     redos = sum(statscpu.REDOS.values())
-    ring, first = _run(statscpu.stats_cpu, x, 7, 3)
-    _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-5)
+    ring, toks, first = _run(statscpu.stats_cpu, x, 7, 3)
+    _check(x, ring.numpy(), toks.numpy(), first.numpy(), 7, 3, 1e-5)
     # what C finishes: qf_group a finite float32 or bf16 tensor, or an int64 / int32 one, laid
     # out as rows (contiguous, or a 2-d slice of columns); qf_take a contiguous finite float32
     # or bf16 one; numpy redoes everything else
@@ -185,20 +199,21 @@ def test_the_dispatcher_runs_the_cpp_kernel_without_python(monkeypatch) -> None:
     from qforensics.hooks import statsnative
 
     assert statsnative.KERNEL["kernel"] == "c++", statsnative.KERNEL["why"]
-    py_ring, py_first = _group(statscpu.stats_cpu)
+    py_ring, py_toks, py_first = _group(statscpu.stats_cpu)
 
     def fail(*a):  # noqa: ANN002, ANN202
         raise AssertionError("the Python kernel ran")
 
     monkeypatch.setattr(statscpu, "stats_cpu", fail)
     monkeypatch.setattr(statscpu, "_kernel", fail)
-    ring, first = _group(torch.ops.qforensics.stats)
-    got, want = ring.numpy(), py_ring.numpy()
-    assert (np.isnan(got) == np.isnan(want)).all()
-    fin = np.isfinite(want)
-    assert (np.isfinite(got) == fin).all()
-    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-4)
-    np.testing.assert_array_equal(got[~fin], want[~fin])
+    ring, toks, first = _group(torch.ops.qforensics.stats)
+    for got, want in ((ring.numpy(), py_ring.numpy()), (toks.numpy(), py_toks.numpy())):
+        assert (np.isnan(got) == np.isnan(want)).all()
+        fin = np.isfinite(want)
+        assert (np.isfinite(got) == fin).all()
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-4)
+        np.testing.assert_array_equal(got[~fin], want[~fin])
+    assert toks.numpy()[1].any()  # the group's token maxima were written
     assert first.tolist() == py_first.tolist()
 
 
@@ -207,33 +222,35 @@ def test_a_tensor_with_no_rows_reads_as_no_finite_value(shape, kernel) -> None: 
     """A tensor with no rows (an engine step that scheduled no token for a layer): sums 0, no
     finite min or max (+inf / -inf), 0 rows, its channels; each channel's range +inf / -inf;
     no token maxima; no failure."""
-    w = statsop.entry_width(16, 4)
+    w = statsop.entry_width(16)
     ring = torch.zeros(2, w)
+    toks = _toks(ring, 4)
     first = statsop.new_first(torch.device("cpu"))
-    kernel([torch.randn(shape)], ring, first, torch.tensor(3), [0], [16], [4], [0], _snap(),
-           [-1])
+    kernel([torch.randn(shape)], ring, toks, first, torch.tensor(3), [0], [16], [4], [0],
+           _snap(), [-1])
     row = ring[1].numpy()
     inf = float("inf")
     assert row[:statsop.N_SCAL].tolist() == [0, 0, inf, -inf, 0, 0, 0, 8, 3]
     c0, c1 = statsop.chan_span(0, 16)
     assert row[c0:c0 + 8].tolist() == [inf] * 8 and row[c1:c1 + 8].tolist() == [-inf] * 8
-    assert not row[statsop.tok_start(0, 16):].any()
+    assert not row[c1 + 16:].any() and not toks.any()
     assert statsop.decode_first(int(first[0])) is None
 
 
 def test_first_word_keeps_the_earliest_step_then_the_first_entry(kernel) -> None:  # noqa: ANN001
-    w = statsop.entry_width(8, 4)
+    w = statsop.entry_width(8)
     ring = torch.zeros(2, w * 3)
+    toks = _toks(ring, 4)
     first = statsop.new_first(torch.device("cpu"))
     ones, inf = torch.ones(2, 8), torch.full((2, 8), float("inf"))
     nan = torch.full((2, 8), float("nan"))
     assert statsop.decode_first(int(first[0])) is None
     # one group, handed over out of call order: entry 2 (NaN) before entry 1 (inf)
-    kernel([ones, nan, inf], ring, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
+    kernel([ones, nan, inf], ring, toks, first, torch.tensor(4), [0, 2 * w, w], [8] * 3,
            [4] * 3, [0, 2, 1], _snap(), [-1] * 3)
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     # a later step never takes it over, an earlier entry of it neither
-    kernel([nan], ring, first, torch.tensor(5), [0], [8], [4], [0], _snap(), [-1])
+    kernel([nan], ring, toks, first, torch.tensor(5), [0], [8], [4], [0], _snap(), [-1])
     assert statsop.decode_first(int(first[0])) == (4, 1, 0)
     assert statsop.decode_first(statsop.first_key(3, 7, True)) == (3, 7, 1)
 
@@ -247,17 +264,22 @@ def test_a_shared_tensor_is_written_to_each_of_its_entries(nan: bool, kernel) ->
     x = torch.randn(5, 12, generator=g)
     if nan:
         x[1, 3] = float("nan")
-    w = statsop.entry_width(12, 8)
-    ring = torch.zeros(2, 3 * w + statsop.entry_width(4, 8))
+    w = statsop.entry_width(12)
+    ring = torch.zeros(2, 3 * w + statsop.entry_width(4))
+    toks = _toks(ring, 8)
     first = statsop.new_first(torch.device("cpu"))
-    kernel([x, x, x, x], ring, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
-                  [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3], _snap(), [-1] * 4)
+    kernel([x, x, x, x], ring, toks, first, torch.tensor(1), [0, w, 2 * w, 3 * w],
+           [12, 12, 12, 4], [8, 8, 8, 8], [0, 1, 2, 3], _snap(), [-1] * 4)
     row = ring[1].numpy()
-    solo = torch.zeros(2, w)
-    kernel([x.clone()], solo, statsop.new_first(torch.device("cpu")), torch.tensor(1),
-                  [0], [12], [8], [0], _snap(), [-1])
+    solo, solo_toks = torch.zeros(2, w), _toks(torch.zeros(2, w), 8)
+    kernel([x.clone()], solo, solo_toks, statsop.new_first(torch.device("cpu")),
+           torch.tensor(1), [0], [12], [8], [0], _snap(), [-1])
     for k in range(3):
         np.testing.assert_array_equal(row[k * w:(k + 1) * w], solo[1].numpy())
+    # every entry's token maxima: its own column, each the lone tensor's (entry 0's)
+    for k in range(4):
+        np.testing.assert_array_equal(toks[1, :, k].numpy(), solo_toks[1, :, 0].numpy())
+    assert toks[1, :5, 0].isnan().any() == nan and not toks[1, :, 4:].any()
     # the entry that keeps no channel ranges (12 channels > cap 4): scalars and tokens only
     tail = row[3 * w:]
     np.testing.assert_array_equal(tail[:statsop.N_SCAL], solo[1].numpy()[:statsop.N_SCAL])
@@ -274,10 +296,11 @@ def test_one_call_site_called_again_with_other_buffers() -> None:
 
     assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
     sites = len(statscpu._SITES)
-    w = statsop.entry_width(CAP, TOK)
+    w = statsop.entry_width(CAP)
     off = [50, 50 + w, 50 + 2 * w]
     g = torch.Generator().manual_seed(11)
     ring = torch.zeros(3, 50 + 3 * w)
+    toks = _toks(ring)
     calls = []
     a = torch.randn(6, 64, generator=g)
     calls.append([a, torch.randn(6, 64, generator=g), torch.randn(6, 32, generator=g)])
@@ -289,17 +312,20 @@ def test_one_call_site_called_again_with_other_buffers() -> None:
                   torch.randn(9, 32, generator=g)])  # other row counts
     for step, xs in enumerate(calls):
         ring.zero_()
+        toks.zero_()
         first = statsop.new_first(torch.device("cpu"))
         redos = sum(statscpu.REDOS.values())
-        statscpu.stats_cpu(xs, ring, first, torch.tensor(step), off, [CAP] * 3, [TOK] * 3,
-                      [0, 1, 2], _snap(), [-1] * 3)
+        statscpu.stats_cpu(xs, ring, toks, first, torch.tensor(step), off, [CAP] * 3,
+                           [TOK] * 3, [0, 1, 2], _snap(), [-1] * 3)
         # finite float32 rows: all done by the C pass, none left to numpy to put right
         assert sum(statscpu.REDOS.values()) == redos
-        for x, o in zip(xs, off):  # each entry moved to where _check reads (offset 50)
-            one = ring.clone()
+        for e, (x, o) in enumerate(zip(xs, off)):  # each entry moved to where _check reads
+            one = ring.clone()                     # (offset 50, column 0)
             one[:, 50:50 + w] = ring[:, o:o + w]
             one[:, 50 + w:] = 0
-            _check(x, one.numpy(), first.numpy(), step, 0, 1e-5)
+            col = torch.zeros_like(toks)
+            col[:, :, 0] = toks[:, :, e]
+            _check(x, one.numpy(), col.numpy(), first.numpy(), step, 0, 1e-5)
     # the first two calls share one description; the shared buffer and the rows make two more
     assert len(statscpu._SITES) - sites == 3
 
@@ -316,13 +342,14 @@ def _snap_group(kernel, capacity: int = 4096, order: str = ""):  # noqa: ANN001,
     xs[3][0, 2, 1] = float("nan")
     xs[5][4, 0] = float("inf")
     xs[6][1, 1] = float("nan")
-    n, w = len(xs), statsop.entry_width(CAP, TOK)
+    n, w = len(xs), statsop.entry_width(CAP)
     ring, first = torch.zeros(2, w * n), statsop.new_first(torch.device("cpu"))
+    toks = _toks(ring)
     snap = statsop.new_snap(torch.device("cpu"), capacity)
     pair = [-1, 0, -1, 2, -1, 4, 6]
     for step, group in ((3, xs), (4, [torch.full_like(x, float("nan")) for x in xs])):
-        kernel(group, ring, first, torch.tensor(step), [i * w for i in range(n)], [CAP] * n,
-               [TOK] * n, list(range(20, 20 + n)), snap, pair)
+        kernel(group, ring, toks, first, torch.tensor(step), [i * w for i in range(n)],
+               [CAP] * n, [TOK] * n, list(range(20, 20 + n)), snap, pair)
     return xs, snap
 
 
@@ -348,12 +375,13 @@ def test_cpu_kernel_keeps_the_first_failing_output_call_once(capacity: int,
 def test_no_snapshot_without_capacity_or_a_failing_output(kernel) -> None:  # noqa: ANN001
     xs, snap = _snap_group(kernel, 0)
     assert snap.numpy().tolist() == [1.0] + [0.0] * (statsop.SNAP_HEADER - 1)
-    w = statsop.entry_width(8, 4)
+    w = statsop.entry_width(8)
     snap = statsop.new_snap(torch.device("cpu"), 64)
     nan = torch.full((2, 8), float("nan"))  # a failing input is no candidate
-    kernel([nan, torch.ones(2, 8)], torch.zeros(2, 2 * w),
-                  statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w], [8] * 2,
-                  [4] * 2, [0, 1], snap, [-1, 0])
+    ring = torch.zeros(2, 2 * w)
+    kernel([nan, torch.ones(2, 8)], ring, _toks(ring, 4),
+           statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w], [8] * 2,
+           [4] * 2, [0, 1], snap, [-1, 0])
     assert not snap.numpy().any()
 
 
@@ -365,12 +393,14 @@ from qforensics.hooks.statstriton import launch_triton
 import test_statsop as t
 out = {}
 for i, (name, x) in enumerate(t._cases()):
-    ring, first = t._run(launch_triton, x, 11 + i, i)
+    ring, toks, first = t._run(launch_triton, x, 11 + i, i)
     out[name + ".ring"] = ring.numpy()
+    out[name + ".toks"] = toks.numpy()
     out[name + ".first"] = first.numpy()
 for kernel, tag in ((launch_triton, "group.triton"), (statscpu.stats_cpu, "group.cpu")):
-    ring, first = t._group(kernel)
+    ring, toks, first = t._group(kernel)
     out[tag + ".ring"] = ring.numpy()
+    out[tag + ".toks"] = toks.numpy()
     out[tag + ".first"] = first.numpy()
 for cap in (4096, 30):
     out[f"snap.{cap}"] = t._snap_group(launch_triton, cap)[1].numpy()
@@ -395,17 +425,22 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(out)
     for i, (name, x) in enumerate(_cases()):
-        _check(x, got[name + ".ring"], got[name + ".first"], 11 + i, i, 1e-5)
+        _check(x, got[name + ".ring"], got[name + ".toks"], got[name + ".first"], 11 + i, i,
+               1e-5)
     # a group in one launch: the CPU kernel's figures, the first failure of the group
-    tri, cpu = got["group.triton.ring"], got["group.cpu.ring"]
-    fin = np.isfinite(cpu)
-    assert (np.isfinite(tri) == fin).all()
-    np.testing.assert_allclose(tri[fin], cpu[fin], rtol=1e-4, atol=1e-3)
-    assert (np.isnan(tri) == np.isnan(cpu)).all()
+    for part in ("ring", "toks"):
+        tri, cpu = got[f"group.triton.{part}"], got[f"group.cpu.{part}"]
+        fin = np.isfinite(cpu)
+        assert (np.isfinite(tri) == fin).all()
+        np.testing.assert_allclose(tri[fin], cpu[fin], rtol=1e-4, atol=1e-3)
+        assert (np.isnan(tri) == np.isnan(cpu)).all()
+    tri = got["group.triton.ring"]
     assert got["group.triton.first"].tolist() == got["group.cpu.first"].tolist()
     assert statsop.decode_first(int(got["group.cpu.first"][0]))[1] == 12  # bad-f32, 3rd
-    w = statsop.entry_width(CAP, TOK)
+    w = statsop.entry_width(CAP)
     np.testing.assert_array_equal(tri[9 % 2, 3 * w:4 * w], tri[9 % 2, w:2 * w])
+    tt = got["group.triton.toks"]
+    np.testing.assert_array_equal(tt[9 % 2, :, 13], tt[9 % 2, :, 11])  # entries 11 and 13
     # the snapshot: claimed by the first failing output's program, copied, once
     xs = _snap_group(statscpu.stats_cpu)[0]
     for cap in (4096, 30):
@@ -423,5 +458,5 @@ def test_numpy_pass_calls_no_blas(monkeypatch) -> None:
     for name in ("dot", "vdot", "inner", "matmul", "tensordot"):
         monkeypatch.setattr(np, name, blas)
     for x in (torch.randn(6, 40).to(torch.float16), torch.arange(100, 106)):
-        ring, first = _run(statscpu.stats_cpu, x, 7, 3)
-        _check(x, ring.numpy(), first.numpy(), 7, 3, 1e-3)
+        ring, toks, first = _run(statscpu.stats_cpu, x, 7, 3)
+        _check(x, ring.numpy(), toks.numpy(), first.numpy(), 7, 3, 1e-3)
