@@ -17,7 +17,9 @@ phase, then the comparison:
 - on a loaded machine wall times wander: each step's CPU time (all threads of the process) is
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
-- on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0); on the CPU, which
+- on CUDA, torch's count of skipped CUDA graphs (`cudagraph_skips`, want 0) and the device
+  memory capture adds (`cuda_mib_added`, peak against plain's); the ring's and the token ring's
+  sizes (`graph_ring`) and, with a drainer, its waits (`graph_drain`); on the CPU, which
   kernel the op ran (`stats_kernel`: c++, or python where it is not built) and the tensors
   the Python kernel left to numpy (`numpy_redos`).
 With `--drain both` one captured phase builds the records in the drainer thread
@@ -195,6 +197,7 @@ def child(a: argparse.Namespace) -> dict:
         from torch._dynamo.utils import counters
 
         out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+        out["cuda_max_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if a.phase == "captured":
         wall, cpu_s = (host[0], host[2]) if host_timed is None else host_timed
         out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
@@ -241,6 +244,8 @@ def _trace_facts(path: str) -> dict:
             "graph_calls": t.meta["status"].get("graph_calls"),
             "numpy_redos": t.meta["status"].get("graph_numpy_redos", {}),
             "stats_kernel": (t.meta["status"].get("stats_kernel") or {}).get("kernel"),
+            "graph_ring": t.meta["status"].get("graph_ring"),
+            "graph_drain": t.meta["status"].get("graph_drain"),
             "verdict": f.verdict.line,
             "cause": f.cause.line if f.cause is not None else None}
 
@@ -284,6 +289,11 @@ def compare(p: dict, c: dict) -> dict:
         "tokens_identical": p["tokens_out"] == c["tokens_out"],
         "every_module_every_step": c.get("every_module_every_step"),
         "cudagraph_skips": c.get("cudagraph_skips"),
+        # a GPU: the memory capture adds (its ring, token ring, snapshot buffer, pinned
+        # copies are host memory and not counted here)
+        "cuda_mib_added": (round(c["cuda_max_mib"] - p["cuda_max_mib"], 1)
+                           if "cuda_max_mib" in c and "cuda_max_mib" in p else None),
+        "graph_ring": c.get("graph_ring"),
     }
 
 

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cmp['host_ms_per_step']} (CPU {cmp['host_cpu_ms_per_step']}), stats-op calls "
           f"{cmp['stats_op_calls']} ({cmp['calls_per_module']} per module), kernels added "
           f"{cmp['kernels_added']}; {summary['seconds']} s")
+    print(f"device memory added {cmp.get('cuda_mib_added')} MiB; ring {cmp.get('graph_ring')}; "
+          f"drainer {c.get('graph_drain')}")
     return 0 if all(h for _, h, _ in res) else 1
 
 

@@ -153,9 +153,32 @@ def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: 
     return hook
 
 
-def max_entries(is_block: list[bool], max_inputs: int, max_outputs: int) -> int:
-    """Entries a capture may place at most: each module's recorded inputs and outputs."""
-    return sum(2 if blk else max_inputs + max_outputs for blk in is_block)
+def max_entries(modules: list[torch.nn.Module], is_block: list[bool], max_inputs: int,
+                max_outputs: int) -> int:
+    """Entries a capture may place at most: each module's recorded inputs and outputs (a
+    decoder block one of each; a module no more inputs than its forward takes positionally,
+    `positional_inputs`). It sizes the token ring's columns, which a GPU allocates whole."""
+    return sum(2 if blk else min(max_inputs, positional_inputs(m)) + max_outputs
+               for m, blk in zip(modules, is_block))
+
+
+def positional_inputs(module: torch.nn.Module) -> int:
+    """The most tensors a forward hook of `module` can find among its positional arguments
+    (at least 1: a hidden-state keyword stands in when there is none); unknown (a *args
+    forward, no signature): a large number."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1 << 30
+    n = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return 1 << 30
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return max(1, n)
 
 
 def selftest(device: torch.device) -> str | None:

@@ -149,7 +149,8 @@ class GraphMode:
         # recorder, which then resolves them, and a float32 trace (float16 clips as it copies)
         lazy = self._recorder is not None and self.options["channel_dtype"] != "float16"
         self._gs = graphstats.GraphStats(  # + 1: the logits (hooks/callhooks.py)
-            entries=graphhooks.max_entries(blocks, max_inputs, max_outputs) + 1,
+            entries=graphhooks.max_entries([m for _, m, _ in mods], blocks, max_inputs,
+                                           max_outputs) + 1,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
             slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy

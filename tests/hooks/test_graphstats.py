@@ -127,6 +127,26 @@ def test_width_bound_reads_declared_sizes():
     assert graphhooks.width_bound(blk, 8192) == 24
 
 
+def test_entries_bound_by_what_each_forward_takes_positionally():
+    """The token ring's columns (a GPU allocates them whole) are bounded by each module's
+    positional inputs: a Linear one, a block two in all, a forward taking *args the most the
+    hooks record; a module taking none still gets one (a hidden-state keyword)."""
+
+    class Star(nn.Module):
+        def forward(self, *xs):  # noqa: ANN002, ANN202
+            return xs[0]
+
+    class KwOnly(nn.Module):
+        def forward(self, *, hidden_states):  # noqa: ANN001, ANN202
+            return hidden_states
+
+    mods = [nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), Star(), KwOnly(), nn.Bilinear(2, 2, 2)]
+    assert [graphhooks.positional_inputs(m) for m in (mods[0], mods[3], mods[4])] == [1, 1, 2]
+    assert graphhooks.positional_inputs(mods[2]) >= 4
+    assert graphhooks.max_entries(mods, [False, True, False, False, False], 4, 2) == \
+        (1 + 2) + 2 + (4 + 2) + (1 + 2) + (2 + 2)
+
+
 def test_capture_of_a_compiled_model_matches_eager_capture(tmp_path):
     eager_model = Tiny()
     toks_e = greedy_tokens(eager_model, tmp_path / "e.h5", 4)
@@ -138,6 +158,7 @@ def test_capture_of_a_compiled_model_matches_eager_capture(tmp_path):
     st = tc.meta["status"]
     assert st["capture_mode"] == "compiled" and st["hook_path"] == "graph"
     assert st["graph_calls"] == len(te.modules) - 1  # every hooked layer but the root
+    assert "graph_not_recorded" not in st  # the entries' bound left none without a place
     re, rc = te.records(), tc.records()
     for step in range(4):
         a = re[(re.step == step)].sort_values(["call_index", "io", "slot"])
