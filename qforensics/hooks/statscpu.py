@@ -144,9 +144,9 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tensor, s
     fused_reduce.c (`_group_c`) when it is loaded, else tensor by tensor."""
     n = int(step)
     fn = fused.REDUCER.group()
-    tok = _clamp_tok(toks, tok, entry)
     counts = (_group_c(fn, xs, ring, toks, n, off, cap, tok, entry) if fn is not None
-              else _each_cpu(xs, _row(ring, n), _row(toks, n), n, off, cap, tok, entry))
+              else _each_cpu(xs, _row(ring, n), _row(toks, n), n, off, cap,
+                             _clamp_tok(toks, tok, entry), entry))
     if not counts:  # every tensor finite: no first-failure word, no snapshot to consider
         return
     best = NO_FIRST
@@ -231,7 +231,7 @@ class _Site:
     addresses are read at each call (`_group_c`), instead of describing every tensor again
     (~40 us a call hot, ~100 us between a layer's kernels)."""
 
-    __slots__ = ("desc", "addr", "src_of", "spill")
+    __slots__ = ("desc", "addr", "src_of", "spill", "tok")
 
     def __init__(self, xs: Sequence[Tensor], off: Sequence[int], cap: Sequence[int],
                  tok: Sequence[int], entry: Sequence[int]) -> None:
@@ -263,6 +263,7 @@ class _Site:
         self.desc = np.array(desc, np.int64).reshape(-1, GROUP_DESC)
         self.addr = self.desc.ctypes.data
         self.spill = spill
+        self.tok = tok  # clamped to the token ring (`_clamp_tok`)
 
 
 _SITES: dict[tuple, _Site] = {}
@@ -282,12 +283,13 @@ def _group_c(fn: Any, xs: Sequence[Tensor], ring: Tensor, toks: Tensor, n: int,
     first_of: dict[int, int] = {}  # which tensors share memory: part of what the site is
     key = (tuple([(x.dtype, x.shape, x.stride()) for x in xs]),
            tuple([first_of.setdefault(p, i) for i, p in enumerate(ptrs)]),
-           tuple(off), tuple(cap), tuple(tok), tuple(entry))
+           tuple(off), tuple(cap), tuple(tok), tuple(entry), toks.shape[1:])
     site = _SITES.get(key)
     if site is None:
         if len(_SITES) >= _MAX_SITES:
             _SITES.clear()
-        site = _SITES[key] = _Site(xs, off, cap, tok, entry)
+        site = _SITES[key] = _Site(xs, off, cap, _clamp_tok(toks, tok, entry), entry)
+    tok = site.tok
     done, rows_buf, addr, addrs = _group_scratch(m, site.spill)
     addr[:m] = ptrs
     slot = n % ring.shape[0]
