@@ -127,6 +127,7 @@ SLOW = (
     "tests/hooks/test_graphstats.py::test_capture_of_a_compiled_model_matches_eager_capture",
     "tests/hooks/test_graphstats.py::test_compiled_capture_finds_the_producer",
     "tests/hooks/test_ringranges.py::test_compiled_trace_ring_holds_the_eager_ranges_and_copied",
+    "tests/hooks/test_statsop.py::test_triton_kernel_through_a_compiled_capture_writes_the_cpu",
     "tests/hooks/test_param_watch.py::test_compiled_model_names_the_overwritten_row",
     "tests/hooks/test_flight_recorder.py::test_sigkill_keeps_the_steps_and_the_last_window",
     "tests/hooks/test_flight_recorder.py::test_max_bytes_caps_the_file_and_says_so",

@@ -448,6 +448,63 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     _check_snap(xs, got["snap.reversed"], 4096)
 
 
+_CAPTURE_CHILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from qforensics.hooks import graphstats, statsop  # the C++ kernel registers as it loads
+from qforensics.hooks.statstriton import launch_triton
+calls = []
+statsop.register_kernel(lambda *a: (calls.append(1), launch_triton(*a))[1], "CPU")
+from capture_models import Tiny, greedy_tokens
+toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), sys.argv[1], 3)
+print(len(calls))
+print(toks)
+"""
+
+
+def test_triton_kernel_through_a_compiled_capture_writes_the_cpu_kernels_trace(tmp_path
+                                                                               ) -> None:
+    """The Triton kernel (in its interpreter, registered as the op's CPU kernel in a child)
+    behind a whole compiled capture: the graph's op calls, the ring, the token ring and the
+    host's reading of them give the trace the C++ kernel gives, record for record."""
+    pytest.importorskip("triton", reason="Triton is a test dependency (pyproject [test])")
+    import qforensics
+    from capture_models import Tiny, greedy_tokens
+
+    tri_path, cpu_path = tmp_path / "triton.h5", tmp_path / "cpu.h5"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _CAPTURE_CHILD, str(tri_path),
+                        os.path.dirname(__file__)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), cpu_path, 3)
+    out = r.stdout.strip().splitlines()
+    assert out[-1] == str(toks) and int(out[-2]) > 0  # the Triton kernel ran the op
+    tt, tc = qforensics.open_trace(tri_path), qforensics.open_trace(cpu_path)
+    assert tt.meta["status"]["capture_mode"] == tc.meta["status"]["capture_mode"] == "compiled"
+    a, b = tt.records(), tc.records()
+    assert len(a) == len(b) > 0
+    exact = ["step", "call_index", "module_id", "io", "slot", "rows", "channels", "numel",
+             "nan_count", "inf_count", "tok_count", "min", "max", "absmax"]
+    assert a[exact].values.tolist() == b[exact].values.tolist()
+    np.testing.assert_allclose(a["mean"].values, b["mean"].values, rtol=1e-5, atol=1e-6)
+    # every record's token maxima and channel ranges, read back through the trace
+    toks_seen = chans_seen = 0
+    for (_, ra), (_, rb) in zip(a.iterrows(), b.iterrows()):
+        ta, tb = tt.token_absmax(ra), tc.token_absmax(rb)
+        assert (ta is None) == (tb is None)
+        if tb is not None:
+            np.testing.assert_array_equal(ta, tb)
+            toks_seen += len(tb)
+        ca, cb = tt.channel_ranges(ra), tc.channel_ranges(rb)
+        assert (ca is None) == (cb is None)
+        if cb is not None:
+            np.testing.assert_array_equal(ca[0], cb[0])
+            np.testing.assert_array_equal(ca[1], cb[1])
+            chans_seen += len(cb[0])
+    assert toks_seen > len(b) and chans_seen > 0
+
+
 def test_numpy_pass_calls_no_blas(monkeypatch) -> None:
     """The CPU kernel's numpy pass (a dtype C does not read) never calls BLAS: numpy's OpenBLAS
     threads would wake and spin on the cores an engine binds its OpenMP threads to (vLLM
