@@ -273,7 +273,7 @@ class GraphMode:
                 row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
-            if gs.device.type != "cpu":  # on this thread's stream, after the step's kernels
+            if gs.copies:  # on this thread's stream, after the step's kernels
                 gs.start_copy(self.step, _rows(ids))
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,

@@ -51,8 +51,21 @@ SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wi
 RING_SLOTS = 4  # the op writes one slot while the drainer reads the others (hooks/drainer.py)
 # with lazy channel ranges (`GraphStats.lazy`), the ring also holds the file ring's last steps
 # until the writer needs them: ring_steps + RING_SLOTS + 1 slots (hooks/ringranges.py)
+# tests: the GPU's way of reading the ring (a device ring of RING_SLOTS, each step copied into
+# host buffers, read from them) on the CPU, where copies are synchronous and not pinned
+HOST_COPIES_ON_CPU = False
 _REGISTRY: dict[int, "GraphStats"] = {}
 _KEYS = itertools.count(1)
+
+
+class _Done:
+    """The event of a copy on the CPU (`HOST_COPIES_ON_CPU`): done when made."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def registered(key: int) -> "GraphStats | None":
@@ -88,8 +101,9 @@ class GraphStats:
         # pinned copies, one per step, while the device ring keeps RING_SLOTS (all of each
         # slot's segment rows are allocated there: 16 MiB each)
         self.host_slots = max(1, int(slots))
-        self.slots = (self.host_slots if device.type == "cpu"
-                      else min(self.host_slots, RING_SLOTS))
+        # a GPU reads host copies of each step's slot; the CPU reads the ring in place
+        self.copies = device.type != "cpu" or HOST_COPIES_ON_CPU
+        self.slots = (min(self.host_slots, RING_SLOTS) if self.copies else self.host_slots)
         # a step's channel ranges stay in its slot, read only when a batch needs them
         # (hooks/ringranges.py); `slots` must then cover the flight recorder's ring
         self.lazy = bool(lazy)
@@ -108,7 +122,7 @@ class GraphStats:
         # so a decode step's maxima are one short run, and a GPU copies only the step's rows;
         # there two slots: each step's rows are copied to the host right after the step, on
         # its stream (the rows of max_entries columns are allocated whole on a device)
-        self.toks = new_toks(self.slots if device.type == "cpu" else min(2, self.slots),
+        self.toks = new_toks(min(2, self.slots) if self.copies else self.slots,
                              self.tok_rows, self.max_entries, device)
         torch._dynamo.mark_static_address(self.toks)
         self._tok_copied: dict[int, int] = {}  # a GPU: host slot -> token rows its copy holds
@@ -215,23 +229,24 @@ class GraphStats:
         figures and input ids, copied asynchronously into pinned host buffers allocated once
         per slot (the token rows' grown when a step has more); read in `collect`. On CPU:
         nothing (collect reads the ring in place)."""
-        if self.device.type == "cpu":
+        if not self.copies:
             return
         slot, hs = step % self.slots, step % self.host_slots
+        pin = self.device.type == "cuda"
         t_rows = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
         ncol = self.toks.shape[2]
         host = self._host.get(hs)
         if host is None or len(host) != len(self.segments) + 3 or any(
                 h.numel() < used for h, used in zip(host, self._used)):
             host = self._host[hs] = [  # as much as the entries use: slots x segments
-                torch.empty(max(1, used), dtype=torch.float32, pin_memory=True)
+                torch.empty(max(1, used), dtype=torch.float32, pin_memory=pin)
                 for used in self._used] + [
-                torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=True),
-                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=True),
+                torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=pin),
+                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=pin),
                 torch.empty(0, dtype=torch.float32)]
         if host[-1].numel() < t_rows * ncol:  # grown to the most rows a step had (rare)
             host[-1] = torch.empty(max(t_rows, min(64, self.tok_rows)) * ncol,
-                                   dtype=torch.float32, pin_memory=True)
+                                   dtype=torch.float32, pin_memory=pin)
         for dst, seg, used in zip(host, self.segments, self._used):
             dst[:used].copy_(seg[slot, :used], non_blocking=True)
         tslot = self.toks[step % self.toks.shape[0], :t_rows]
@@ -243,7 +258,7 @@ class GraphStats:
             host[-2][:n].copy_(self.ids[slot, :n], non_blocking=True)
         ev = self._event.get(hs)
         if ev is None:
-            ev = self._event[hs] = torch.cuda.Event()
+            ev = self._event[hs] = torch.cuda.Event() if pin else _Done()
         ev.record()
         self._copied[hs] = step
 
@@ -258,14 +273,14 @@ class GraphStats:
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""
         slot = step % self.slots
-        if self.device.type == "cpu":
+        if not self.copies:
             return [seg[slot, :used].numpy() for seg, used in zip(self.segments, self._used)]
         return self._host_slot(step)[:len(self.segments)]
 
     def _tok_slot(self, step: int) -> np.ndarray:
         """This step's token maxima, [rows, entries]: on CPU a view of the token ring's
         slot, on a GPU the rows its host copy holds."""
-        if self.device.type == "cpu":
+        if not self.copies:
             return self.toks[step % self.toks.shape[0]].numpy()
         hs = step % self.host_slots
         host = self._host_slot(step)[-1]
@@ -276,7 +291,7 @@ class GraphStats:
         """The logits figures and input ids put for `step` (`put_step_extras`)."""
         slot = step % self.slots
         n = self.ids_n[slot]
-        if self.device.type == "cpu":
+        if not self.copies:
             return self.figs[slot].numpy().astype(np.float64), self.ids[slot, :n].numpy().copy()
         host = self._host_slot(step)
         return host[-3].astype(np.float64), host[-2][:n].copy()
@@ -415,7 +430,7 @@ class GraphStats:
         """`step`'s channel ranges from its slot, None when the slot no longer holds that step
         (the op has written a later one there): its entries' stamps are checked before and
         after the copy."""
-        if self.device.type != "cpu" and self._copied.get(step % self.host_slots) != step:
+        if self.copies and self._copied.get(step % self.host_slots) != step:
             return None  # its pinned copy holds a later step now
         rows = self._rows(step)
         stamp = float(step % STAMP_MOD)

@@ -206,14 +206,19 @@ def test_compiled_flag_must_be_a_bool(tmp_path):
         qforensics.capture(Tiny(), tmp_path / "x.h5", compiled="yes")
 
 
-@pytest.mark.parametrize("nan", [False, True])
-def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeypatch, nan):
+@pytest.mark.parametrize("nan,copies", [(False, False), (True, False), (True, True)])
+def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeypatch, nan,
+                                                              copies):
     """A GPU emits each compiled step at the end of the next one, from its slot of the ring
     (records, logits figures, input ids), so that no step waits on the device; forced here
     on the CPU, the trace must be the one written at once, the last step included (drained
-    at close), NaN logits counted from the exact figures."""
+    at close), NaN logits counted from the exact figures. With `copies`, the GPU's way of
+    reading the ring too (graphstats.HOST_COPIES_ON_CPU): 4 device slots, 2 of the token
+    ring, each step's slot and its token rows copied into host buffers and read from there,
+    the channel ranges of ring steps from those copies."""
     def run(path, late: bool) -> list[int]:
         monkeypatch.setattr(graphmode, "LATE_ON_CPU", late)
+        monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", late and copies)
         model = Tiny()
         if nan:
             with torch.no_grad():
@@ -234,6 +239,23 @@ def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeyp
                                rtol=1e-4)
     for s in range(5):
         np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
+    # every record's token maxima and kept channel ranges, as written at once
+    kept = 0
+    for (_, ra), (_, rb) in zip(a.records().iterrows(), b.records().iterrows()):
+        ta, tb = a.token_absmax(ra), b.token_absmax(rb)
+        assert (ta is None) == (tb is None)
+        if ta is not None:
+            np.testing.assert_array_equal(ta, tb)
+        ca, cb = a.channel_ranges(ra), b.channel_ranges(rb)
+        assert (ca is None) == (cb is None)
+        if ca is not None:
+            kept += 1
+            np.testing.assert_array_equal(ca[0], cb[0])
+            np.testing.assert_array_equal(ca[1], cb[1])
+    assert kept > 0
+    if copies:
+        ring = b.meta["status"]["graph_ring"]
+        assert ring["slots"] == graphstats.RING_SLOTS and ring["host_slots"] > ring["slots"]
     # the logits' own NaN count, from the head's weights: row 5 is NaN at every position
     assert b.steps["logits_nan"].tolist() == ([1] * 5 if nan else [0] * 5)
 
