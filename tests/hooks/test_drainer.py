@@ -115,9 +115,20 @@ def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypat
         np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
 
 
-def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpu_like", [False, True])
+def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, monkeypatch,
+                                                                    gpu_like):
     """Records built slower than the model steps: the ring's slots are never overwritten
-    before they are read (the model's thread waits): every step is in the trace, whole."""
+    before they are read (the model's thread waits): every step is in the trace, whole.
+    `gpu_like`: as a GPU reads the ring (steps emitted a step late, from host copies of a
+    4-slot ring and a 2-slot token ring): every record, token maxima included, is the one
+    built at each step's end without a drainer."""
+    if gpu_like:
+        monkeypatch.setattr(graphmode, "DRAIN", "sync")
+        greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ref.h5", 10)
+        monkeypatch.setattr(graphmode, "DRAIN", "thread")
+        monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
+        monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
     orig = graphstats.GraphStats.collect
 
     def slow(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -127,6 +138,17 @@ def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, m
     monkeypatch.setattr(graphstats.GraphStats, "collect", slow)
     greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 10)
     t = qforensics.open_trace(tmp_path / "t.h5")
+    if gpu_like:
+        ref = qforensics.open_trace(tmp_path / "ref.h5")
+        assert t.meta["status"]["graph_ring"]["slots"] == graphstats.RING_SLOTS
+        cols = ["step", "call_index", "module_id", "io", "slot", "rows", "min", "max",
+                "absmax", "tok_count"]
+        np.testing.assert_array_equal(t.records()[cols].values, ref.records()[cols].values)
+        for (_, ra), (_, rb) in zip(t.records().iterrows(), ref.records().iterrows()):
+            ta, tb = t.token_absmax(ra), ref.token_absmax(rb)
+            assert (ta is None) == (tb is None)
+            if tb is not None:
+                np.testing.assert_array_equal(ta, tb)
     st = t.meta["status"]
     assert st["graph_drain"]["waits"] > 0 and st["graph_drain"]["dropped"] == 0
     assert t.steps["step"].tolist() == list(range(10))
