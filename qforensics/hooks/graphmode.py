@@ -46,6 +46,7 @@ LATE_ON_CPU = False
 # the CPU, whose cores the drainer would take from the model (measured on 2 cores: vLLM
 # compiled 1.72 with the thread against 1.53 without; HF compiled 1.34 against 1.32)
 DRAIN = os.environ.get("QFORENSICS_DRAIN", "auto")
+OUTSIDE_ENTRIES = 16  # entries kept for tensors recorded outside the graph
 
 
 @dataclass
@@ -148,9 +149,11 @@ class GraphMode:
         # channel ranges left in the ring until needed (hooks/ringranges.py): with the flight
         # recorder, which then resolves them, and a float32 trace (float16 clips as it copies)
         lazy = self._recorder is not None and self.options["channel_dtype"] != "float16"
-        self._gs = graphstats.GraphStats(  # + 1: the logits (hooks/callhooks.py)
+        # + OUTSIDE_ENTRIES: what is recorded outside the graph (the logits, hooks/callhooks.py;
+        # an engine's lm_head and row flags), none of it among `mods`
+        self._gs = graphstats.GraphStats(
             entries=graphhooks.max_entries([m for _, m, _ in mods], blocks, max_inputs,
-                                           max_outputs) + 1,
+                                           max_outputs) + OUTSIDE_ENTRIES,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
             slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy
