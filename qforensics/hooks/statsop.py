@@ -11,9 +11,9 @@ is [n, 1]) and writes its entry's part of the ring slot `step % R` (`ring`: [R, 
 
 and its token maxima into `toks` ([S, T, E] float32), token-major: row r of tensor i at
 `toks[step % S, r, entry[i]]` (S may be fewer slots than the ring's: a GPU copies a step's
-token rows to the host as soon as the step ends). A decode step's maxima are then one short run of
-the slot (every entry's row 0 side by side), not one page per entry, and a GPU copies to the
-host only the rows the step has (graphstats.start_copy).
+token rows to the host as soon as the step ends). A decode step's maxima are then one short
+run of the slot (every entry's row 0 side by side), not one page per entry, and a GPU copies
+to the host only the rows the step has (graphstats.start_copy).
 
 - sums, min and max are over the finite values only (min +inf / max -inf when there is none);
   `stamp` is `step mod 2**24`, so the host tells a row written at this step from a stale one;
@@ -34,7 +34,7 @@ host only the rows the step has (graphstats.start_copy).
 Why one op for a group: the capture's hooks queue their tensors and the decoder layer's hook
 (or a module outside any layer) hands them over at once (hooks/graphhooks.py), so Inductor sees
 one opaque call per layer instead of ~10 fused reductions per tensor, its mutations declared
-(`ring`, `first`), so the graph writes them in place; the ring is a static buffer that CUDA
+(`ring`, `toks`, `first`, `snap`), so the graph writes them in place; the ring is a static buffer that CUDA
 graph replays keep writing. `step` is a device counter the host advances before each step (no
 sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per tensor, one pass over
 it, the group's tensors gathered into one buffer: two launches a call); the CPU kernel is
