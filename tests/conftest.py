@@ -121,6 +121,7 @@ SLOW = (
     "tests/bench/test_bench_tools.py::test_guard_fallbacks_sizes_each_layout",
     "tests/bench/test_bench_tools.py::test_report_speed_times_one_sample",
     "tests/bench/test_bench_tools.py::test_hook_cost_prints_every_variant",
+    "tests/bench/test_bench_tools.py::test_collect_cost_times_both_paths_on_a_smollm2_sized_ring",
     "tests/triage/test_triage_processes.py",
     "tests/triage/test_triage_local.py",
     "tests/hooks/test_graphstats.py::test_compiled_hooks_match_numpy_full_graph",
@@ -128,6 +129,8 @@ SLOW = (
     "tests/hooks/test_graphstats.py::test_compiled_capture_finds_the_producer",
     "tests/hooks/test_ringranges.py::test_compiled_trace_ring_holds_the_eager_ranges_and_copied",
     "tests/hooks/test_statsop.py::test_triton_kernel_through_a_compiled_capture_writes_the_cpu",
+    "tests/hooks/test_drainer.py::"
+    "test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps[True]",
     "tests/hooks/test_param_watch.py::test_compiled_model_names_the_overwritten_row",
     "tests/hooks/test_flight_recorder.py::test_sigkill_keeps_the_steps_and_the_last_window",
     "tests/hooks/test_flight_recorder.py::test_max_bytes_caps_the_file_and_says_so",
