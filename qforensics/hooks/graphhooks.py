@@ -7,6 +7,7 @@ it are hooks/graphstats.py's."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterable
 
 import torch
@@ -166,8 +167,6 @@ def positional_inputs(module: torch.nn.Module) -> int:
     """The most tensors a forward hook of `module` can find among its positional arguments
     (at least 1: a hidden-state keyword stands in when there is none); unknown (a *args
     forward, no signature): a large number."""
-    import inspect
-
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):

@@ -34,14 +34,14 @@ to the host only the rows the step has (graphstats.start_copy).
 Why one op for a group: the capture's hooks queue their tensors and the decoder layer's hook
 (or a module outside any layer) hands them over at once (hooks/graphhooks.py), so Inductor sees
 one opaque call per layer instead of ~10 fused reductions per tensor, its mutations declared
-(`ring`, `toks`, `first`, `snap`), so the graph writes them in place; the ring is a static buffer that CUDA
-graph replays keep writing. `step` is a device counter the host advances before each step (no
-sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per tensor, one pass over
-it, the group's tensors gathered into one buffer: two launches a call); the CPU kernel is
-C++ behind the dispatcher (hooks/statsop_cpu.cpp, built by hooks/statsnative.py: the whole
-group in one call of hooks/fused_reduce.c's `qf_group`, an exact pass for what C does not
-finish, a tensor that several entries share reduced once), or where that is not built the
-same in Python (hooks/statscpu.py). All write the same layout (tests/hooks/test_statsop.py
+(`ring`, `toks`, `first`, `snap`), so the graph writes them in place; the ring is a static
+buffer that CUDA graph replays keep writing. `step` is a device counter the host advances
+before each step (no sync). The CUDA kernel is Triton (hooks/statstriton.py: one program per
+tensor, one pass over it, the group's tensors gathered into one buffer: two launches a call);
+the CPU kernel is C++ behind the dispatcher (hooks/statsop_cpu.cpp, built by
+hooks/statsnative.py: the whole group in one call of hooks/fused_reduce.c's `qf_group`, an
+exact pass for what C does not finish, a tensor that several entries share reduced once), or
+where that is not built the same in Python (hooks/statscpu.py). All write the same layout (tests/hooks/test_statsop.py
 checks each against numpy, the Triton kernel through Triton's interpreter).
 """
 
@@ -144,7 +144,8 @@ def _define() -> Any:
     lib.define(SCHEMA)
 
     @torch.library.register_fake("qforensics::stats", lib=lib)
-    def _fake(xs, ring, toks, first, step, off, cap, tok, entry, snap, pair):  # noqa: ANN001, ANN202
+    def _fake(xs, ring, toks, first, step, off, cap, tok, entry, snap,  # noqa: ANN001, ANN202
+              pair):
         return None
 
     _LIBS.append(lib)  # a Library unregisters its ops when collected

@@ -140,9 +140,9 @@ struct Scratch {
 };
 
 void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& toks,
-           const at::Tensor& first, const at::Tensor& step, c10::IntArrayRef off, c10::IntArrayRef cap,
-           c10::IntArrayRef tok, c10::IntArrayRef entry, const at::Tensor& snap,
-           c10::IntArrayRef pair) {
+           const at::Tensor& first, const at::Tensor& step, c10::IntArrayRef off,
+           c10::IntArrayRef cap, c10::IntArrayRef tok, c10::IntArrayRef entry,
+           const at::Tensor& snap, c10::IntArrayRef pair) {
     TORCH_CHECK(ring.scalar_type() == at::kFloat && ring.dim() == 2 && ring.stride(1) == 1,
                 "qforensics::stats: the ring must be [R, W] float32 with unit column stride");
     TORCH_CHECK(toks.scalar_type() == at::kFloat && toks.dim() == 3 && toks.is_contiguous(),

@@ -51,3 +51,25 @@ def greedy_tokens(model: nn.Module, path, steps: int, **kw) -> list[int]:
             out.append(nxt)
             seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
     return out
+
+
+def assert_same_channels(a, b) -> tuple[int, int]:  # noqa: ANN001
+    """Every record's token maxima and channel ranges in trace `a` equal to trace `b`'s (the
+    same records, in the same order); returns how many token maxima and how many records
+    with channel ranges were compared."""
+    import numpy as np
+
+    toks = chans = 0
+    for (_, ra), (_, rb) in zip(a.records().iterrows(), b.records().iterrows()):
+        ta, tb = a.token_absmax(ra), b.token_absmax(rb)
+        assert (ta is None) == (tb is None)
+        if tb is not None:
+            np.testing.assert_array_equal(ta, tb)
+            toks += len(tb)
+        ca, cb = a.channel_ranges(ra), b.channel_ranges(rb)
+        assert (ca is None) == (cb is None)
+        if cb is not None:
+            np.testing.assert_array_equal(ca[0], cb[0])
+            np.testing.assert_array_equal(ca[1], cb[1])
+            chans += 1
+    return toks, chans

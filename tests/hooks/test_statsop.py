@@ -469,7 +469,7 @@ def test_triton_kernel_through_a_compiled_capture_writes_the_cpu_kernels_trace(t
     host's reading of them give the trace the C++ kernel gives, record for record."""
     pytest.importorskip("triton", reason="Triton is a test dependency (pyproject [test])")
     import qforensics
-    from capture_models import Tiny, greedy_tokens
+    from capture_models import Tiny, assert_same_channels, greedy_tokens
 
     tri_path, cpu_path = tmp_path / "triton.h5", tmp_path / "cpu.h5"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -489,19 +489,7 @@ def test_triton_kernel_through_a_compiled_capture_writes_the_cpu_kernels_trace(t
     assert a[exact].values.tolist() == b[exact].values.tolist()
     np.testing.assert_allclose(a["mean"].values, b["mean"].values, rtol=1e-5, atol=1e-6)
     # every record's token maxima and channel ranges, read back through the trace
-    toks_seen = chans_seen = 0
-    for (_, ra), (_, rb) in zip(a.iterrows(), b.iterrows()):
-        ta, tb = tt.token_absmax(ra), tc.token_absmax(rb)
-        assert (ta is None) == (tb is None)
-        if tb is not None:
-            np.testing.assert_array_equal(ta, tb)
-            toks_seen += len(tb)
-        ca, cb = tt.channel_ranges(ra), tc.channel_ranges(rb)
-        assert (ca is None) == (cb is None)
-        if cb is not None:
-            np.testing.assert_array_equal(ca[0], cb[0])
-            np.testing.assert_array_equal(ca[1], cb[1])
-            chans_seen += len(cb[0])
+    toks_seen, chans_seen = assert_same_channels(tt, tc)
     assert toks_seen > len(b) and chans_seen > 0
 
 
