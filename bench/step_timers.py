@@ -50,7 +50,7 @@ PROFILED = [
     # compiled mode (hooks/graphmode.py, hooks/graphstats.py)
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_root"),
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_end"),
-    ("qforensics.hooks.graphstats", "GraphStats", "collect"),
+    ("qforensics.hooks.graphstats", "GraphStats", "collect_many"),
     ("qforensics.hooks.stepend", "StepEnd", "_emit_batch"),
     # the stats op's CPU kernel, called from inside the compiled graph
     ("qforensics.hooks.statscpu", None, "stats_cpu"),

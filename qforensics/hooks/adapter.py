@@ -87,12 +87,12 @@ class AdapterCalls:
     _modules: list[nn.Module]
     _handles: list[Any]
     _writer: Any
-    _drainer: Any  # hooks/drainer.py's Drainer in compiled mode, else None
 
     if TYPE_CHECKING:
         def _end_step(self, complete: bool) -> None: ...
         def _degrade(self, exc: BaseException) -> None: ...
         def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool: ...
+        def _graph_defer(self, fn: Callable[[], None]) -> None: ...
 
     @property
     def recording(self) -> bool:
@@ -140,11 +140,8 @@ class AdapterCalls:
         """Rows of the trace's /engine tables (steps, rows, requests, sampled)."""
         if self._writer is None:
             return
-        batch = engine_batch(**tables)
-        if self._drainer is not None:  # after the steps the drainer has not emitted yet
-            self._drainer.put(partial(self._writer.submit, batch))
-        else:
-            self._writer.submit(batch)
+        # after the compiled steps not emitted yet (hooks/graphmode.py)
+        self._graph_defer(partial(self._writer.submit, engine_batch(**tables)))
 
     def degrade(self, exc: BaseException) -> None:
         """Stop recording after an internal error (logged once); the run goes on."""

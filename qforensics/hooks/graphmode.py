@@ -47,6 +47,11 @@ LATE_ON_CPU = False
 # compiled 1.72 with the thread against 1.53 without; HF compiled 1.34 against 1.32)
 DRAIN = os.environ.get("QFORENSICS_DRAIN", "auto")
 OUTSIDE_ENTRIES = 16  # entries kept for tensors recorded outside the graph
+# Steps the model's thread (no drainer) lets wait before it emits them together
+# (GraphStats.collect_many: a step's records cost mostly numpy's fixed cost per call, paid once
+# for all of them). At most RING_SLOTS - 1: the op must not reach a slot not yet read. The
+# trace lags as many steps (close and an eager step emit what waits).
+SYNC_BATCH = graphstats.RING_SLOTS - 1
 
 
 @dataclass
@@ -106,7 +111,7 @@ class GraphMode:
     _next_call: int
     _pending: "PendingStep"
     _handles: list[Any]
-    _late: "collections.deque[LateStep]"
+    _late: "collections.deque[LateStep | Callable[[], None]]"
     _drainer: Drainer | None
     _graph_lane: int
     _degraded: str | None
@@ -159,7 +164,8 @@ class GraphMode:
             slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy
                    else graphstats.RING_SLOTS), lazy=lazy)
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
-            self._drainer = Drainer(self._graph_emit_item, graphstats.RING_SLOTS)
+            self._drainer = Drainer(self._graph_emit_item, graphstats.RING_SLOTS,
+                                    run_many=self._graph_emit_items)
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -292,43 +298,88 @@ class GraphMode:
             d.put(n)
             return
         self._late.append(n)
-        self._graph_drain(keep=1 if self._graph_late() else 0)
+        keep = 1 if self._graph_late() else 0
+        if sum(isinstance(i, LateStep) for i in self._late) >= keep + max(1, SYNC_BATCH):
+            self._graph_drain(keep=keep)
+
+    def _graph_defer(self, fn: "Callable[[], None]") -> None:
+        """Run `fn` (an engine's write between steps) after the steps noted before it: on the
+        drainer, after the steps waiting on the model's thread, or now."""
+        if self._drainer is not None:
+            self._drainer.put(fn)
+        elif self._late:
+            self._late.append(fn)
+        else:
+            fn()
 
     def _graph_drain(self, keep: int = 0) -> None:
-        """Emit the noted steps but the last `keep`, oldest first; with a drainer, wait until
-        it has emitted everything put so far."""
+        """Emit the noted steps (and the writes queued between them) but the last `keep`
+        steps, oldest first, together; with a drainer, wait until it has emitted everything put
+        so far."""
         d = self._drainer
         if d is not None:
             d.flush()
             if d.error is not None and self._degraded is None:
                 self._degrade(RuntimeError(f"compiled steps' records: {d.error}"))
         late, gs = self._late, self._gs
-        while gs is not None and len(late) > keep:
-            self._graph_emit(late.popleft())
+        if gs is None:
+            return
+        n = sum(isinstance(i, LateStep) for i in late) - keep
+        items = []
+        while late and n > 0:
+            items.append(late.popleft())
+            n -= isinstance(items[-1], LateStep)
+        while late and not isinstance(late[0], LateStep):  # writes after the last step emitted
+            items.append(late.popleft())
+        self._graph_emit_items(items)
 
     def _graph_emit_item(self, item: "LateStep | Callable[[], None]") -> None:
         """The drainer's work: a step noted at its end, or what an engine wrote between steps."""
-        if isinstance(item, LateStep):
-            self._graph_emit(item)
-        else:
+        self._graph_emit_items([item])
+
+    def _graph_emit_items(self, items: "list[LateStep | Callable[[], None]]") -> None:
+        """Noted steps and the writes between them, in order: each run of consecutive steps
+        read from the ring in one pass."""
+        run: list[LateStep] = []
+        for item in items:
+            if isinstance(item, LateStep):
+                run.append(item)
+                continue
+            if run:
+                self._graph_emit_many(run)
+                run = []
             item()
+        if run:
+            self._graph_emit_many(run)
 
     def _graph_emit(self, n: LateStep) -> None:
-        """One noted step's records from its slot of the ring, to the writer."""
+        self._graph_emit_many([n])
+
+    def _graph_emit_many(self, ns: list[LateStep]) -> None:
+        """Noted steps' records from their slots of the ring, to the writer, oldest first."""
         gs = self._gs
         assert gs is not None
-        part = gs.collect(n.step, n.graph_first, n.keep_channels)
-        self._graph_snapshot(part, n.step)
-        row, ids = n.logits_row, n.ids
-        if n.logits_t is not None:
-            row = reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(), n.logits_t)
-        if ids is None:  # a late step: its figures and ids come with its slot
-            figs, ids = gs.step_extras(n.step)
-            row = figs if n.has_logits else None
-        self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
-                         t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
-                         logits_row=row, ids=ids, complete=n.complete,
-                         incidents=n.incidents, kind=n.kind)
+        try:
+            parts = gs.collect_many([(n.step, n.graph_first, n.keep_channels) for n in ns])
+        except Exception:
+            if len(ns) == 1:
+                raise
+            for n in ns:  # one by one: the steps before the one that fails are kept
+                self._graph_emit_many([n])
+            return
+        for n, part in zip(ns, parts):
+            self._graph_snapshot(part, n.step)
+            row, ids = n.logits_row, n.ids
+            if n.logits_t is not None:
+                row = reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(),
+                                        n.logits_t)
+            if ids is None:  # a late step: its figures and ids come with its slot
+                figs, ids = gs.step_extras(n.step)
+                row = figs if n.has_logits else None
+            self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
+                             t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
+                             logits_row=row, ids=ids, complete=n.complete,
+                             incidents=n.incidents, kind=n.kind)
 
     def _graph_status(self) -> dict[str, Any]:
         st: dict[str, Any] = {"capture_mode": "compiled" if self._gs is not None or

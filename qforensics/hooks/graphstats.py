@@ -351,22 +351,34 @@ class GraphStats:
     def collect(self, step: int, first_call: int, keep_channels: bool) -> dict[str, Any] | None:
         """This step's records (in call order, call indices from `first_call`), channel and
         token arrays, in the layout of assemble.assemble_records; None when no entry ran."""
-        if not self.entries:
-            return None
-        rows = self._rows(step)
+        return self.collect_many([(step, first_call, keep_channels)])[0]
+
+    def collect_many(self, items: list[tuple[int, int, bool]]) -> list[dict[str, Any] | None]:
+        """`collect` of several steps, (step, first_call, keep_channels) each, in one pass: the
+        steps' scalars side by side, every figure computed once over all of them (a decode
+        step's ~500 entries make each numpy call cheap, so its fixed cost is what a step pays;
+        the drainer, when behind, and the CPU's sync path hand several steps at once). Each
+        step's part views one slice of the shared arrays."""
+        if not self.entries or not items:
+            return [None] * len(items)
         ix = self._index()
-        s_all = self._take(rows, ix["seg_scal"], ix["scal"])
-        ran = np.flatnonzero(s_all[:, COL["stamp"]] == float(step % STAMP_MOD))
+        steps = np.array([it[0] for it in items], np.int64)
+        rows = [self._rows(int(s)) for s in steps]
+        s_all = np.stack([self._take(r, ix["seg_scal"], ix["scal"]) for r in rows])
+        stamps = (steps % STAMP_MOD).astype(np.float32)
+        ran_k, ran = np.nonzero(s_all[:, :, COL["stamp"]] == stamps[:, None])
+        out: list[dict[str, Any] | None] = [None] * len(items)
         if not len(ran):
-            return None
+            return out
         rec = np.zeros(len(ran), dtype=schema.record_dtype())
         mids = ix["mid"][ran]
-        rec["call_index"] = first_call + self._rank(ix)[mids]
-        rec["step"] = step
+        firsts = np.array([it[1] for it in items], np.int64)
+        rec["call_index"] = firsts[ran_k] + self._rank(ix)[mids]
+        rec["step"] = steps[ran_k]
         rec["module_id"] = mids
         for col in ("io", "slot", "dtype", "flags"):
             rec[col] = ix[col][ran]
-        s = s_all[ran].astype(np.float64)
+        s = s_all[ran_k, ran].astype(np.float64)
         rows_n = s[:, COL["rows"]].astype(np.int64)
         width = s[:, COL["channels"]].astype(np.int64)
         nonfin = s[:, COL["nonfinite"]].astype(np.int64)
@@ -387,38 +399,67 @@ class GraphStats:
         rec["std"] = np.where(none, np.nan, np.sqrt(var))
         rec["absmax"] = np.maximum(np.abs(lo), np.abs(hi))
         rec["nan_count"], rec["inf_count"] = nan, nonfin - nan
-        # channel ranges: each kept entry's minima and maxima, side by side
-        kept = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
-        if keep_channels and kept.any():
-            spans = self._gather(ran[kept], width[kept])
-            if self.lazy:  # left in the slot until a batch needs them (ringranges.py)
-                cmin, cmax = SlotRanges(self, step, spans).halves()
-            else:
-                # float32 as the ring holds them (the trace's channel dtype at most): half
-                # the bytes that float64 would carry through the batch, its merge and write
-                cmin, cmax = self.ranges(rows, spans)
-            off = np.full(len(ran), -1, np.int64)
-            off[kept] = np.concatenate([[0], np.cumsum(width[kept])[:-1]])
-            rec["chan_offset"] = off
-        else:
-            rec["chan_offset"] = -1
-            cmin = cmax = np.zeros(0, np.float32)
-        # token maxima: each entry's first rows, side by side (its column of the token
-        # ring's slot; on a GPU no more rows than the step's copy holds)
-        tslot = self._tok_slot(step)
-        cnt = np.minimum(np.minimum(rows_n, ix["tok"][ran]), tslot.shape[0])
-        if cnt.any():
-            has = cnt > 0
-            starts = np.concatenate([[0], np.cumsum(cnt[has])[:-1]])
-            r = np.arange(int(cnt.sum())) - np.repeat(starts, cnt[has])
-            toks = tslot.reshape(-1).take(r * tslot.shape[1] + np.repeat(ran[has], cnt[has]))
-            toff = np.full(len(ran), -1, np.int64)
-            toff[has] = starts
-        else:
-            toks, toff = np.zeros(0, np.float32), np.full(len(ran), -1, np.int64)
+        rec["chan_offset"] = -1
+        kept_all = ix["chan"][ran] & (width <= ix["cap"][ran]) & (width > 1)
+        toks, toff, cnt = self._tokens(steps, ran_k, ran, rows_n, ix)
         rec["tok_offset"] = toff
         rec["tok_count"] = cnt
-        return {"records": rec, "cmin": cmin, "cmax": cmax, "tok": toks}
+        # each step's slice of the shared arrays (np.nonzero orders the entries step by step)
+        cuts = np.searchsorted(ran_k, np.arange(len(items) + 1))
+        tcuts = np.concatenate([[0], np.cumsum(cnt)])[cuts]
+        for k, (step, _, keep_channels) in enumerate(items):
+            a, b = int(cuts[k]), int(cuts[k + 1])
+            if b == a:
+                continue
+            r = rec[a:b]  # a view: the step's offsets are written into the shared array
+            if tcuts[k]:
+                r["tok_offset"] = np.where(r["tok_offset"] >= 0, r["tok_offset"] - tcuts[k], -1)
+            kept = kept_all[a:b]
+            if keep_channels and kept.any():
+                # channel ranges: each kept entry's minima and maxima, side by side
+                spans = self._gather(ran[a:b][kept], width[a:b][kept])
+                if self.lazy:  # left in the slot until a batch needs them (ringranges.py)
+                    cmin, cmax = SlotRanges(self, step, spans).halves()
+                else:
+                    # float32 as the ring holds them (the trace's channel dtype at most): half
+                    # the bytes that float64 would carry through the batch, its merge and write
+                    cmin, cmax = self.ranges(rows[k], spans)
+                off = np.full(b - a, -1, np.int64)
+                off[kept] = np.concatenate([[0], np.cumsum(width[a:b][kept])[:-1]])
+                r["chan_offset"] = off
+            else:
+                cmin = cmax = np.zeros(0, np.float32)
+            out[k] = {"records": r, "cmin": cmin, "cmax": cmax,
+                      "tok": toks[int(tcuts[k]):int(tcuts[k + 1])]}
+        return out
+
+    def _tokens(self, steps: np.ndarray, ran_k: np.ndarray, ran: np.ndarray,
+                rows_n: np.ndarray, ix: dict[str, Any]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Token maxima of the records (entry `ran` of step `steps[ran_k]`): each entry's first
+        rows, side by side (its column of its step's token slot; on a GPU no more rows than
+        the step's copy holds); with each record's offset into them and count."""
+        ncol = self.toks.shape[2]
+        if not self.copies:  # the token ring in place: [S, T, E], one flat view for all steps
+            flat = self.toks.numpy().reshape(-1)
+            t_rows = np.full(len(steps), self.toks.shape[1], np.int64)
+            base = (steps % self.toks.shape[0]) * (self.toks.shape[1] * ncol)
+        else:  # each step's host copy of its rows, side by side
+            slots = [self._tok_slot(int(s)) for s in steps]
+            t_rows = np.array([t.shape[0] for t in slots], np.int64)
+            flat = np.concatenate([t.reshape(-1) for t in slots])
+            base = np.concatenate([[0], np.cumsum(t_rows * ncol)[:-1]])
+        cnt = np.minimum(np.minimum(rows_n, ix["tok"][ran]), t_rows[ran_k])
+        toff = np.full(len(ran), -1, np.int64)
+        if not cnt.any():
+            return np.zeros(0, np.float32), toff, cnt
+        has = cnt > 0
+        c = cnt[has]
+        starts = np.concatenate([[0], np.cumsum(c)[:-1]])
+        r = np.arange(int(c.sum())) - np.repeat(starts, c)
+        at = np.repeat(base[ran_k[has]] + ran[has], c) + r * ncol
+        toff[has] = starts
+        return flat.take(at), toff, cnt
 
     def ranges(self, rows: list[np.ndarray], spans: dict[str, Any]
                ) -> tuple[np.ndarray, np.ndarray]:

@@ -43,6 +43,33 @@ def test_items_run_in_order_off_the_calling_thread():
     assert {name for _, name in seen} == {"qforensics-drain"}
 
 
+def test_a_drainer_behind_hands_over_what_waits_in_one_call():
+    """`run_many`: items queued while the thread was busy come in one call, in order, and
+    never more than the ring's depth (slots - 1)."""
+    gate, batches = threading.Event(), []
+
+    def run_many(items):  # noqa: ANN001, ANN202
+        gate.wait(10)
+        batches.append(list(items))
+
+    d = Drainer(lambda i: None, slots=4, run_many=run_many)
+    d.put(0)  # taken at once, held at the gate
+    time.sleep(0.2)
+    d.put(1)
+    d.put(2)  # 3 in flight: the depth
+    late = threading.Thread(target=d.put, args=(3,))
+    late.start()
+    late.join(0.3)
+    assert late.is_alive()  # held back until the batch in hand is done
+    gate.set()
+    late.join(10)
+    assert d.flush(timeout=10)
+    d.close(timeout=10)
+    assert batches[0] == [0] and [i for b in batches for i in b] == [0, 1, 2, 3]
+    assert [1, 2] in batches or [1, 2, 3] in batches  # the waiting ones together
+    assert max(len(b) for b in batches) <= 3
+
+
 def test_put_waits_while_the_ring_would_be_overrun():
     """slots=3: two items may wait or run; a third `put` waits until one has finished."""
     gate = threading.Event()
@@ -94,25 +121,46 @@ def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypat
         return orig(*a, **kw)
 
     monkeypatch.setattr(stepend, "build_batch", spy)
+    graphmode.selftest(torch.device("cpu"))  # its one collect, before they are counted
+    sizes: list[int] = []
+    many = graphstats.GraphStats.collect_many
+
+    def counted(self, items):  # noqa: ANN001, ANN202
+        sizes.append(len(items))
+        return many(self, items)
+
+    monkeypatch.setattr(graphstats.GraphStats, "collect_many", counted)
     monkeypatch.setattr(graphmode, "DRAIN", "sync")
+    monkeypatch.setattr(graphmode, "SYNC_BATCH", 1)  # each step at its end: the reference
     toks_s = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync.h5", 6)
     assert set(builders) == {threading.current_thread().name}
+    assert sizes == [1] * 6
+    builders.clear()
+    sizes.clear()
+    monkeypatch.setattr(graphmode, "SYNC_BATCH", 3)  # the model's thread, 3 steps at a time
+    toks_3 = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync3.h5", 6)
+    assert sizes == [3, 3]
     builders.clear()
     monkeypatch.setattr(graphmode, "DRAIN", "thread")
     toks_t = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "thread.h5", 6)
-    assert toks_t == toks_s
+    assert toks_t == toks_s == toks_3
     assert builders == ["qforensics-drain"] * 6
-    a, b = qforensics.open_trace(tmp_path / "sync.h5"), qforensics.open_trace(tmp_path / "thread.h5")
-    assert b.meta["status"]["graph_drain"]["thread"] is True
+    a = qforensics.open_trace(tmp_path / "sync.h5")
     assert "graph_drain" not in a.meta["status"]
-    assert b.steps["step"].tolist() == list(range(6))
-    cols = ["step", "call_index", "module_id", "io", "slot", "rows", "channels", "nan_count",
-            "min", "max", "mean", "std", "absmax"]
-    np.testing.assert_array_equal(a.records()[cols].values, b.records()[cols].values)
-    for f in ("first_call", "n_calls", "token_count", "logits_argmax", "first_nonfinite_call"):
-        assert a.steps[f].tolist() == b.steps[f].tolist(), f
-    for s in range(6):
-        np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
+    for other in ("thread.h5", "sync3.h5"):
+        b = qforensics.open_trace(tmp_path / other)
+        if other == "thread.h5":
+            assert b.meta["status"]["graph_drain"]["thread"] is True
+        assert b.steps["step"].tolist() == list(range(6))
+        cols = ["step", "call_index", "module_id", "io", "slot", "rows", "channels",
+                "nan_count", "min", "max", "mean", "std", "absmax", "tok_count"]
+        np.testing.assert_array_equal(a.records()[cols].values, b.records()[cols].values)
+        assert assert_same_channels(a, b)[0] > 0
+        for f in ("first_call", "n_calls", "token_count", "logits_argmax",
+                  "first_nonfinite_call"):
+            assert a.steps[f].tolist() == b.steps[f].tolist(), f
+        for s in range(6):
+            np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
 
 
 @pytest.mark.parametrize("gpu_like", [False, True])
@@ -129,13 +177,13 @@ def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, m
         monkeypatch.setattr(graphmode, "DRAIN", "thread")
         monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
         monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
-    orig = graphstats.GraphStats.collect
+    orig = graphstats.GraphStats.collect_many
 
     def slow(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         time.sleep(0.05)
         return orig(self, *a, **kw)
 
-    monkeypatch.setattr(graphstats.GraphStats, "collect", slow)
+    monkeypatch.setattr(graphstats.GraphStats, "collect_many", slow)
     greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 10)
     t = qforensics.open_trace(tmp_path / "t.h5")
     if gpu_like:
@@ -156,14 +204,14 @@ def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, m
 
 def test_a_failure_in_the_drainer_stops_recording_not_thegreedy_tokens(tmp_path, monkeypatch):
     healthy = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ok.h5", 6)
-    orig = graphstats.GraphStats.collect
+    orig = graphstats.GraphStats.collect_many
 
-    def breaks(self, step, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if step == 2:
+    def breaks(self, items):  # noqa: ANN001, ANN202 - several steps at once, when behind
+        if any(step == 2 for step, _, _ in items):
             raise RuntimeError("slot unreadable")
-        return orig(self, step, *a, **kw)
+        return orig(self, items)
 
-    monkeypatch.setattr(graphstats.GraphStats, "collect", breaks)
+    monkeypatch.setattr(graphstats.GraphStats, "collect_many", breaks)
     toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 6)
     assert toks == healthy  # the model ran on, its outputs untouched
     t = qforensics.open_trace(tmp_path / "t.h5")

@@ -323,3 +323,46 @@ def test_status_counts_only_this_captures_numpy_redos(monkeypatch):
         assert gs.status()["graph_numpy_redos"] == {"float16": 2, "int8": 1}
     finally:
         gs.close()
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_several_steps_collected_in_one_pass(copies, monkeypatch):
+    """`collect_many`: the steps the drainer (or the CPU's sync path) hands over together,
+    each step's part against numpy on its own tensors, whatever its rows, channel keeping and
+    modules that ran; on the GPU's reading path too (host copies of each step)."""
+    monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", copies)
+    m, gs = _hooked_mlp()
+    assert gs.copies == copies
+    plan = [(5, True, True), (1, False, True), (3, True, False), (2, True, True)]
+    seen = []
+    for step, (n, keep, both) in enumerate(plan):
+        x = torch.randn(n, 16)
+        if step == 3:
+            x[0, 2] = float("nan")
+        gs.begin(step)
+        with torch.no_grad():
+            h = m[0](x)
+            ts = [x, h] + ([torch.relu(h), m[2](torch.relu(h))] if both else [])
+        gs.start_copy(step, n)
+        seen.append(ts)
+    parts = gs.collect_many([(s, 100 * s, keep) for s, (_, keep, _) in enumerate(plan)])
+    for step, (part, (n, keep, both), ts) in enumerate(zip(parts, plan, seen)):
+        rec = part["records"]
+        assert rec["step"].tolist() == [step] * len(ts)
+        assert rec["module_id"].tolist() == [0, 0, 1, 1][:len(ts)]
+        assert rec["call_index"].tolist() == [100 * step] * 2 + [100 * step + 1] * (len(ts) - 2)
+        for r, t in zip(rec, ts):
+            e = _expect(t)
+            assert r["rows"] == n and r["nan_count"] == e["nan"]
+            np.testing.assert_allclose([r["min"], r["max"]], [e["min"], e["max"]], rtol=1e-6)
+            to, tc = r["tok_offset"], r["tok_count"]
+            assert tc == n
+            np.testing.assert_allclose(part["tok"][to:to + tc], e["tok"], rtol=1e-6)
+            if keep:
+                o, w = r["chan_offset"], r["channels"]
+                assert o >= 0
+                np.testing.assert_allclose(part["cmin"][o:o + w], e["cmin"], rtol=1e-6)
+                np.testing.assert_allclose(part["cmax"][o:o + w], e["cmax"], rtol=1e-6)
+            else:
+                assert r["chan_offset"] == -1 and not len(part["cmin"])
+        assert len(part["tok"]) == n * len(ts)  # no other step's maxima in its array
