@@ -59,7 +59,9 @@ class CompiledSnap:
         if not len(hit):
             self.state["why"] = "its record is not in the step"
             return None
-        ci = int(rec["call_index"][hit[0]])
+        # a module run twice in the step: its records in call order, one per entry, placed in
+        # the same order (graphstats.place)
+        ci = int(rec["call_index"][hit[min(out.nth, len(hit) - 1)]])
         k_in, k_out = int(h[SNAP["in_kept"]]), int(h[SNAP["out_kept"]])
         body = self.buf[SNAP_HEADER:SNAP_HEADER + k_in + k_out].cpu()
         meta, tensors, cut = [], [], set()

@@ -68,6 +68,18 @@ class _Done:
         pass
 
 
+def _trace_id() -> tuple[Any, ...] | None:
+    """Dynamo's current trace attempt: (frame, compile, attempt); the frame's id is its
+    code's, the same for every compile of it. None outside a trace."""
+    ctx = getattr(torch._guards, "CompileContext", None)
+    get = getattr(ctx, "current_trace_id", None)
+    tid = get() if get is not None else None
+    if tid is None:
+        return None
+    cid = tid.compile_id
+    return (getattr(cid, "frame_id", None), str(cid), tid.attempt)
+
+
 def registered(key: int) -> "GraphStats | None":
     """The live GraphStats of `key` (a traced hook's constant), None once it closed."""
     return _REGISTRY.get(key)
@@ -86,6 +98,10 @@ class Entry:
     off: int = 0  # where its row starts in the segment
     cap: int = 1  # channel ranges it keeps (0: none)
     tok: int = 0  # token maxima it keeps
+    # the module's call it records, (frame, k): its k-th run in a step, in that frame of
+    # Dynamo's (None: eager calls); a module run twice in a step has an entry per run (`place`)
+    call: tuple[int | None, int] = (None, 0)
+    nth: int = 0  # entries of the same (module, io, slot) placed before it
 
 
 class GraphStats:
@@ -131,9 +147,13 @@ class GraphStats:
         self.entries: list[Entry] = []
         self.segments: list[torch.Tensor] = []
         self._used: list[int] = []  # floats placed in each segment's row
-        self._where: dict[tuple[int, int, int], int] = {}
+        self._where: dict[tuple[Any, ...], int] = {}
+        # runs of each (module, io, slot) placed in this step, or in this trace attempt of
+        # Dynamo's (`_trace_id`): the next run's k (`place`)
+        self._occ: collections.Counter = collections.Counter()
+        self._trace: Any = None
         self.lost: list[str] = []  # entries that found no room (said in the status)
-        self._order: list[int] | None = None
+        self._order: list[tuple[Any, ...]] | None = None
         self._idx: dict[str, Any] | None = None
         self._gathers: dict[bytes, Any] = {}
         # a GPU: pinned copies of each slot (segments, logits figures, input ids), allocated
@@ -155,16 +175,30 @@ class GraphStats:
     # -- trace time --------------------------------------------------------------------------
     def place(self, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
               ) -> tuple[int, int, int, int, int]:
-        """The entry of (module, io, slot): a new one in call order the first time, with its
-        place in the ring: (entry, segment, offset, channel cap, token rows); entry -1: no room
-        left, the tensor goes unrecorded and the status says so. `width`: the most channels
-        the entry keeps (its module's bound, `width_bound`)."""
-        k = (mid, io, slot)
+        """The entry of (module, io, slot) in this call of the module: a new one in call order
+        the first time, with its place in the ring: (entry, segment, offset, channel cap, token
+        rows); entry -1: no room left, the tensor goes unrecorded and the status says so.
+        `width`: the most channels the entry keeps (its module's bound, `width_bound`).
+
+        A module run twice in a step (a shared layer) records each run: its k-th run has an
+        entry of its own. Called eagerly, runs are counted from `begin`; at trace time, per
+        frame that Dynamo traces (the frame's compiled code calls nothing here: a run in one
+        frame and one in the frame after a graph break are told apart by their frames, not by
+        a count), from the start of each trace attempt, so that an attempt Dynamo restarts
+        places nothing twice and a recompile finds the entries of the first compile."""
+        trace = _trace_id()
+        if trace != self._trace:  # a new trace attempt, or eager calls again after one
+            self._trace = trace
+            self._occ.clear()
+        occ = self._occ[(mid, io, slot)]
+        self._occ[(mid, io, slot)] = occ + 1
+        call = (None if trace is None else trace[0], occ)
+        k = (mid, io, slot, call)
         e = self._where.get(k)
         if e is not None:
             return self._geometry(e)
         if len(self.entries) >= self.max_entries:
-            self.lost.append(f"module {mid} io {io} slot {slot}: no entry left")
+            self.lost.append(f"module {mid} io {io} slot {slot} run {call}: no entry left")
             self._where[k] = -1
             return (-1, 0, 0, 0, 0)
         keep = width > 1 and (self.channel_io == "all" or (
@@ -186,7 +220,8 @@ class GraphStats:
             self._host = {}
         e = len(self.entries)
         ent = Entry(mid, io, slot, width, dt, nonfloat, keep, len(self.segments) - 1,
-                    self._used[-1], cap, tok)
+                    self._used[-1], cap, tok, call,
+                    sum(1 for q in self._where if q[:3] == (mid, io, slot)))
         self.segments[-1][:, ent.off + COL["stamp"]] = -1.0  # the stamp of no step
         self._used[-1] += need
         self.entries.append(ent)
@@ -204,7 +239,10 @@ class GraphStats:
     # -- host side, once per step ------------------------------------------------------------
     def begin(self, step: int) -> None:
         """Before the forward: the step the op writes (its slot and stamp), set by one op on
-        the device, ordered before the forward's kernels; no sync."""
+        the device, ordered before the forward's kernels; no sync. A step's calls are counted
+        from here (`place`)."""
+        self._occ.clear()
+        self._trace = None
         self.step_t.fill_(int(step))
 
     def put_step_extras(self, step: int, figures: torch.Tensor | None,
@@ -320,17 +358,17 @@ class GraphStats:
         return self._idx
 
     def _rank(self, ix: dict[str, Any]) -> np.ndarray:
-        """Each module's rank in a step's call order (its call index less the step's first):
-        the compiled calls first, then those outside the graph in the order of their first
-        call; recomputed only when a module is first recorded outside."""
+        """Each entry's call in a step's call order (its call index less the step's first):
+        the compiled calls first, then those outside the graph, each in the order their
+        entries were placed (a call: a module's run, `Entry.call`);
+        recomputed only when an entry is placed or a module is first recorded outside."""
         if ix["outside"] != len(self.outside):
-            order = self.call_order()
-            rank = np.zeros(int(max(order + [int(ix["mid"].max())])) + 1, np.int64)
-            rank[order] = np.arange(len(order))
-            for mid, k in self.outside.items():  # their calls come after the compiled ones
-                if mid < len(rank):
-                    rank[mid] = len(order) + k
-            ix["rank"], ix["outside"] = rank, len(self.outside)
+            order = {c: i for i, c in enumerate(self.call_order())}
+            for e in self.entries:  # their calls come after the compiled ones
+                if e.mid in self.outside:
+                    order.setdefault((e.mid, e.call), len(order))
+            ix["rank"] = np.array([order[(e.mid, e.call)] for e in self.entries], np.int64)
+            ix["outside"] = len(self.outside)
         return ix["rank"]
 
     def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -373,7 +411,7 @@ class GraphStats:
         rec = np.zeros(len(ran), dtype=schema.record_dtype())
         mids = ix["mid"][ran]
         firsts = np.array([it[1] for it in items], np.int64)
-        rec["call_index"] = firsts[ran_k] + self._rank(ix)[mids]
+        rec["call_index"] = firsts[ran_k] + self._rank(ix)[ran]
         rec["step"] = steps[ran_k]
         rec["module_id"] = mids
         for col in ("io", "slot", "dtype", "flags"):
@@ -525,14 +563,14 @@ class GraphStats:
         fn(len(desc), desc.ctypes.data, out.ctypes.data)
         return out
 
-    def call_order(self) -> list[int]:
-        """Modules in the order their hooks first ran (each module's call once a step); those
-        recorded outside the graph (`outside`) left out."""
+    def call_order(self) -> list[tuple[Any, ...]]:
+        """A step's compiled calls, (module, its run: `Entry.call`), in the order their hooks
+        first ran; those recorded outside the graph (`outside`) left out."""
         if self._order is None:
-            seen: dict[int, None] = {}
+            seen: dict[tuple[Any, ...], None] = {}
             for e in self.entries:
                 if e.mid not in self.outside:
-                    seen.setdefault(e.mid, None)
+                    seen.setdefault((e.mid, e.call), None)
             self._order = list(seen)
         return self._order
 

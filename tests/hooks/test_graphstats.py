@@ -71,7 +71,7 @@ def test_compiled_hooks_match_numpy_full_graph(dynamic, spans, monkeypatch):
         gs.begin(step)
         with torch.no_grad():
             y = f(x)
-            h = m[0](x)
+            h = torch.nn.functional.linear(x, m[0].weight, m[0].bias)  # no hook runs
         part = gs.collect(step, 10, True)
         rec = part["records"]
         assert rec["call_index"].tolist() == [10, 10, 11, 11]
@@ -366,3 +366,81 @@ def test_several_steps_collected_in_one_pass(copies, monkeypatch):
             else:
                 assert r["chan_offset"] == -1 and not len(part["cmin"])
         assert len(part["tok"]) == n * len(ts)  # no other step's maxima in its array
+
+
+class _Shared(nn.Module):
+    """A layer run twice in one forward (weights shared), then a head; `brk`: a graph break
+    between the two runs, so that Dynamo restarts its trace of the first part."""
+
+    def __init__(self, brk: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b, self.brk = nn.Linear(8, 8), nn.Linear(8, 4), brk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.brk:
+            torch._dynamo.graph_break()
+        return self.b(self.a(h))
+
+
+@pytest.mark.parametrize("brk", [False, True])
+def test_a_module_run_twice_keeps_a_record_per_run(brk):
+    """Each run of a shared layer has its own entry, call index and figures (the first run's
+    are not overwritten by the second's); a trace Dynamo restarts at a graph break places no
+    entry twice (every entry is written every step)."""
+    m = _Shared(brk)
+    gs = _stats()
+    for mid, mod in enumerate((m.a, m.b)):
+        mod.register_forward_hook(graphhooks.make_hook(gs, mid, False, 8, 4, 2),
+                                  with_kwargs=True)
+    f = torch.compile(m, fullgraph=not brk)
+    for step in range(3):
+        x = torch.randn(3, 8)
+        gs.begin(step)
+        with torch.no_grad():
+            f(x)
+            lin = torch.nn.functional.linear  # the references, without the hooks
+            h1 = lin(x, m.a.weight, m.a.bias)
+            h2 = lin(h1, m.a.weight, m.a.bias)
+            y = lin(h2, m.b.weight, m.b.bias)
+        rec = gs.collect(step, 20, True)["records"]
+        assert rec["module_id"].tolist() == [0, 0, 0, 0, 1, 1]
+        assert rec["call_index"].tolist() == [20, 20, 21, 21, 22, 22]
+        for r, t in zip(rec, (x, h1, h1, h2, h2, y)):
+            e = _expect(t)
+            np.testing.assert_allclose([r["min"], r["max"], r["mean"]],
+                                       [e["min"], e["max"], e["mean"]], rtol=1e-5, atol=1e-6)
+    assert len(gs.entries) == 6 and len(gs.call_order()) == 3
+
+
+def test_compiled_capture_blames_the_run_of_a_shared_layer_that_made_the_inf(tmp_path):
+    """A shared layer whose second run overflows to Inf (x 1e20 twice: 1e20 is finite, 1e40
+    is not in float32; the head only passes it on): the first non-finite output is the
+    second run's, from its finite input, and the snapshot kept is that run's call, in
+    compiled mode as in eager, and with compiled mode's hooks on the eager model (the op
+    called eagerly, its entries placed at every call)."""
+    m = _Shared()
+    with torch.no_grad():
+        m.a.weight.copy_(torch.eye(8) * 1e20)
+        m.a.bias.zero_()
+    x = torch.full((2, 8), 1.0)
+    for compiled, model in ((True, torch.compile(m)), (True, m), (False, m)):
+        path = tmp_path / f"{compiled}-{model is m}.h5"
+        with qforensics.capture(model, path, compiled=compiled), torch.no_grad():
+            model(x)
+        t = qforensics.open_trace(path)
+        assert t.meta["status"]["capture_mode"] == ("compiled" if compiled else "eager")
+        rec = t.records()
+        a_id = list(t.module_columns["name"]).index("a")
+        runs = rec[(rec.module_id == a_id) & (rec.io == schema.IO_OUTPUT)]
+        assert len(runs) == 2, compiled  # each run its own record
+        second = int(runs.call_index.max())
+        assert t.steps.iloc[0]["first_nonfinite_call"] == second, compiled
+        inp = rec[(rec.call_index == second) & (rec.io == schema.IO_INPUT)]
+        assert len(inp) == 1 and inp.inf_count.iloc[0] == 0 and inp["max"].iloc[0] == 1e20
+        snaps = t.snapshots
+        kept = snaps[snaps["reason"] == "first_nonfinite_output"]
+        assert set(kept["call_index"]) == {second}, compiled
+        got = t.snapshot_tensors(second)
+        np.testing.assert_allclose(np.asarray(got["input.0"]).reshape(-1, 8), 1e20, rtol=1e-6)
