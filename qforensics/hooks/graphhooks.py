@@ -13,59 +13,87 @@ from typing import Any, Iterable
 import torch
 
 from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
-from qforensics.hooks.graphstats import GraphStats, registered
+from qforensics.hooks.graphstats import QUEUE, GraphStats, registered
 from qforensics.hooks.reduce import dtype_code
 from qforensics.trace import schema
 
 
+# The traced side is kept to few Python operations: Dynamo executes every one of them
+# symbolically at trace time, for each hooked module (on SmolLM2 the hooks once doubled the
+# time Dynamo spent tracing the model). What can be computed from constants is, in one call
+# that Dynamo runs for real (`assume_constant_result`): `_place`, `_group`.
+
+
 @torch._dynamo.assume_constant_result
-def _place(key: int, mid: int, io: int, slot: int, width: int, dt: int, nonfloat: bool
-           ) -> tuple[int, int, int, int, int]:
-    """Run by Dynamo once, at trace time (its result is a constant of the graph); called
-    eagerly it is a dict look-up. Entry -1: no entry."""
+def _place(key: int, mid: int, io: int, slot: int, width: int, dtype: torch.dtype, dim: int
+           ) -> int:
+    """A tensor's entry (-1: none: no room, a dtype the op does not take, a capture closed).
+    Run by Dynamo once, at trace time (its result is a constant of the graph); called
+    eagerly, a dict look-up."""
     gs = registered(key)
-    return (-1, 0, 0, 0, 0) if gs is None else gs.place(mid, io, slot, width, dt, nonfloat)
+    if gs is None or not (dtype.is_floating_point or dtype == torch.bool or _is_int(dtype)):
+        return -1
+    return gs.place(mid, io, slot, width if dim >= 2 else 1, dtype_code(dtype),
+                    not dtype.is_floating_point)[0]
 
 
 def _queue(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
            t: torch.Tensor) -> None:
-    """One tensor into the queue of the next op call, with its entry's place in the ring; the
-    arguments but the tensor are constants of the graph."""
-    if not t.is_floating_point() and t.dtype != torch.bool and not _is_int(t.dtype):
-        return
-    e, seg, off, cap, tok = _place(key, mid, io, slot, bound if t.dim() >= 2 else 1,
-                                   dtype_code(t.dtype), not t.is_floating_point())
+    """One tensor into the queue of the next op call, with its entry; the arguments but the
+    tensor are constants of the graph."""
+    e = _place(key, mid, io, slot, bound, t.dtype, t.dim())
     if e >= 0:
-        gs.queue.append((t.detach(), e, seg, off, cap, tok, mid, io, slot))
+        QUEUE.append((t.detach(), e))
+
+
+@torch._dynamo.assume_constant_result
+def _group(key: int, ents: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+    """The op calls of the queued entries `ents`: one per run of them in one ring segment
+    (one, but where a segment filled up), each (segment, first, end, offsets, caps, token
+    rows, entries, pairs), constants of the graph; computed once per group (`_groups`)."""
+    gs = registered(key)
+    if gs is None:
+        return ()
+    got = gs.groups.get(ents)
+    if got is None:
+        got = gs.groups[ents] = _calls(gs, ents)
+    return got
+
+
+def _calls(gs: GraphStats, ents: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+    out = []
+    i = 0
+    while i < len(ents):
+        seg = gs.entries[ents[i]].seg
+        j = i + 1
+        while j < len(ents) and gs.entries[ents[j]].seg == seg:
+            j += 1
+        grp = [gs.entries[e] for e in ents[i:j]]
+        out.append((seg, i, j, tuple(g.off for g in grp), tuple(g.cap for g in grp),
+                    tuple(g.tok for g in grp), tuple(ents[i:j]), _pairs(grp)))
+        i = j
+    return tuple(out)
 
 
 def _flush(gs: GraphStats) -> None:
-    """What the hooks queued, in one stats-op call per ring segment (one, but where a
-    segment filled up): a decoder layer's tensors, or a module's outside any layer."""
-    items = list(gs.queue)
-    gs.queue.clear()
-    i = 0
-    while i < len(items):
-        seg = items[i][2]
-        j = i + 1
-        while j < len(items) and items[j][2] == seg:
-            j += 1
-        grp = items[i:j]
-        torch.ops.qforensics.stats([g[0] for g in grp], getattr(gs, f"r{seg}"), gs.toks,
-                                   gs.first, gs.step_t, [g[3] for g in grp], [g[4] for g in grp],
-                                   [g[5] for g in grp], [g[1] for g in grp], gs.snap.buf,
-                                   _pairs(grp))
-        i = j
+    """What the hooks queued, in one stats-op call per ring segment: a decoder layer's
+    tensors, or a module's outside any layer."""
+    items = list(QUEUE)
+    QUEUE.clear()
+    ts = [t for t, _ in items]
+    for seg, i, j, offs, caps, toks, ents, pairs in _group(gs.key, tuple(e for _, e in items)):
+        torch.ops.qforensics.stats(ts[i:j], getattr(gs, f"r{seg}"), gs.toks, gs.first,
+                                   gs.step_t, offs, caps, toks, ents, gs.snap.buf, pairs)
 
 
-def _pairs(grp: list[tuple[Any, ...]]) -> list[int]:
-    """The op's `pair` of a group (constants at trace time, from the queued (module, io,
-    slot)): for an output, the index of its module's `input.0` in the group (itself when the
-    group has none), kept with it when it is the first failing output; -1 for an input."""
-    first_in = {g[6]: k for k, g in reversed(list(enumerate(grp)))
-                if g[7] == schema.IO_INPUT and g[8] == 0}
-    return [first_in.get(g[6], k) if g[7] == schema.IO_OUTPUT else -1
-            for k, g in enumerate(grp)]
+def _pairs(grp: list[Any]) -> tuple[int, ...]:
+    """The op's `pair` of a group (its entries' module, io and slot): for an output, the
+    index of its module's `input.0` in the group (itself when the group has none), kept with
+    it when it is the first failing output; -1 for an input."""
+    first_in = {g.mid: k for k, g in reversed(list(enumerate(grp)))
+                if g.io == schema.IO_INPUT and g.slot == 0}
+    return tuple(first_in.get(g.mid, k) if g.io == schema.IO_OUTPUT else -1
+                 for k, g in enumerate(grp))
 
 
 def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
@@ -88,7 +116,7 @@ def flush_outside(gs: GraphStats) -> None:
     """The op call of what `record_outside` queued this step (nothing queued: nothing); run
     before the ring is read, and before the next forward (whose trace must find the queue
     empty)."""
-    if gs.queue:
+    if QUEUE:
         _flush(gs)
 
 

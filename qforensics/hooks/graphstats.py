@@ -55,6 +55,7 @@ RING_SLOTS = 4  # the op writes one slot while the drainer reads the others (hoo
 # host buffers, read from them) on the CPU, where copies are synchronous and not pinned
 HOST_COPIES_ON_CPU = False
 _REGISTRY: dict[int, "GraphStats"] = {}
+QUEUE: list[tuple[Any, ...]] = []  # GraphStats.queue
 _KEYS = itertools.count(1)
 
 
@@ -127,9 +128,15 @@ class GraphStats:
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
         self._redos0 = collections.Counter(statscpu.REDOS)  # status: this capture's share
-        # (tensor, entry, segment, offset, cap, tok, module, io, slot) the hooks queued for the
-        # next op call (graphhooks._flush); empty between calls, at trace time as at run time
-        self.queue: list[tuple[Any, ...]] = []
+        # (tensor, entry) the hooks queued for the next op call (graphhooks._flush); empty
+        # between calls, at trace time as at run time. One list for every capture (`QUEUE`):
+        # the traced hooks reach it as a global, one source, where a list of each capture's
+        # own, reached through every hook's closure, made Dynamo guard in Python that all
+        # the closures hold the same object (a lambda guard per hooked module, run at every
+        # call of the compiled model)
+        self.queue = QUEUE
+        # graphhooks._group: the op calls' constants of a queued run of entries
+        self.groups: dict[tuple[int, ...], tuple[tuple[Any, ...], ...]] = {}
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
         self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
