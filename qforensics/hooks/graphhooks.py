@@ -37,8 +37,7 @@ def _place(key: int, mid: int, io: int, slot: int, width: int, dtype: torch.dtyp
                     not dtype.is_floating_point)[0]
 
 
-def _queue(gs: GraphStats, key: int, mid: int, io: int, slot: int, bound: int,
-           t: torch.Tensor) -> None:
+def _queue(key: int, mid: int, io: int, slot: int, bound: int, t: torch.Tensor) -> None:
     """One tensor into the queue of the next op call, with its entry; the arguments but the
     tensor are constants of the graph."""
     e = _place(key, mid, io, slot, bound, t.dtype, t.dim())
@@ -108,7 +107,7 @@ def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
         return False
     if mid not in gs.outside:
         gs.outside[mid] = len(gs.outside)
-    _queue(gs, gs.key, mid, io, slot, bound, t)
+    _queue(gs.key, mid, io, slot, bound, t)
     return True
 
 
@@ -155,6 +154,25 @@ def width_bound(module: torch.nn.Module, channel_limit: int) -> int:
     return max(1, min(max(dims, default=channel_limit), channel_limit))
 
 
+# A hook's constants are written into its code, not held in closure cells: Dynamo guards a
+# closure cell's value at every call of the compiled model (about six guards per hooked
+# module), a constant of the code not at all (the code's identity, once). Its capture's
+# GraphStats is reached through `registered`, one source for every hook.
+_HOOK = """
+def hook(module, args, kwargs, output):
+    ins = _tensors(args, {n_in})
+    if not ins:
+        ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
+    for slot, a in enumerate(ins):
+        _queue({key}, {mid}, {io_in}, slot, {bound}, a)
+    outs = (output,) if isinstance(output, torch.Tensor) else (
+        output if isinstance(output, (tuple, list)) else ())
+    for slot, o in enumerate(_tensors(outs, {n_out})):
+        _queue({key}, {mid}, {io_out}, slot, {bound}, o)
+    {flush}
+"""
+
+
 def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
               max_outputs: int, flush: bool = True):
     """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
@@ -162,24 +180,20 @@ def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: 
     outputs; a decoder block one of each), queued. `flush`: this hook hands the queue to the
     op (a decoder block, after its modules' hooks queued theirs; a module outside any block);
     False for a module inside a hooked block."""
-    key = gs.key
-    n_in_max = 1 if is_block else max_inputs
-    n_out_max = 1 if is_block else max_outputs
+    src = _HOOK.format(n_in=1 if is_block else int(max_inputs),
+                       n_out=1 if is_block else int(max_outputs), key=int(gs.key),
+                       mid=int(mid), bound=int(bound), io_in=int(schema.IO_INPUT),
+                       io_out=int(schema.IO_OUTPUT),
+                       flush=f"_flush_key({int(gs.key)})" if flush else "pass")
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<qforensics hook {int(mid)}>", "exec"), globals(), ns)  # noqa: S102
+    return ns["hook"]
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        ins = _tensors(args, n_in_max)
-        if not ins:
-            ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
-        for slot, a in enumerate(ins):
-            _queue(gs, key, mid, schema.IO_INPUT, slot, bound, a)
-        outs = (output,) if isinstance(output, torch.Tensor) else (
-            output if isinstance(output, (tuple, list)) else ())
-        for slot, o in enumerate(_tensors(outs, n_out_max)):
-            _queue(gs, key, mid, schema.IO_OUTPUT, slot, bound, o)
-        if flush:
-            _flush(gs)
 
-    return hook
+def _flush_key(key: int) -> None:
+    gs = registered(key)
+    if gs is not None:
+        _flush(gs)
 
 
 def max_entries(modules: list[torch.nn.Module], is_block: list[bool], max_inputs: int,

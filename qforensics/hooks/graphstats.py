@@ -159,6 +159,8 @@ class GraphStats:
         # Dynamo's (`_trace_id`): the next run's k (`place`)
         self._occ: collections.Counter = collections.Counter()
         self._trace: Any = None
+        self._runs: collections.Counter = collections.Counter()  # entries per (module, io, slot)
+        self._nth: dict[tuple[int, int, int, int], int] = {}  # its n-th entry
         self.lost: list[str] = []  # entries that found no room (said in the status)
         self._order: list[tuple[Any, ...]] | None = None
         self._idx: dict[str, Any] | None = None
@@ -202,6 +204,12 @@ class GraphStats:
         call = (None if trace is None else trace[0], occ)
         k = (mid, io, slot, call)
         e = self._where.get(k)
+        if e is None and trace is None:
+            # an eager call where a trace placed the module's runs (Dynamo fell back to eager:
+            # its recompile limit, a region it skips): the k-th run takes the k-th entry
+            e = self._nth.get((mid, io, slot, occ))
+            if e is not None:
+                self._where[k] = e
         if e is not None:
             return self._geometry(e)
         if len(self.entries) >= self.max_entries:
@@ -226,9 +234,11 @@ class GraphStats:
             self._used.append(0)
             self._host = {}
         e = len(self.entries)
+        nth = self._runs[(mid, io, slot)]
+        self._runs[(mid, io, slot)] = nth + 1
+        self._nth[(mid, io, slot, nth)] = e
         ent = Entry(mid, io, slot, width, dt, nonfloat, keep, len(self.segments) - 1,
-                    self._used[-1], cap, tok, call,
-                    sum(1 for q in self._where if q[:3] == (mid, io, slot)))
+                    self._used[-1], cap, tok, call, nth)
         self.segments[-1][:, ent.off + COL["stamp"]] = -1.0  # the stamp of no step
         self._used[-1] += need
         self.entries.append(ent)
@@ -378,6 +388,18 @@ class GraphStats:
             ix["outside"] = len(self.outside)
         return ix["rank"]
 
+    def _scalars(self, rows: list[np.ndarray], ix: dict[str, Any]) -> np.ndarray:
+        """Every entry's scalars in a step's `rows`; an entry placed after the rows were copied
+        (a GPU's host copy, made at the step's end) reads stamp -1: it did not run then."""
+        lens = np.array([len(r) for r in rows], np.int64)
+        fits = ix["off"] + N_SCAL <= lens[ix["seg"]]
+        if fits.all():
+            return self._take(rows, ix["seg_scal"], ix["scal"])
+        out = np.full((len(fits), N_SCAL), -1.0, np.float32)
+        if fits.any():
+            out[fits] = self._take(rows, ix["seg_scal"][fits], ix["scal"][fits])
+        return out
+
     def _take(self, rows: list[np.ndarray], seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """Values at `idx` of segment `seg` (per element) across the segments' rows. Entries
         are placed segment after segment (`place`), and every gather here runs in entry order,
@@ -409,7 +431,7 @@ class GraphStats:
         ix = self._index()
         steps = np.array([it[0] for it in items], np.int64)
         rows = [self._rows(int(s)) for s in steps]
-        s_all = np.stack([self._take(r, ix["seg_scal"], ix["scal"]) for r in rows])
+        s_all = np.stack([self._scalars(r, ix) for r in rows])
         stamps = (steps % STAMP_MOD).astype(np.float32)
         ran_k, ran = np.nonzero(s_all[:, :, COL["stamp"]] == stamps[:, None])
         out: list[dict[str, Any] | None] = [None] * len(items)

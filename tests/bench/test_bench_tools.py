@@ -101,3 +101,18 @@ def test_collect_cost_times_both_paths_on_a_smollm2_sized_ring(tmp_path):
     (ratio,) = figures(rf"slices / qf_spans: {NUM}", out)
     assert c_ms > 0 and py_ms > 0
     assert abs(ratio - py_ms / c_ms) <= ratio_slack(py_ms, c_ms) + 0.005  # ratio: 2 decimals
+
+
+def test_compiled_guards_times_the_guards_of_both_phases(tmp_path):
+    out = run_bench("compiled_guards.py", "--random", "--layers", "2", "--rounds", "1",
+                    "--calls", "3", cwd=tmp_path, timeout=300)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    plain, captured, summary = rows
+    assert (plain["phase"], captured["phase"]) == ("plain", "captured")
+    # hooks add guards: each hooked module's hook dict and hook code, at least
+    assert captured["leaf_guards"] > plain["leaf_guards"] > 0
+    assert plain["check_us"] > 0 and captured["check_us"] > 0
+    assert summary["check_us"] == [plain["check_us"], captured["check_us"]]
+    assert summary["leaf_guards"] == [plain["leaf_guards"], captured["leaf_guards"]]
+    added = captured["guard_ms"] - plain["guard_ms"]
+    assert abs(summary["guard_ms_added"] - added) <= 0.0011  # 3 decimals each

@@ -444,3 +444,53 @@ def test_compiled_capture_blames_the_run_of_a_shared_layer_that_made_the_inf(tmp
         assert set(kept["call_index"]) == {second}, compiled
         got = t.snapshot_tensors(second)
         np.testing.assert_allclose(np.asarray(got["input.0"]).reshape(-1, 8), 1e20, rtol=1e-6)
+
+
+def test_a_traced_hook_holds_its_constants_in_its_code_not_in_closure_cells():
+    """Dynamo guards every closure cell a traced hook reads, at every call of the compiled
+    model (about six guards per hooked module); constants of the hook's code cost one guard
+    on the code. The hooks keep no cells (bench/compiled_guards.py times the guards)."""
+    gs = _stats()
+    for flush in (True, False):
+        hook = graphhooks.make_hook(gs, 3, False, 32, 4, 2, flush=flush)
+        assert hook.__closure__ is None and hook.__defaults__ is None
+
+
+def test_eager_calls_after_a_trace_reuse_its_entries():
+    """Where Dynamo runs a traced model eagerly (its recompile limit reached, a region it
+    skips), the hooks' eager calls write the entries the trace placed: no second set of
+    entries, the same calls and call indices, figures from this step's tensors."""
+    m, gs = _hooked_mlp()
+    f = torch.compile(m, fullgraph=True)
+    x0, x1 = torch.randn(3, 16), torch.randn(2, 16)
+    gs.begin(0)
+    with torch.no_grad():
+        f(x0)
+    gs.begin(1)
+    with torch.no_grad():
+        y = m(x1)  # eagerly: the hooks run as Python
+    assert len(gs.entries) == 4
+    rec = gs.collect(1, 7, True)["records"]
+    assert rec["call_index"].tolist() == [7, 7, 8, 8]
+    assert rec["rows"].tolist() == [2, 2, 2, 2]
+    np.testing.assert_allclose(rec["max"][3], y.max().item(), rtol=1e-6)
+
+
+def test_a_step_copied_before_later_entries_were_placed_reads_what_it_ran(monkeypatch):
+    """On a GPU a step's host copy holds the ring as far as entries were placed at its end;
+    a module first run in a later step has its entry past that copy: reading the earlier
+    step (in one pass with the later one, as a drainer behind does) reports what it ran."""
+    monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
+    m, gs = _hooked_mlp()
+    assert gs.copies
+    gs.begin(0)
+    with torch.no_grad():
+        m[0](torch.randn(2, 16))  # the second layer not run yet: its entries not placed
+    gs.start_copy(0, 2)
+    gs.begin(1)
+    with torch.no_grad():
+        m(torch.randn(2, 16))
+    gs.start_copy(1, 2)
+    a, b = gs.collect_many([(0, 0, True), (1, 0, True)])
+    assert a["records"]["module_id"].tolist() == [0, 0]
+    assert b["records"]["module_id"].tolist() == [0, 0, 1, 1]
