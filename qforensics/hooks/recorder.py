@@ -72,7 +72,11 @@ class FlightRecorder:
         self.window = max(0, min(int(window), self.slots))
         self.limit = max(0, int(limit))
         self.growth = float(growth)
-        self._gemm_ids = gemm_ids
+        # module id -> is a GEMM (a look-up, not np.isin every step); the last slot, False,
+        # answers for every id past the GEMMs' (take's mode="clip")
+        ids = np.asarray(gemm_ids, np.int64)
+        self._is_gemm = np.zeros(int(ids.max()) + 2 if len(ids) else 1, bool)
+        self._is_gemm[ids] = True
         self._memory: collections.deque = collections.deque(maxlen=self.slots)
         self._outliers: collections.deque = collections.deque(maxlen=self.slots)
         self._logits: collections.deque = collections.deque(maxlen=self.slots)
@@ -157,7 +161,9 @@ class FlightRecorder:
             out.append(("nonfinite", float(max(bad, 1)), math.nan))
         if not growth:
             return out
-        gemm_in = (rec["io"] == schema.IO_INPUT) & np.isin(rec["module_id"], self._gemm_ids)
+        mids = rec["module_id"]
+        gemm_in = ((rec["io"] == schema.IO_INPUT) & (mids >= 0)
+                   & self._is_gemm.take(mids, mode="clip"))
         vals = rec["absmax"][gemm_in]
         vals = vals[np.isfinite(vals)]
         if len(vals):
