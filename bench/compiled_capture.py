@@ -10,6 +10,8 @@ under `qforensics.capture`). Both generate greedily with a static shape: the who
 re-fed every step, no KV cache, so every step runs the same graph. Printed, one JSON line per
 phase, then the comparison:
 - compile plus first step (s), and the median later step (ms), with their ratios;
+- where the compile's time went (`compile_phases`: Dynamo's trace, its guards, AOTAutograd and
+  Inductor, from torch._dynamo.utils.compile_times), and captured / plain per phase;
 - the kernels Inductor generated, and the stats-op calls in its output code (capture's cost
   in the graph: at most one call per recorded tensor, no generated kernel);
 - the host time capture adds per step: its step hooks (begin, end, records, writer hand-off),
@@ -193,6 +195,7 @@ def child(a: argparse.Namespace) -> dict:
     out["steps_ms"] = [round(t * 1e3, 2) for t in times[1:]]
     out["tokens_out"] = toks[:a.tokens]
     out.update(_output_code())
+    out["compile_phases"] = _compile_phases()
     if dev.type == "cuda":
         from torch._dynamo.utils import counters
 
@@ -226,6 +229,33 @@ def _output_code() -> dict:
             "async_compile.triton(") + src.count("async_compile.cpp(")
         calls += src.count("torch.ops.qforensics.stats.default(")
     return {"generated_kernels": kernels, "stats_op_calls": calls}
+
+
+# torch._dynamo.utils.compile_times' totals worth comparing: the whole compile, Dynamo's
+# symbolic run of the Python (the hooks' share of a capture's compile), building the guards,
+# and AOTAutograd with Inductor
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "build_guards",
+                  "create_aot_dispatcher_function")
+
+
+def _compile_phases() -> dict:
+    """Seconds spent in each of COMPILE_PHASES in this process (empty where this torch does
+    not say)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        text = compile_times(repr="str", aggregate=True)
+    except Exception:  # noqa: BLE001 - a torch without the table: no phases
+        return {}
+    got = {}
+    for line in str(text).splitlines():
+        name, _, value = line.rpartition(",")
+        if name.strip() in COMPILE_PHASES:
+            try:
+                got[name.strip()] = round(float(value), 2)
+            except ValueError:
+                continue
+    return got
 
 
 def _trace_facts(path: str) -> dict:
@@ -294,6 +324,10 @@ def compare(p: dict, c: dict) -> dict:
         "cuda_mib_added": (round(c["cuda_max_mib"] - p["cuda_max_mib"], 1)
                            if "cuda_max_mib" in c and "cuda_max_mib" in p else None),
         "graph_ring": c.get("graph_ring"),
+        # captured / plain per compile phase (Dynamo's trace is where hooks cost most)
+        "compile_phase_ratios": {k: round(c["compile_phases"][k] / v, 2)
+                                 for k, v in p.get("compile_phases", {}).items()
+                                 if v > 0 and k in c.get("compile_phases", {})},
     }
 
 

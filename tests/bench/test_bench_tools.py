@@ -116,3 +116,20 @@ def test_compiled_guards_times_the_guards_of_both_phases(tmp_path):
     assert summary["leaf_guards"] == [plain["leaf_guards"], captured["leaf_guards"]]
     added = captured["guard_ms"] - plain["guard_ms"]
     assert abs(summary["guard_ms_added"] - added) <= 0.0011  # 3 decimals each
+
+
+def test_compiled_capture_compares_both_phases_and_their_compile_phases(tmp_path):
+    out = run_bench("compiled_capture.py", "--random", "--layers", "2", "--tokens", "4",
+                    cwd=tmp_path, timeout=600)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    plain, captured, cmp = rows
+    assert (plain["phase"], captured["phase"]) == ("plain", "captured")
+    assert cmp["tokens_identical"] and cmp["every_module_every_step"]
+    # issue 39's bound: at most one generated kernel more per hooked module (the op itself is
+    # opaque; a fusion it splits may add one)
+    assert 0 <= cmp["kernels_added"] <= captured["graph_calls"]
+    assert cmp["compile_ratio"] == round(captured["first_step_s"] / plain["first_step_s"], 3)
+    phases = cmp["compile_phase_ratios"]
+    assert "bytecode_tracing" in phases and set(phases) <= set(plain["compile_phases"])
+    for k, r in phases.items():
+        assert r == round(captured["compile_phases"][k] / plain["compile_phases"][k], 2), k
