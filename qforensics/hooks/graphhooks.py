@@ -42,7 +42,7 @@ def _queue(key: int, mid: int, io: int, slot: int, bound: int, t: torch.Tensor) 
     tensor are constants of the graph."""
     e = _place(key, mid, io, slot, bound, t.dtype, t.dim())
     if e >= 0:
-        QUEUE.append((t.detach(), e))
+        QUEUE.append((t.detach() if t.requires_grad else t, e))
 
 
 @torch._dynamo.assume_constant_result
