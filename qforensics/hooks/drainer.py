@@ -15,8 +15,8 @@ and, on a GPU, starts the slot's asynchronous copy (hooks/graphstats.py).
   whose step was not yet read: no step is lost, the model's thread waits instead.
 - `flush()` returns once everything put before it ran: the session calls it before a step it
   emits itself (an eager step in compiled mode), and at close.
-- Batches: with `run_many`, the thread takes every item waiting when it wakes and hands them
-  over in one call (a drainer behind by several steps builds their records in one pass,
+- Batches: with `many`, the thread takes every item waiting when it wakes and hands them
+  over in one call, as a list (a drainer behind by several steps builds their records in one pass,
   GraphStats.collect_many: its fixed cost is paid once, not once a step).
 - A failure inside an item stops the drainer (later items are dropped, counted in `dropped`);
   `error` says why and the session degrades at its next step end: the run goes on.
@@ -34,9 +34,9 @@ log = logging.getLogger("qforensics.hooks.capture")
 
 class Drainer:
     def __init__(self, run: Callable[[Any], None], slots: int, name: str = "qforensics-drain",
-                 run_many: Callable[[list[Any]], None] | None = None) -> None:
-        self._run_item = run
-        self._run_many = run_many
+                 many: bool = False) -> None:
+        self._run = run  # an item, or with `many` the list of the items waiting
+        self._many = bool(many)
         self.depth = max(1, int(slots) - 1)  # items that may wait or run at once
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -85,7 +85,7 @@ class Drainer:
                 self._cv.wait_for(lambda: self._items or self._stop)
                 if not self._items:
                     return  # stopped, nothing left
-                if self._run_many is not None:
+                if self._many:
                     items = list(self._items)
                     self._items.clear()
                 else:
@@ -94,10 +94,8 @@ class Drainer:
             try:
                 if self.error is not None:
                     self.dropped += len(items)
-                elif self._run_many is not None:
-                    self._run_many(items)
                 else:
-                    self._run_item(items[0])
+                    self._run(items if self._many else items[0])
             except BaseException as exc:  # noqa: BLE001 - never let the thread die silently
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.error("qforensics: recording the compiled steps failed (%s); recording "

@@ -164,8 +164,7 @@ class GraphMode:
             slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy
                    else graphstats.RING_SLOTS), lazy=lazy)
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
-            self._drainer = Drainer(self._graph_emit_item, graphstats.RING_SLOTS,
-                                    run_many=self._graph_emit_items)
+            self._drainer = Drainer(self._graph_emit_items, graphstats.RING_SLOTS, many=True)
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -333,10 +332,6 @@ class GraphMode:
             items.append(late.popleft())
         self._graph_emit_items(items)
 
-    def _graph_emit_item(self, item: "LateStep | Callable[[], None]") -> None:
-        """The drainer's work: a step noted at its end, or what an engine wrote between steps."""
-        self._graph_emit_items([item])
-
     def _graph_emit_items(self, items: "list[LateStep | Callable[[], None]]") -> None:
         """Noted steps and the writes between them, in order: each run of consecutive steps
         read from the ring in one pass."""
@@ -351,9 +346,6 @@ class GraphMode:
             item()
         if run:
             self._graph_emit_many(run)
-
-    def _graph_emit(self, n: LateStep) -> None:
-        self._graph_emit_many([n])
 
     def _graph_emit_many(self, ns: list[LateStep]) -> None:
         """Noted steps' records from their slots of the ring, to the writer, oldest first."""

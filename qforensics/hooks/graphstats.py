@@ -159,8 +159,7 @@ class GraphStats:
         # Dynamo's (`_trace_id`): the next run's k (`place`)
         self._occ: collections.Counter = collections.Counter()
         self._trace: Any = None
-        self._runs: collections.Counter = collections.Counter()  # entries per (module, io, slot)
-        self._nth: dict[tuple[int, int, int, int], int] = {}  # its n-th entry
+        self._nth: dict[tuple[int, int, int, int], int] = {}  # (module, io, slot, n) -> entry
         self.lost: list[str] = []  # entries that found no room (said in the status)
         self._order: list[tuple[Any, ...]] | None = None
         self._idx: dict[str, Any] | None = None
@@ -234,8 +233,9 @@ class GraphStats:
             self._used.append(0)
             self._host = {}
         e = len(self.entries)
-        nth = self._runs[(mid, io, slot)]
-        self._runs[(mid, io, slot)] = nth + 1
+        nth = 0  # entries of (module, io, slot) placed before: one per run, a handful at most
+        while (mid, io, slot, nth) in self._nth:
+            nth += 1
         self._nth[(mid, io, slot, nth)] = e
         ent = Entry(mid, io, slot, width, dt, nonfloat, keep, len(self.segments) - 1,
                     self._used[-1], cap, tok, call, nth)

@@ -44,7 +44,7 @@ def test_items_run_in_order_off_the_calling_thread():
 
 
 def test_a_drainer_behind_hands_over_what_waits_in_one_call():
-    """`run_many`: items queued while the thread was busy come in one call, in order, and
+    """`many`: items queued while the thread was busy come in one call, in order, and
     never more than the ring's depth (slots - 1)."""
     gate, batches = threading.Event(), []
 
@@ -52,7 +52,7 @@ def test_a_drainer_behind_hands_over_what_waits_in_one_call():
         gate.wait(10)
         batches.append(list(items))
 
-    d = Drainer(lambda i: None, slots=4, run_many=run_many)
+    d = Drainer(run_many, slots=4, many=True)
     d.put(0)  # taken at once, held at the gate
     time.sleep(0.2)
     d.put(1)
