@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qforensics.hooks import graphhooks, graphstats, reduce
+from qforensics.hooks import graphhooks, graphstats, reduce, statsop
 from qforensics.hooks.drainer import Drainer
 from qforensics.trace import schema
 
@@ -47,11 +47,24 @@ LATE_ON_CPU = False
 # compiled 1.72 with the thread against 1.53 without; HF compiled 1.34 against 1.32)
 DRAIN = os.environ.get("QFORENSICS_DRAIN", "auto")
 OUTSIDE_ENTRIES = 16  # entries kept for tensors recorded outside the graph
-# Steps the model's thread (no drainer) lets wait before it emits them together
-# (GraphStats.collect_many: a step's records cost mostly numpy's fixed cost per call, paid once
-# for all of them). At most RING_SLOTS - 1: the op must not reach a slot not yet read. The
-# trace lags as many steps (close and an eager step emit what waits).
-SYNC_BATCH = graphstats.RING_SLOTS - 1
+# Steps emitted together: read from the ring in one pass (GraphStats.collect_many, whose cost is
+# mostly numpy's fixed cost per call, paid once for all of them). Without a drainer the model's
+# thread emits once EMIT_BATCH steps wait; a drainer wakes once half as many wait (the steps
+# go on meanwhile), and lets the model's thread run at most EMIT_BATCH steps ahead. The ring
+# holds EMIT_BATCH + 2 steps beyond what the flight recorder keeps in it (`_ring_slots`), so
+# the op never reaches a slot not yet read. Nor does a step wait longer than EMIT_LINGER x the
+# writer's flush interval after it ended (an idle server's last steps; without a drainer, checked
+# at the next step's end), nor at all on the CPU once the op's first-failure word is set (the
+# failing step on its way to disk before anything else can go wrong). Close and an eager step
+# emit what waits.
+EMIT_BATCH = 8
+EMIT_LINGER = 0.25
+
+
+def _ring_slots(ring_steps: int, lazy: bool) -> int:
+    """Host slots of the ring: the steps not yet emitted, the one the op writes, one spare,
+    and with lazy channel ranges the flight recorder's ring (hooks/ringranges.py)."""
+    return EMIT_BATCH + 2 + (int(ring_steps) if lazy else 0)
 
 
 @dataclass
@@ -161,10 +174,11 @@ class GraphMode:
                                            max_outputs) + OUTSIDE_ENTRIES,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
-            slots=(int(self.options["ring_steps"]) + graphstats.RING_SLOTS + 1 if lazy
-                   else graphstats.RING_SLOTS), lazy=lazy)
+            slots=_ring_slots(self.options["ring_steps"], lazy), lazy=lazy)
+        self._first_seen = statsop.NO_FIRST
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
-            self._drainer = Drainer(self._graph_emit_items, graphstats.RING_SLOTS, many=True)
+            self._drainer = Drainer(self._graph_emit_items, EMIT_BATCH, many=True,
+                                    batch=max(1, EMIT_BATCH // 2), linger=self._linger())
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -295,11 +309,32 @@ class GraphMode:
                     self._degrade(RuntimeError(f"compiled steps' records: {d.error}"))
                 return
             d.put(n)
+            if self._graph_failed():
+                d.kick()
             return
         self._late.append(n)
         keep = 1 if self._graph_late() else 0
-        if sum(isinstance(i, LateStep) for i in self._late) >= keep + max(1, SYNC_BATCH):
+        waiting = [i for i in self._late if isinstance(i, LateStep)]
+        if len(waiting) > keep and (
+                len(waiting) >= keep + max(1, EMIT_BATCH) or self._graph_failed()
+                or n.t_end - waiting[0].t_end >= self._linger()):
             self._graph_drain(keep=keep)
+
+    def _linger(self) -> float:
+        """The longest a step waits to be emitted, in seconds (EMIT_LINGER)."""
+        return EMIT_LINGER * float(self.options["flush_interval"])
+
+    def _graph_failed(self) -> bool:
+        """The op's first-failure word changed since the last look (the CPU: the word is host
+        memory, read in place; a GPU's would cost a sync: there the batch and linger hold)."""
+        gs = self._gs
+        if gs is None or gs.device.type != "cpu":
+            return False
+        word = int(gs.first_word[0]) if gs.first_word is not None else statsop.NO_FIRST
+        if word == self._first_seen:
+            return False
+        self._first_seen = word
+        return True
 
     def _graph_defer(self, fn: "Callable[[], None]") -> None:
         """Run `fn` (an engine's write between steps) after the steps noted before it: on the

@@ -48,9 +48,11 @@ log = logging.getLogger("qforensics.hooks.capture")
 LOGITS_FIGURES = 18  # reduce.exact_logits' row
 MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
-RING_SLOTS = 4  # the op writes one slot while the drainer reads the others (hooks/drainer.py)
-# with lazy channel ranges (`GraphStats.lazy`), the ring also holds the file ring's last steps
-# until the writer needs them: ring_steps + RING_SLOTS + 1 slots (hooks/ringranges.py)
+# A GPU's device ring: the op writes a slot, which is copied to pinned host memory right after
+# the step, on its stream (the host reads the copies: their number, `host_slots`, is what
+# hooks/graphmode.py sizes for the steps not yet read, hooks/ringranges.py's lazy ranges
+# included); the CPU's ring is read in place and has `host_slots` slots itself
+RING_SLOTS = 4
 # tests: the GPU's way of reading the ring (a device ring of RING_SLOTS, each step copied into
 # host buffers, read from them) on the CPU, where copies are synchronous and not pinned
 HOST_COPIES_ON_CPU = False
@@ -127,6 +129,8 @@ class GraphStats:
         self.ranges_lost = 0  # lazy reads that found their slot moved on (said in the status)
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
+        # on the CPU the word read in place, at every step's end (graphmode._graph_failed)
+        self.first_word = self.first.numpy() if device.type == "cpu" else None
         self._redos0 = collections.Counter(statscpu.REDOS)  # status: this capture's share
         # (tensor, entry) the hooks queued for the next op call (graphhooks._flush); empty
         # between calls, at trace time as at run time. One list for every capture (`QUEUE`):

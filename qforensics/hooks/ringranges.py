@@ -15,11 +15,11 @@ once, by the first of:
 - the recorder again, `ring_steps + 1` steps later at the latest (`LazyTracker.advance`): by
   then the op may soon reuse the slot. A step that a later ring step of the same file slot has
   replaced by then is dropped, never copied: the writer would not write it.
-The ring has ring_steps + RING_SLOTS + 1 slots (hooks/graphstats.py; on a GPU, its pinned host
-copies, one per step), so that a step is still there however far the drainer lags (it waits
-at RING_SLOTS - 1 steps). A read checks
-the entries' stamps before and after the copy; a slot that moved on reads None (`lost`),
-said in the status, never as data.
+The ring has ring_steps + EMIT_BATCH + 2 slots (hooks/graphmode.py `_ring_slots`; on a GPU,
+its pinned host copies, one per step), so that a step is still there however far emission lags
+(the model's thread waits at EMIT_BATCH steps not yet emitted). A read checks the entries'
+stamps before and after the copy; a slot that moved on reads None (`lost`), said in the
+status, never as data.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def test_auto_drains_in_the_models_thread_on_the_cpu(tmp_path, monkeypatch):
 
 def test_items_run_in_order_off_the_calling_thread():
     seen: list[tuple[int, str]] = []
-    d = Drainer(lambda i: seen.append((i, threading.current_thread().name)), slots=4)
+    d = Drainer(lambda i: seen.append((i, threading.current_thread().name)), depth=3)
     for i in range(50):
         d.put(i)
     assert d.flush(timeout=10)
@@ -45,14 +45,14 @@ def test_items_run_in_order_off_the_calling_thread():
 
 def test_a_drainer_behind_hands_over_what_waits_in_one_call():
     """`many`: items queued while the thread was busy come in one call, in order, and
-    never more than the ring's depth (slots - 1)."""
+    never more than its depth."""
     gate, batches = threading.Event(), []
 
     def run_many(items):  # noqa: ANN001, ANN202
         gate.wait(10)
         batches.append(list(items))
 
-    d = Drainer(run_many, slots=4, many=True)
+    d = Drainer(run_many, depth=3, many=True)
     d.put(0)  # taken at once, held at the gate
     time.sleep(0.2)
     d.put(1)
@@ -71,7 +71,7 @@ def test_a_drainer_behind_hands_over_what_waits_in_one_call():
 
 
 def test_put_waits_while_the_ring_would_be_overrun():
-    """slots=3: two items may wait or run; a third `put` waits until one has finished."""
+    """depth=2: two items may wait or run; a third `put` waits until one has finished."""
     gate = threading.Event()
     ran: list[int] = []
 
@@ -79,7 +79,7 @@ def test_put_waits_while_the_ring_would_be_overrun():
         gate.wait(10)
         ran.append(i)
 
-    d = Drainer(run, slots=3)
+    d = Drainer(run, depth=2)
     d.put(0)
     d.put(1)
     third = threading.Thread(target=d.put, args=(2,))
@@ -94,12 +94,49 @@ def test_put_waits_while_the_ring_would_be_overrun():
     d.close(timeout=10)
 
 
+def _until(pred, timeout: float = 10.0) -> float:  # noqa: ANN001
+    """Wait until `pred()` holds; returns the seconds it took (fails past `timeout`)."""
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_a_drainer_wakes_for_a_batch_its_linger_or_a_kick():
+    """batch=3: two items wait untouched until a third comes, then the three run in one call;
+    a lone item runs once it has waited `linger`, or at once when kicked."""
+    got: list[list[int]] = []
+    d = Drainer(lambda items: got.append(list(items)), depth=6, many=True, batch=3,
+                linger=60.0)
+    d.put(0)
+    d.put(1)
+    time.sleep(0.3)
+    assert got == []
+    d.put(2)
+    _until(lambda: got == [[0, 1, 2]])
+    d.put(3)
+    time.sleep(0.3)
+    assert got == [[0, 1, 2]]
+    d.kick()
+    _until(lambda: got == [[0, 1, 2], [3]])
+    d.close(timeout=10)
+    got.clear()
+    d = Drainer(lambda items: got.append(list(items)), depth=6, many=True, batch=3,
+                linger=0.4)
+    t0 = time.monotonic()
+    d.put(4)
+    _until(lambda: got == [[4]])
+    assert time.monotonic() - t0 >= 0.4
+    d.close(timeout=10)
+
+
 def test_a_failing_item_stops_the_drainer_and_drops_the_rest():
     def run(i: int) -> None:
         if i == 2:
             raise ValueError("bad slot")
 
-    d = Drainer(run, slots=8)
+    d = Drainer(run, depth=7)
     for i in range(5):
         d.put(i)
     assert d.flush(timeout=10)
@@ -131,13 +168,14 @@ def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypat
 
     monkeypatch.setattr(graphstats.GraphStats, "collect_many", counted)
     monkeypatch.setattr(graphmode, "DRAIN", "sync")
-    monkeypatch.setattr(graphmode, "SYNC_BATCH", 1)  # each step at its end: the reference
+    monkeypatch.setattr(graphmode, "EMIT_LINGER", 1e9)  # by count only, whatever the speed
+    monkeypatch.setattr(graphmode, "EMIT_BATCH", 1)  # each step at its end: the reference
     toks_s = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync.h5", 6)
     assert set(builders) == {threading.current_thread().name}
     assert sizes == [1] * 6
     builders.clear()
     sizes.clear()
-    monkeypatch.setattr(graphmode, "SYNC_BATCH", 3)  # the model's thread, 3 steps at a time
+    monkeypatch.setattr(graphmode, "EMIT_BATCH", 3)  # the model's thread, 3 steps at a time
     toks_3 = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync3.h5", 6)
     assert sizes == [3, 3]
     builders.clear()
@@ -221,6 +259,45 @@ def test_a_failure_in_the_drainer_stops_recording_not_thegreedy_tokens(tmp_path,
     assert t.steps["step"].tolist() == [0, 1]  # what was recorded before the failure
     f = analyze_trace(tmp_path / "t.h5")
     assert f.status != PASSED, f.verdict.line
+
+
+@pytest.mark.parametrize("drain", ["sync", "thread"])
+def test_a_failing_step_is_emitted_at_its_end_not_with_its_batch(tmp_path, monkeypatch, drain):
+    """EMIT_BATCH=16, no linger to speak of: healthy steps wait to be emitted together (the
+    drainer wakes at 8); the step at which the op's first-failure word is set (a weight row
+    overwritten with NaN in place) is emitted at its end, with the steps before it, in the
+    model's thread or by the kicked drainer, so it is on its way to disk while the run goes
+    on. The trace still has every step, and its first bad step is that one."""
+    monkeypatch.setattr(graphmode, "DRAIN", drain)
+    monkeypatch.setattr(graphmode, "EMIT_BATCH", 16)
+    monkeypatch.setattr(graphmode, "EMIT_LINGER", 1e9)
+    emitted: list[int] = []
+    orig = graphmode.GraphMode._graph_emit_many
+
+    def spy(self, ns):  # noqa: ANN001, ANN202
+        emitted.extend(n.step for n in ns)
+        return orig(self, ns)
+
+    monkeypatch.setattr(graphmode.GraphMode, "_graph_emit_many", spy)
+    model = Tiny()
+    comp = torch.compile(model, dynamic=True)
+    seq = torch.tensor([[1, 2, 3, 4]])
+    with qforensics.capture(comp, tmp_path / "t.h5"), torch.no_grad():
+        for i in range(6):
+            if i == 3:
+                model.layers[1].down.weight[0].fill_(float("nan"))
+            comp(seq)
+            if i == 2:
+                time.sleep(0.3)  # a drainer would have had time to take them
+                assert emitted == []
+            if i == 3:
+                _until(lambda: emitted == [0, 1, 2, 3])
+    assert emitted == list(range(6))
+    t = qforensics.open_trace(tmp_path / "t.h5")
+    assert t.steps["step"].tolist() == list(range(6))
+    f = analyze_trace(tmp_path / "t.h5")
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == 3
+    assert f.first_nonfinite.producer == "layers.1.down"
 
 
 if __name__ == "__main__":  # pragma: no cover
