@@ -47,10 +47,10 @@ PROFILED = [
     ("qforensics.hooks.stepend", None, "build_batch"),
     ("qforensics.hooks.reduce", None, "fast_logits"),
     ("qforensics.hooks.reduce", None, "nonfinite_rows"),
-    # compiled mode (hooks/graphmode.py, hooks/graphstats.py)
+    # compiled mode (hooks/graphmode.py, hooks/graphread.py)
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_root"),
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_end"),
-    ("qforensics.hooks.graphstats", "GraphStats", "collect_many"),
+    ("qforensics.hooks.graphread", "RingReader", "collect_many"),  # GraphStats inherits it
     ("qforensics.hooks.stepend", "StepEnd", "_emit_batch"),
     # the stats op's CPU kernel, called from inside the compiled graph
     ("qforensics.hooks.statscpu", None, "stats_cpu"),

@@ -284,7 +284,7 @@ class FusedReducer:
 
     def spans(self) -> Any:
         """fused_reduce.c's `qf_spans` (spans of floats copied side by side, given as
-        (address, count) pairs; hooks/graphstats.py), or None: not loaded."""
+        (address, count) pairs; hooks/graphread.py), or None: not loaded."""
         return self._spans_fn if self.ready() else None
 
     def nonfinite_rows(self, t: torch.Tensor) -> torch.Tensor | None:
