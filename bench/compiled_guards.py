@@ -53,11 +53,13 @@ def _guards(model, x) -> dict:  # noqa: ANN001
         for e in _debug_get_cache_entry_list(code) if code is not None else []:
             gm = e.guard_manager
             leaves += _count(gm.root)
-            names = code.co_varnames
-            if code.co_argcount == 0 and code.co_flags & 0x04:  # f(*args, **kwargs)
-                loc = {names[0]: (model, x), **({names[1]: {}} if code.co_flags & 0x08 else {})}
-            elif code.co_argcount >= 2:
+            names, argc = code.co_varnames, code.co_argcount
+            if argc >= 2:
                 loc = {names[0]: model, names[1]: x}
+            elif code.co_flags & 0x04:  # f(*args, **kwargs), f(self, *args, **kwargs)
+                pos = (model, x)
+                loc = {**dict(zip(names[:argc], pos)), names[argc]: pos[argc:],
+                       **({names[argc + 1]: {}} if code.co_flags & 0x08 else {})}
             else:
                 continue
             fn = getattr(type(model), "forward", None)  # its free variables (a decorator's)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything a session lent a GPU should run there, in ONE device call (a call may run 10
+# minutes; the whole task has 15 minutes of device time):
+#
+#   bash scripts/gpu_session.sh                  # on the GPU machine, from the checkout
+#   bash scripts/gpu_session.sh --self-check     # here, on the CPU: the same plumbing, a
+#                                                # 2-layer random model (its figures are no
+#                                                # GPU figures)
+#
+# Runs, each with a time limit of its own (550 s in all, under the tool's 600 s a call), so
+# that one that hangs leaves the rest:
+#   1. scripts/gpu_check.py: issue 39's GPU targets (SmolLM2's architecture, bf16,
+#      reduce-overhead, 32 tokens) and the planted-NaN case; its JSON lines;
+#   2. bench/compiled_guards.py --device cuda: the host time of the compiled model's guards;
+#   3. pytest on the compiled-mode hook tests (the GPU machine has no pytest: put its wheels in
+#      ./wheels before the call, `pip download --no-deps -d wheels pytest pluggy iniconfig`;
+#      without them this part is skipped and says so).
+# Writes everything under $OUT (the device tool's output folder; ./gpu-session otherwise) and
+# tars it into $OUT/gpu-session.tgz (the tool brings back few files). Exit status: that of
+# gpu_check.py (0: every target held; 1: one did not; 2: no GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SELF=0
+[[ ${1:-} == --self-check ]] && SELF=1
+OUT=${OUT:-gpu-session}
+RES=$OUT/gpu-session
+mkdir -p "$RES"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+if compgen -G "wheels/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/qf-site wheels/*.whl \
+        >"$RES/wheels.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/qf-site
+fi
+{ nvidia-smi 2>&1 || echo "no nvidia-smi"; $PY -c "import torch, triton, transformers
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
+      transformers.__version__)" 2>&1; } >"$RES/machine.txt"
+step() {  # step NAME SECONDS CMD...: run with a limit, its output to NAME.log, a line here
+    local name=$1 limit=$2 t0=$SECONDS rc=0
+    shift 2
+    timeout "$limit" "$@" >"$RES/$name.log" 2>&1 || rc=$?
+    echo "gpu-session: $name rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$RES/steps.txt"
+    return $rc
+}
+if ((SELF)); then
+    CHECK=(--allow-cpu --random --layers 2 --tokens 4)
+    GUARDS=(--device cpu --random --layers 2 --rounds 1 --calls 5)
+else
+    CHECK=(--timeout 140)  # each of its two phases: compile (57 s plain on an H200) and steps
+    GUARDS=(--device cuda --dtype bfloat16)
+fi
+rc=0
+step gpu_check 300 $PY scripts/gpu_check.py --out "$RES/gpu-check" "${CHECK[@]}" || rc=$?
+step compiled_guards 100 $PY bench/compiled_guards.py "${GUARDS[@]}"
+if $PY -c "import pytest" 2>/dev/null; then
+    step pytest 150 $PY -m pytest -q -p no:cacheprovider tests/hooks/test_statsop.py \
+        tests/hooks/test_graphstats.py tests/hooks/test_drainer.py tests/hooks/test_graphsnap.py
+else
+    echo "gpu-session: pytest skipped (no pytest: see wheels/ above)" | tee -a "$RES/steps.txt"
+fi
+tail -n 12 "$RES/gpu_check.log"
+tar czf "$OUT/gpu-session.tgz" -C "$OUT" gpu-session
+echo "gpu-session: results in $OUT/gpu-session.tgz"
+exit $rc
