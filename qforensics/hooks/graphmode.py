@@ -325,12 +325,20 @@ class GraphMode:
         return EMIT_LINGER * float(self.options["flush_interval"])
 
     def _graph_failed(self) -> bool:
-        """The op's first-failure word changed since the last look (the CPU: the word is host
-        memory, read in place; a GPU's would cost a sync: there the batch and linger hold)."""
+        """The op's first-failure word changed since the last look: on the CPU read in place
+        (host memory); where the ring is read through host copies (a GPU), from the copy of
+        the step before this one, if it is done (never a sync: the failing step is noticed a
+        step late)."""
         gs = self._gs
-        if gs is None or gs.device.type != "cpu":
+        if gs is None:
             return False
-        word = int(gs.first_word[0]) if gs.first_word is not None else statsop.NO_FIRST
+        if gs.copies:
+            got = gs.copied_first(self.step - 1)
+            if got is None:
+                return False
+            word = got
+        else:
+            word = int(gs.first_word[0])
         if word == self._first_seen:
             return False
         self._first_seen = word

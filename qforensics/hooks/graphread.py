@@ -43,12 +43,24 @@ class RingReader:
     host_slots: int
     _copied: dict[int, int]  # host slot -> the step its copy holds
     _tok_copied: dict[int, int]  # host slot -> token rows its copy holds
+    _event: dict[int, Any]  # host slot -> the event of its copy (a CUDA event)
+    _first_host: dict[int, "torch.Tensor"]  # host slot -> the first-failure word it copied
     # a step's host copy (a GPU): its segments' rows, logits figures, input ids, token rows
     _host_slot: Callable[[int], list[np.ndarray]]
     call_order: Callable[[], list[tuple[Any, ...]]]
     # this reader's caches, reset by GraphStats when an entry is placed
     _idx: dict[str, Any] | None
     _gathers: dict[bytes, Any]
+
+    def copied_first(self, step: int) -> int | None:
+        """The op's first-failure word as `step`'s copy saw it, once that copy is done (an
+        event query: never a wait); None while it is not, or when the slot holds another
+        step. A GPU's way to notice a failure a step late without a sync."""
+        hs = step % self.host_slots
+        ev = self._event.get(hs)
+        if self._copied.get(hs) != step or ev is None or not ev.query():
+            return None
+        return int(self._first_host[hs][0])
 
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""

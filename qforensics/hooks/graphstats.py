@@ -70,6 +70,9 @@ class _Done:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 def _trace_id() -> tuple[Any, ...] | None:
     """Dynamo's current trace attempt: (frame, compile, attempt); the frame's id is its
@@ -174,6 +177,8 @@ class GraphStats(RingReader):
         self._host: dict[int, list[torch.Tensor]] = {}
         self._event: dict[int, Any] = {}
         self._copied: dict[int, int] = {}
+        # the first-failure word as each slot's copy saw it (`copied_first`): pinned, 1 int64
+        self._first_host: dict[int, torch.Tensor] = {}
         # modules recorded outside the graph (the logits; vLLM's lm_head), in the order of
         # their calls after the compiled ones: module id -> rank
         self.outside: dict[int, int] = {}
@@ -316,6 +321,10 @@ class GraphStats(RingReader):
         n = self.ids_n[slot]
         if n:
             host[-2][:n].copy_(self.ids[slot, :n], non_blocking=True)
+        word = self._first_host.get(hs)
+        if word is None:
+            word = self._first_host[hs] = torch.empty(1, dtype=torch.int64, pin_memory=pin)
+        word.copy_(self.first, non_blocking=True)
         ev = self._event.get(hs)
         if ev is None:
             ev = self._event[hs] = torch.cuda.Event() if pin else _Done()

@@ -261,16 +261,23 @@ def test_a_failure_in_the_drainer_stops_recording_not_thegreedy_tokens(tmp_path,
     assert f.status != PASSED, f.verdict.line
 
 
+@pytest.mark.parametrize("gpu_like", [False, True])
 @pytest.mark.parametrize("drain", ["sync", "thread"])
-def test_a_failing_step_is_emitted_at_its_end_not_with_its_batch(tmp_path, monkeypatch, drain):
+def test_a_failing_step_is_emitted_at_its_end_not_with_its_batch(tmp_path, monkeypatch, drain,
+                                                                  gpu_like):
     """EMIT_BATCH=16, no linger to speak of: healthy steps wait to be emitted together (the
     drainer wakes at 8); the step at which the op's first-failure word is set (a weight row
     overwritten with NaN in place) is emitted at its end, with the steps before it, in the
     model's thread or by the kicked drainer, so it is on its way to disk while the run goes
-    on. The trace still has every step, and its first bad step is that one."""
+    on. `gpu_like` (the ring read through host copies, steps emitted a step late, as on a
+    GPU): the word is read from the copy of the step before, so the failing step goes at the
+    end of the next one. The trace still has every step, and its first bad step is that one."""
     monkeypatch.setattr(graphmode, "DRAIN", drain)
     monkeypatch.setattr(graphmode, "EMIT_BATCH", 16)
     monkeypatch.setattr(graphmode, "EMIT_LINGER", 1e9)
+    if gpu_like:
+        monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
+        monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
     emitted: list[int] = []
     orig = graphmode.GraphMode._graph_emit_many
 
@@ -282,23 +289,25 @@ def test_a_failing_step_is_emitted_at_its_end_not_with_its_batch(tmp_path, monke
     model = Tiny()
     comp = torch.compile(model, dynamic=True)
     seq = torch.tensor([[1, 2, 3, 4]])
+    seen = 4 if gpu_like else 3  # the step whose end notices the failure
     with qforensics.capture(comp, tmp_path / "t.h5"), torch.no_grad():
         for i in range(6):
             if i == 3:
                 model.layers[1].down.weight[0].fill_(float("nan"))
             comp(seq)
-            if i == 2:
+            if i == seen - 1:
                 time.sleep(0.3)  # a drainer would have had time to take them
                 assert emitted == []
-            if i == 3:
-                _until(lambda: emitted == [0, 1, 2, 3])
+            if i == seen:
+                # the model's thread emits up to the failing step (a GPU's keeps the step
+                # just ended for later); the kicked drainer takes all that waits
+                _until(lambda: emitted == list(range(4 if drain == "sync" else seen + 1)))
     assert emitted == list(range(6))
     t = qforensics.open_trace(tmp_path / "t.h5")
     assert t.steps["step"].tolist() == list(range(6))
     f = analyze_trace(tmp_path / "t.h5")
     assert f.first_nonfinite is not None and f.first_nonfinite.step == 3
     assert f.first_nonfinite.producer == "layers.1.down"
-
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
