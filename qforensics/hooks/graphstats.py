@@ -133,7 +133,7 @@ class GraphStats(RingReader):
         self.ranges_lost = 0  # lazy reads that found their slot moved on (said in the status)
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.first = statsop.new_first(device)
-        # on the CPU the word read in place, at every step's end (graphmode._graph_failed)
+        # on the CPU the word read in place, at every step's end (graphlate._graph_failed)
         self.first_word = self.first.numpy() if device.type == "cpu" else None
         self._redos0 = collections.Counter(statscpu.REDOS)  # status: this capture's share
         # (tensor, entry) the hooks queued for the next op call (graphhooks._flush); empty

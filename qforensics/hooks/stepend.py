@@ -192,7 +192,7 @@ class StepEnd:
                     logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
                     incidents: list[np.ndarray], kind: dict[str, Any]) -> None:
         """One step's batch to the flight recorder and the writer: now, or (compiled mode on
-        a GPU, hooks/graphmode.py) a step late, from what the host noted at its end."""
+        a GPU, hooks/graphlate.py) a step late, from what the host noted at its end."""
         assert self._writer is not None and self._snaps is not None
         snaps, data = self._snaps.take()
         batch = build_batch(

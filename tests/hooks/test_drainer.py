@@ -13,7 +13,7 @@ import torch
 
 import qforensics
 from qforensics.analyze import PASSED, analyze_trace
-from qforensics.hooks import graphmode, graphstats, stepend
+from qforensics.hooks import graphlate, graphmode, graphstats, stepend
 from qforensics.hooks.drainer import Drainer
 
 from capture_models import Tiny, assert_same_channels, greedy_tokens
@@ -168,14 +168,14 @@ def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypat
 
     monkeypatch.setattr(graphstats.GraphStats, "collect_many", counted)
     monkeypatch.setattr(graphmode, "DRAIN", "sync")
-    monkeypatch.setattr(graphmode, "EMIT_LINGER", 1e9)  # by count only, whatever the speed
-    monkeypatch.setattr(graphmode, "EMIT_BATCH", 1)  # each step at its end: the reference
+    monkeypatch.setattr(graphlate, "EMIT_LINGER", 1e9)  # by count only, whatever the speed
+    monkeypatch.setattr(graphlate, "EMIT_BATCH", 1)  # each step at its end: the reference
     toks_s = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync.h5", 6)
     assert set(builders) == {threading.current_thread().name}
     assert sizes == [1] * 6
     builders.clear()
     sizes.clear()
-    monkeypatch.setattr(graphmode, "EMIT_BATCH", 3)  # the model's thread, 3 steps at a time
+    monkeypatch.setattr(graphlate, "EMIT_BATCH", 3)  # the model's thread, 3 steps at a time
     toks_3 = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "sync3.h5", 6)
     assert sizes == [3, 3]
     builders.clear()
@@ -213,7 +213,7 @@ def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, m
         monkeypatch.setattr(graphmode, "DRAIN", "sync")
         greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ref.h5", 10)
         monkeypatch.setattr(graphmode, "DRAIN", "thread")
-        monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
+        monkeypatch.setattr(graphlate, "LATE_ON_CPU", True)
         monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
     orig = graphstats.GraphStats.collect_many
 
@@ -273,10 +273,10 @@ def test_a_failing_step_is_emitted_at_its_end_not_with_its_batch(tmp_path, monke
     GPU): the word is read from the copy of the step before, so the failing step goes at the
     end of the next one. The trace still has every step, and its first bad step is that one."""
     monkeypatch.setattr(graphmode, "DRAIN", drain)
-    monkeypatch.setattr(graphmode, "EMIT_BATCH", 16)
-    monkeypatch.setattr(graphmode, "EMIT_LINGER", 1e9)
+    monkeypatch.setattr(graphlate, "EMIT_BATCH", 16)
+    monkeypatch.setattr(graphlate, "EMIT_LINGER", 1e9)
     if gpu_like:
-        monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
+        monkeypatch.setattr(graphlate, "LATE_ON_CPU", True)
         monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
     emitted: list[int] = []
     orig = graphmode.GraphMode._graph_emit_many

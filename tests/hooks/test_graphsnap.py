@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import qforensics
 from qforensics.cli import main
-from qforensics.hooks import graphmode
+from qforensics.hooks import graphlate
 
 from capture_models import Tiny
 
@@ -101,7 +101,7 @@ def test_healthy_compiled_run_keeps_no_snapshot(tmp_path):
 def test_a_step_emitted_late_with_a_small_budget_keeps_leading_rows(tmp_path, monkeypatch):
     """A GPU emits each step at the end of the next (forced here); a budget of 200 bytes holds
     50 floats: 25 for the input (one 16-wide row), 25 for the output (three 8-wide rows)."""
-    monkeypatch.setattr(graphmode, "LATE_ON_CPU", True)
+    monkeypatch.setattr(graphlate, "LATE_ON_CPU", True)
     seen = _run(tmp_path / "s.h5", 4, nan=True, snapshot_budget=200)
     t = qforensics.open_trace(tmp_path / "s.h5")
     snaps = t.snapshots

@@ -11,7 +11,7 @@ from torch import nn
 
 import qforensics
 from qforensics.errors import CaptureError
-from qforensics.hooks import graphhooks, graphmode, graphstats
+from qforensics.hooks import graphhooks, graphlate, graphmode, graphstats
 from qforensics.trace import schema
 
 from capture_models import Tiny, assert_same_channels, greedy_tokens
@@ -217,7 +217,7 @@ def test_steps_emitted_a_step_late_match_those_emitted_at_once(tmp_path, monkeyp
     ring, each step's slot and its token rows copied into host buffers and read from there,
     the channel ranges of ring steps from those copies."""
     def run(path, late: bool) -> list[int]:
-        monkeypatch.setattr(graphmode, "LATE_ON_CPU", late)
+        monkeypatch.setattr(graphlate, "LATE_ON_CPU", late)
         monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", late and copies)
         model = Tiny()
         if nan:
