@@ -29,7 +29,9 @@ model = torch.compile(m, dynamic=True) if compiled else m
 seq = torch.randint(0, 16, (1, 6), generator=gen)
 with torch.no_grad(), qforensics.capture(model, path, flush_interval=0.01) as cap:
     for i in range(steps):
-        if i == 50:  # by now the ring has turned: its chunks are on disk
+        if i == 50:  # the ring has turned: its chunks are on disk once the writer has
+            # written what was emitted so far (a barrier: a loaded machine's writer lags)
+            assert cap._writer.flush(120), "the writer did not catch up"
             size = os.path.getsize(path) + grow
             resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         if i == bad:

@@ -94,7 +94,7 @@ def test_compiled_ring_steps_kept_in_memory_keep_their_channels(tmp_path):
     st = _status(path)
     assert st["capture_mode"] == "compiled" and st["graph_ranges"]["lazy"]
     assert st["graph_ranges"]["lost"] == 0
-    assert st["memory_ring"]["ring"] == RING
+    assert st["memory_ring"]["ring"] == RING, st["memory_ring"]
     f = analyze_trace(path)
     assert f.verdict.status == "FAILED", f.verdict.line
     assert f.first_nonfinite is not None and f.first_nonfinite.step == bad
