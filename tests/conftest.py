@@ -135,6 +135,7 @@ SLOW = (
     "test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps[True]",
     "tests/hooks/test_drainer.py::test_the_drained_trace_is_the_one_built_at_each_step_end",
     "tests/hooks/test_drainer.py::test_a_failing_step_is_emitted_at_its_end_not_with_its_batch",
+    "tests/hooks/test_graphlate.py",
     "tests/hooks/test_param_watch.py::test_compiled_model_names_the_overwritten_row",
     "tests/hooks/test_flight_recorder.py::test_sigkill_keeps_the_steps_and_the_last_window",
     "tests/hooks/test_flight_recorder.py::test_max_bytes_caps_the_file_and_says_so",

@@ -52,9 +52,8 @@ class LateStep:
     complete: bool
     keep_channels: bool
     has_logits: bool
-    logits_row: np.ndarray | None  # already known
     logits_t: torch.Tensor | None  # on the CPU: the last logits row (a copy for the drainer)
-    ids: np.ndarray | None
+    ids: np.ndarray | None  # None: the row and the ids come with the slot (step_extras)
     incidents: list[np.ndarray]
     kind: dict[str, Any]
 
@@ -113,36 +112,32 @@ class GraphLate:
 
     def _graph_end(self, complete: bool) -> None:
         """End a step the ring holds: the host notes what it knows (times, calls, incidents,
-        the adapter's step kind, a copy of the last logits row on the CPU); on a GPU the
-        logits figures and ids go into the step's slot on the device and the slot's copy to
-        pinned memory starts. Its records are built off the hot path, by the drainer thread
-        (hooks/drainer.py), or without one at once on the CPU and a step late on a GPU (its
-        copy long done): no sync inside a step either way."""
+        the adapter's step kind); the last logits row and the input ids go with the step's
+        slot: on a GPU the row into pinned memory and the slot's copy there start on the
+        stream (one transfer each, no kernel, no sync: the logits figures are computed on the
+        host when the step is emitted); on the CPU the row is kept as the step left it (an
+        engine may scale it in place). Its records are built off the hot path, by the
+        drainer thread (hooks/drainer.py), or without one in batches on the CPU and a step
+        late on a GPU (its copy long done): no sync inside a step either way."""
         gs = self._gs
         assert gs is not None
         self._graph_flush()
         logits, ids = self._logits, self._step_ids
-        row = row_t = ids_np = None
-        if self._graph_late():
-            gs.put_step_extras(self.step, reduce.exact_logits(logits)
+        row_t = ids_np = None
+        if gs.copies or self._graph_late():
+            gs.put_step_extras(self.step, reduce.last_logits(logits.detach())
                                if logits is not None else None, ids)
             gs.start_copy(self.step, _rows(ids))  # the slot, its outside calls included
         else:
-            if logits is not None and logits.device.type == "cpu":
-                # reduced when the step is emitted: at once without a drainer, else later,
-                # from a copy as the step left it (an engine may scale it in place)
+            if logits is not None:
                 row_t = reduce.last_logits(logits.detach())
                 if self._drainer is not None:
                     row_t = _host_copy(row_t)
-            elif logits is not None:  # an engine's logits on a GPU: read now, as before
-                row = reduce.logits_row(reduce.fast_logits(logits).cpu().numpy(), logits)
             ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
-            if gs.copies:  # on this thread's stream, after the step's kernels
-                gs.start_copy(self.step, _rows(ids))
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
-            self._graph_first, complete, bool(self._pending.keep), logits is not None, row,
+            self._graph_first, complete, bool(self._pending.keep), logits is not None,
             row_t, ids_np, self._incidents, self.adapter.step_kind())
         self._incidents = []
         d = self._drainer
@@ -247,13 +242,11 @@ class GraphLate:
             return
         for n, part in zip(ns, parts):
             self._graph_snapshot(part, n.step)
-            row, ids = n.logits_row, n.ids
-            if n.logits_t is not None:
-                row = reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(),
-                                        n.logits_t)
-            if ids is None:  # a late step: its figures and ids come with its slot
-                figs, ids = gs.step_extras(n.step)
-                row = figs if n.has_logits else None
+            row_t, ids = n.logits_t, n.ids
+            if ids is None:  # its logits row and ids came with its slot
+                row_t, ids = gs.step_extras(n.step)
+            row = (reduce.logits_row(reduce.fast_logits(row_t).cpu().numpy(), row_t)
+                   if n.has_logits and row_t is not None else None)
             self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
                              t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
                              logits_row=row, ids=ids, complete=n.complete,

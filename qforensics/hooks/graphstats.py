@@ -45,7 +45,6 @@ from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
 
-LOGITS_FIGURES = 18  # reduce.exact_logits' row
 MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
 # A GPU's device ring: the op writes a slot, which is copied to pinned host memory right after
@@ -182,12 +181,13 @@ class GraphStats(RingReader):
         # modules recorded outside the graph (the logits; vLLM's lm_head), in the order of
         # their calls after the compiled ones: module id -> rank
         self.outside: dict[int, int] = {}
-        # outside the graph, per slot: the logits' 18 figures (reduce.exact_logits) and the
-        # step's input ids (their count in `ids_n`), read with the slot
-        self.figs = torch.full((self.slots, LOGITS_FIGURES), float("nan"), dtype=torch.float32,
-                               device=device)
+        # outside the graph, per step (`put_step_extras`): its input ids, in its device slot
+        # and copied with it, their count by host slot (`ids_n`); its last logits row, by host
+        # slot (pinned on a GPU: copied there at the step's end), and its length (`_lrow_n`)
         self.ids = torch.zeros((self.slots, MAX_IDS), dtype=torch.int64, device=device)
-        self.ids_n = [0] * self.slots
+        self.ids_n: dict[int, int] = {}
+        self._lrow: dict[int, torch.Tensor] = {}
+        self._lrow_n: dict[int, int] = {}
         _REGISTRY[self.key] = self
 
     # -- trace time --------------------------------------------------------------------------
@@ -272,26 +272,34 @@ class GraphStats(RingReader):
         self._trace = None
         self.step_t.fill_(int(step))
 
-    def put_step_extras(self, step: int, figures: torch.Tensor | None,
+    def put_step_extras(self, step: int, row: torch.Tensor | None,
                         ids: torch.Tensor | None) -> None:
-        """A GPU: the logits' figures and the input ids of `step` into its slot, on the device
-        (read with the slot, one step late: no sync)."""
-        slot = step % self.slots
-        if figures is not None:
-            self.figs[slot].copy_(figures.reshape(-1)[:LOGITS_FIGURES], non_blocking=True)
-        else:
-            self.figs[slot].fill_(float("nan"))
+        """The last logits row and the input ids of `step`, read when it is emitted: the row
+        copied as it is now into a host buffer of its host slot (on a GPU pinned, the copy
+        queued on the stream: one transfer, no sync, no kernel; the figures are computed on
+        the host, off the hot path), the ids into its device slot (copied with the slot)."""
+        slot, hs = step % self.slots, step % self.host_slots
+        self._lrow_n[hs] = 0
+        if row is not None:
+            flat = row.reshape(-1)
+            buf = self._lrow.get(hs)
+            if buf is None or buf.numel() < flat.numel() or buf.dtype != flat.dtype:
+                buf = self._lrow[hs] = torch.empty(  # once per slot, not per step
+                    flat.numel(), dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+            buf[:flat.numel()].copy_(flat, non_blocking=True)
+            self._lrow_n[hs] = int(flat.numel())
         n = 0
         if ids is not None:
             flat = ids.reshape(-1)
             n = min(int(flat.numel()), MAX_IDS)
             self.ids[slot, :n].copy_(flat[:n], non_blocking=True)
-        self.ids_n[slot] = n
+        self.ids_n[hs] = n
 
     def start_copy(self, step: int, rows: int | None = None) -> None:
         """After the step (on a GPU): its slot of every segment, its first `rows` token rows
         (None: all; the host knows a step's tokens, the entries' rows are those), its logits
-        figures and input ids, copied asynchronously into pinned host buffers allocated once
+        row's copy (`put_step_extras`, before this) and input ids, copied asynchronously into
+        pinned host buffers allocated once
         per slot (the token rows' grown when a step has more); read in `collect`. On CPU:
         nothing (collect reads the ring in place)."""
         if not self.copies:
@@ -301,12 +309,11 @@ class GraphStats(RingReader):
         t_rows = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
         ncol = self.toks.shape[2]
         host = self._host.get(hs)
-        if host is None or len(host) != len(self.segments) + 3 or any(
+        if host is None or len(host) != len(self.segments) + 2 or any(
                 h.numel() < used for h, used in zip(host, self._used)):
             host = self._host[hs] = [  # as much as the entries use: slots x segments
                 torch.empty(max(1, used), dtype=torch.float32, pin_memory=pin)
                 for used in self._used] + [
-                torch.empty(LOGITS_FIGURES, dtype=torch.float32, pin_memory=pin),
                 torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=pin),
                 torch.empty(0, dtype=torch.float32)]
         if host[-1].numel() < t_rows * ncol:  # grown to the most rows a step had (rare)
@@ -317,8 +324,7 @@ class GraphStats(RingReader):
         tslot = self.toks[step % self.toks.shape[0], :t_rows]
         host[-1][:t_rows * ncol].copy_(tslot.reshape(-1), non_blocking=True)
         self._tok_copied[hs] = t_rows
-        host[-3].copy_(self.figs[slot], non_blocking=True)
-        n = self.ids_n[slot]
+        n = self.ids_n.get(hs, 0)
         if n:
             host[-2][:n].copy_(self.ids[slot, :n], non_blocking=True)
         word = self._first_host.get(hs)
@@ -339,14 +345,17 @@ class GraphStats(RingReader):
         self._event[hs].synchronize()  # one step late: long done
         return [h.numpy() for h in self._host[hs]]
 
-    def step_extras(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The logits figures and input ids put for `step` (`put_step_extras`)."""
-        slot = step % self.slots
-        n = self.ids_n[slot]
-        if not self.copies:
-            return self.figs[slot].numpy().astype(np.float64), self.ids[slot, :n].numpy().copy()
-        host = self._host_slot(step)
-        return host[-3].astype(np.float64), host[-2][:n].copy()
+    def step_extras(self, step: int) -> tuple[torch.Tensor | None, np.ndarray]:
+        """The last logits row (a host tensor; None: the step had none) and the input ids put
+        for `step` (`put_step_extras`); on a GPU once its copy is done."""
+        hs = step % self.host_slots
+        n = self.ids_n.get(hs, 0)
+        if self.copies:
+            ids = self._host_slot(step)[-2][:n].copy()
+        else:
+            ids = self.ids[step % self.slots, :n].numpy().copy()
+        k = self._lrow_n.get(hs, 0)
+        return (self._lrow[hs][:k] if k else None), ids
 
     def call_order(self) -> list[tuple[Any, ...]]:
         """A step's compiled calls, (module, its run: `Entry.call`), in the order their hooks

@@ -231,6 +231,14 @@ def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, m
                 "absmax", "tok_count"]
         np.testing.assert_array_equal(t.records()[cols].values, ref.records()[cols].values)
         assert assert_same_channels(t, ref)[0] > 0
+        # each step's input ids (one more each step) and logits figures, read with its slot
+        # however far behind the drainer was: the steps' own, not a later step's
+        for s in range(10):
+            np.testing.assert_array_equal(t.input_ids(s), ref.input_ids(s))
+        for f in ("token_count", "logits_argmax", "logits_min", "logits_max", "logits_mean",
+                  "logits_entropy"):
+            np.testing.assert_allclose(t.steps[f].values, ref.steps[f].values, rtol=1e-5,
+                                       err_msg=f)
     st = t.meta["status"]
     assert st["graph_drain"]["waits"] > 0 and st["graph_drain"]["dropped"] == 0
     assert t.steps["step"].tolist() == list(range(10))
