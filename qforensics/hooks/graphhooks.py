@@ -173,18 +173,27 @@ def hook(module, args, kwargs, output):
 """
 
 
+# A module inside a block leaves its tensors to the block's op call when traced; run eagerly
+# (a model that is not compiled, a graph break) it hands them over at once, since the model may
+# change them in place before the block's hook (vLLM's fused add-RMSNorm does). Dynamo reads
+# is_compiling() as True: nothing of this reaches the graph.
+_EAGER_FLUSH = """if not torch.compiler.is_compiling():
+        _flush_key({key})"""
+
+
 def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
               max_outputs: int, flush: bool = True):
     """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
     `_on_call` takes (its first tensor arguments, else a hidden-state keyword; its first
     outputs; a decoder block one of each), queued. `flush`: this hook hands the queue to the
     op (a decoder block, after its modules' hooks queued theirs; a module outside any block);
-    False for a module inside a hooked block."""
+    False for a module inside a hooked block (which still hands them over when run eagerly)."""
     src = _HOOK.format(n_in=1 if is_block else int(max_inputs),
                        n_out=1 if is_block else int(max_outputs), key=int(gs.key),
                        mid=int(mid), bound=int(bound), io_in=int(schema.IO_INPUT),
                        io_out=int(schema.IO_OUTPUT),
-                       flush=f"_flush_key({int(gs.key)})" if flush else "pass")
+                       flush=f"_flush_key({int(gs.key)})" if flush else _EAGER_FLUSH.format(
+                           key=int(gs.key)))
     ns: dict[str, Any] = {}
     exec(compile(src, f"<qforensics hook {int(mid)}>", "exec"), globals(), ns)  # noqa: S102
     return ns["hook"]
