@@ -55,6 +55,8 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
         ("vector", torch.randn(33, generator=g)),
         ("ids-int64", torch.randint(0, 49152, (1, 9), generator=g)),
         ("positions-int32", torch.arange(100, 106, dtype=torch.int32)),  # vLLM's layer input
+        # an FP8 model's quantized activations: neither C's dtypes nor Triton's, read as float32
+        ("fp8-e4m3", (torch.randn(3, 40, generator=g) * 100).to(torch.float8_e4m3fn)),
         # columns cut from a wider tensor (q out of a fused qkv projection): a row stride > C
         ("slice-bf16", torch.randn(5, 960, generator=g).to(torch.bfloat16)[:, 576:768]),
         ("slice-f32", torch.randn(7, 960, generator=g)[:, 100:676]),
@@ -177,7 +179,7 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     # what C finishes: qf_group a finite float32 or bf16 tensor, or an int64 / int32 one, laid
     # out as rows (contiguous, or a 2-d slice of columns); qf_take a contiguous finite float32
     # or bf16 one; numpy redoes everything else
-    finite = not x.is_floating_point() or bool(torch.isfinite(x).all())
+    finite = not x.is_floating_point() or bool(torch.isfinite(x.float()).all())
     c_float = x.dtype in (torch.float32, torch.bfloat16)
     rows_layout = x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)
     in_c = {"group": finite and rows_layout and (c_float or x.dtype in (torch.int64,
