@@ -15,7 +15,9 @@ phase, then the comparison:
 - the kernels Inductor generated, and the stats-op calls in its output code (capture's cost
   in the graph: at most one call per recorded tensor, no generated kernel);
 - the host time capture adds per step: its step hooks (begin, end, records, writer hand-off),
-  which run outside the graph, as wall time and as this thread's CPU time;
+  which run outside the graph, as wall time and as this thread's CPU time, and of that wall
+  time the op call on the logits (`host_op_ms_per_step`: on the CPU the reduction itself,
+  over every position the static-shape step re-feeds; on a GPU a launch);
 - on a loaded machine wall times wander: each step's CPU time (all threads of the process) is
   printed too, with its ratio (`step_cpu_ratio`);
 - whether the tokens are identical, and whether every module was recorded at every step;
@@ -101,7 +103,7 @@ def child(a: argparse.Namespace) -> dict:
     steps = a.tokens + (NAN_STEPS if a.nan and a.phase == "captured" else 0)
     width = len(ids0) + steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    host = [0.0, 0, 0.0]  # wall s, calls, this thread's CPU s
+    host = [0.0, 0, 0.0, 0.0]  # wall s, calls, this thread's CPU s, of which the outside op's
     drain = [0.0, 0]  # CPU s building records from the ring (the drainer's thread, or this)
     host_timed = None
     out: dict = {"phase": a.phase, "model": how, "device": a.device, "dtype": a.dtype,
@@ -130,6 +132,16 @@ def child(a: argparse.Namespace) -> dict:
             setattr(CallHooks, name, timed)
         from qforensics.hooks.graphmode import GraphMode
 
+        flush_outside = GraphMode._graph_flush
+
+        def timed_flush(self):  # noqa: ANN001, ANN202 - the logits' op call, in the root hook
+            t0 = time.perf_counter()
+            try:
+                return flush_outside(self)
+            finally:
+                host[3] += time.perf_counter() - t0
+        GraphMode._graph_flush = timed_flush
+
         emit = GraphMode._graph_emit_many
 
         def timed_emit(self, ns):  # noqa: ANN001, ANN202 - in whichever thread
@@ -157,7 +169,7 @@ def child(a: argparse.Namespace) -> dict:
                 w[NAN_ROW].fill_(float("nan"))  # in place, as a kernel's stray store would
             sync()
             if i == 1:
-                host[:] = [0.0, 0, 0.0]  # the first step's attach and compile left out
+                host[:] = [0.0, 0, 0.0, 0.0]  # the first step's attach and compile left out
                 drain[:] = [0.0, 0]
                 if timers is not None:
                     for d in timers:
@@ -165,7 +177,7 @@ def child(a: argparse.Namespace) -> dict:
             if i == a.tokens and timers is not None:  # the timed steps' figures only
                 timers = tuple(dict(d) for d in timers)
             if i == a.tokens:
-                host_timed = (host[0], host[2])
+                host_timed = (host[0], host[2], host[3])
             t0, c0 = time.perf_counter(), time.process_time()
             logits = comp(x).logits
             nxt = int(logits[0, n - 1].float().argmax())
@@ -202,8 +214,11 @@ def child(a: argparse.Namespace) -> dict:
         out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
         out["cuda_max_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if a.phase == "captured":
-        wall, cpu_s = (host[0], host[2]) if host_timed is None else host_timed
+        wall, cpu_s, op_s = (host[0], host[2], host[3]) if host_timed is None else host_timed
         out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
+        # of it, the op call on what ran outside the graph (the logits): on the CPU the
+        # reduction itself runs there, on a GPU it is a launch
+        out["host_op_ms_per_step"] = round(op_s / max(1, a.tokens - 1) * 1e3, 4)
         out["host_cpu_ms_per_step"] = round(cpu_s / max(1, a.tokens - 1) * 1e3, 4)
         out["drain"] = os.environ.get("QFORENSICS_DRAIN", "auto")
         out["drain_cpu_ms_per_step"] = round(drain[0] / max(1, drain[1]) * 1e3, 4)
@@ -311,6 +326,7 @@ def compare(p: dict, c: dict) -> dict:
         "step_cpu_ratio": round(c["median_cpu_ms"] / p["median_cpu_ms"], 3),
         "host_ms_per_step": c.get("host_ms_per_step"),
         "host_cpu_ms_per_step": c.get("host_cpu_ms_per_step"),
+        "host_op_ms_per_step": c.get("host_op_ms_per_step"),
         "drain": c.get("drain"),
         "drain_cpu_ms_per_step": c.get("drain_cpu_ms_per_step"),
         "kernels_added": c["generated_kernels"] - p["generated_kernels"],

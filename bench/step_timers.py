@@ -50,6 +50,7 @@ PROFILED = [
     # compiled mode (hooks/graphmode.py, hooks/graphread.py)
     ("qforensics.hooks.graphmode", "GraphMode", "_graph_root"),
     ("qforensics.hooks.graphlate", "GraphLate", "_graph_end"),
+    ("qforensics.hooks.graphmode", "GraphMode", "_graph_flush"),  # the logits' op call
     ("qforensics.hooks.graphread", "RingReader", "collect_many"),  # GraphStats inherits it
     ("qforensics.hooks.stepend", "StepEnd", "_emit_batch"),
     # the stats op's CPU kernel, called from inside the compiled graph

@@ -133,3 +133,6 @@ def test_compiled_capture_compares_both_phases_and_their_compile_phases(tmp_path
     assert "bytecode_tracing" in phases and set(phases) <= set(plain["compile_phases"])
     for k, r in phases.items():
         assert r == round(captured["compile_phases"][k] / plain["compile_phases"][k], 2), k
+    # the host time per step, and within it the logits' op call (so never more than it)
+    assert 0 < captured["host_op_ms_per_step"] <= captured["host_ms_per_step"]
+    assert cmp["host_op_ms_per_step"] == captured["host_op_ms_per_step"]
