@@ -72,15 +72,15 @@ trap 'kill ${PYTEST_PID:-} ${VENVS_PID:-} 2>/dev/null || true; rm -rf "$QF_TEST_
 trap 'exit 130' INT TERM  # the background runs ignore ^C: the EXIT trap stops them
 PY=${PYTHON:-python3}
 SECONDS=0
+# --fast and --model spread their tests over the cores (pytest-xdist), 2 workers by default
+# (QF_TEST_WORKERS=0: one process): they are independent, and none is timing-bound. The full
+# run keeps one process: its engine starts and timing-bound tests assume the machine.
 WORKERS=()
+if [[ $MODE != full ]] && ((${QF_TEST_WORKERS:-2} > 0)) && $PY -c "import xdist" 2>/dev/null; then
+    WORKERS=(-n "${QF_TEST_WORKERS:-2}")
+fi
 if [[ $MODE == fast ]]; then
     MARKS="not model and not browser and not vllm and not llmc and not slow"
-    # its tests are short and independent: spread over the cores (pytest-xdist), 2 by default
-    # (QF_TEST_WORKERS=0: one process); the full run keeps one process, its timing-bound
-    # tests and engine starts assume the machine to themselves
-    if ((${QF_TEST_WORKERS:-2} > 0)) && $PY -c "import xdist" 2>/dev/null; then
-        WORKERS=(-n "${QF_TEST_WORKERS:-2}")
-    fi
 elif [[ $MODE == model ]]; then
     MARKS="not browser and not vllm and not llmc and not slow"
 else
