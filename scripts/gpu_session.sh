@@ -53,7 +53,8 @@ step gpu_check 300 $PY scripts/gpu_check.py --out "$RES/gpu-check" "${CHECK[@]}"
 step compiled_guards 100 $PY bench/compiled_guards.py "${GUARDS[@]}"
 if $PY -c "import pytest" 2>/dev/null; then
     step pytest 150 $PY -m pytest -q -p no:cacheprovider tests/hooks/test_statsop.py \
-        tests/hooks/test_graphstats.py tests/hooks/test_drainer.py tests/hooks/test_graphsnap.py
+        tests/hooks/test_graphstats.py tests/hooks/test_drainer.py tests/hooks/test_graphsnap.py \
+        tests/hooks/test_graph_eager.py
 else
     echo "gpu-session: pytest skipped (no pytest: see wheels/ above)" | tee -a "$RES/steps.txt"
 fi
