@@ -45,6 +45,7 @@ class RingReader:
     _tok_copied: dict[int, int]  # host slot -> token rows its copy holds
     _event: dict[int, Any]  # host slot -> the event of its copy (a CUDA event)
     _first_host: dict[int, "torch.Tensor"]  # host slot -> the first-failure word it copied
+    _first_np: dict[int, np.ndarray]  # the same, numpy views (a read costs no dispatch)
     # a step's host copy (a GPU): its segments' rows, logits figures, input ids, token rows
     _host_slot: Callable[[int], list[np.ndarray]]
     call_order: Callable[[], list[tuple[Any, ...]]]
@@ -60,7 +61,7 @@ class RingReader:
         ev = self._event.get(hs)
         if self._copied.get(hs) != step or ev is None or not ev.query():
             return None
-        return int(self._first_host[hs][0])
+        return int(self._first_np[hs][0])
 
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""

@@ -178,13 +178,14 @@ class GraphStats(RingReader):
         self._copied: dict[int, int] = {}
         # the first-failure word as each slot's copy saw it (`copied_first`): pinned, 1 int64
         self._first_host: dict[int, torch.Tensor] = {}
+        self._first_np: dict[int, np.ndarray] = {}  # the same words, as numpy views
         # modules recorded outside the graph (the logits; vLLM's lm_head), in the order of
         # their calls after the compiled ones: module id -> rank
         self.outside: dict[int, int] = {}
-        # outside the graph, per step (`put_step_extras`): its input ids, in its device slot
-        # and copied with it, their count by host slot (`ids_n`); its last logits row, by host
-        # slot (pinned on a GPU: copied there at the step's end), and its length (`_lrow_n`)
-        self.ids = torch.zeros((self.slots, MAX_IDS), dtype=torch.int64, device=device)
+        # outside the graph, per step (`put_step_extras`), by host slot (pinned on a GPU: copied
+        # there at the step's end, one transfer each): its input ids and their count (`ids_n`),
+        # its last logits row and its length (`_lrow_n`)
+        self._ids: dict[int, torch.Tensor] = {}
         self.ids_n: dict[int, int] = {}
         self._lrow: dict[int, torch.Tensor] = {}
         self._lrow_n: dict[int, int] = {}
@@ -277,31 +278,35 @@ class GraphStats(RingReader):
         """The last logits row and the input ids of `step`, read when it is emitted: the row
         copied as it is now into a host buffer of its host slot (on a GPU pinned, the copy
         queued on the stream: one transfer, no sync, no kernel; the figures are computed on
-        the host, off the hot path), the ids into its device slot (copied with the slot)."""
-        slot, hs = step % self.slots, step % self.host_slots
+        the host, off the hot path), the ids likewise (at most MAX_IDS)."""
+        hs = step % self.host_slots
+        pin = self.device.type == "cuda"
         self._lrow_n[hs] = 0
         if row is not None:
             flat = row.reshape(-1)
             buf = self._lrow.get(hs)
             if buf is None or buf.numel() < flat.numel() or buf.dtype != flat.dtype:
                 buf = self._lrow[hs] = torch.empty(  # once per slot, not per step
-                    flat.numel(), dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+                    flat.numel(), dtype=flat.dtype, pin_memory=pin)
             buf[:flat.numel()].copy_(flat, non_blocking=True)
             self._lrow_n[hs] = int(flat.numel())
         n = 0
         if ids is not None:
             flat = ids.reshape(-1)
             n = min(int(flat.numel()), MAX_IDS)
-            self.ids[slot, :n].copy_(flat[:n], non_blocking=True)
+            buf = self._ids.get(hs)
+            if buf is None or buf.dtype != flat.dtype:  # the ids' own dtype: no conversion
+                buf = self._ids[hs] = torch.empty(MAX_IDS, dtype=flat.dtype, pin_memory=pin)
+            buf[:n].copy_(flat[:n], non_blocking=True)
         self.ids_n[hs] = n
 
     def start_copy(self, step: int, rows: int | None = None) -> None:
         """After the step (on a GPU): its slot of every segment, its first `rows` token rows
-        (None: all; the host knows a step's tokens, the entries' rows are those), its logits
-        row's copy (`put_step_extras`, before this) and input ids, copied asynchronously into
-        pinned host buffers allocated once
-        per slot (the token rows' grown when a step has more); read in `collect`. On CPU:
-        nothing (collect reads the ring in place)."""
+        (None: all; the host knows a step's tokens, the entries' rows are those) and the
+        first-failure word, copied asynchronously into pinned host buffers allocated once per
+        slot (the token rows' grown when a step has more), then the event that also covers
+        `put_step_extras`' copies (made before this); read in `collect`. On CPU: nothing
+        (collect reads the ring in place)."""
         if not self.copies:
             return
         slot, hs = step % self.slots, step % self.host_slots
@@ -309,13 +314,11 @@ class GraphStats(RingReader):
         t_rows = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
         ncol = self.toks.shape[2]
         host = self._host.get(hs)
-        if host is None or len(host) != len(self.segments) + 2 or any(
+        if host is None or len(host) != len(self.segments) + 1 or any(
                 h.numel() < used for h, used in zip(host, self._used)):
             host = self._host[hs] = [  # as much as the entries use: slots x segments
                 torch.empty(max(1, used), dtype=torch.float32, pin_memory=pin)
-                for used in self._used] + [
-                torch.empty(MAX_IDS, dtype=torch.int64, pin_memory=pin),
-                torch.empty(0, dtype=torch.float32)]
+                for used in self._used] + [torch.empty(0, dtype=torch.float32)]
         if host[-1].numel() < t_rows * ncol:  # grown to the most rows a step had (rare)
             host[-1] = torch.empty(max(t_rows, min(64, self.tok_rows)) * ncol,
                                    dtype=torch.float32, pin_memory=pin)
@@ -324,12 +327,10 @@ class GraphStats(RingReader):
         tslot = self.toks[step % self.toks.shape[0], :t_rows]
         host[-1][:t_rows * ncol].copy_(tslot.reshape(-1), non_blocking=True)
         self._tok_copied[hs] = t_rows
-        n = self.ids_n.get(hs, 0)
-        if n:
-            host[-2][:n].copy_(self.ids[slot, :n], non_blocking=True)
         word = self._first_host.get(hs)
         if word is None:
             word = self._first_host[hs] = torch.empty(1, dtype=torch.int64, pin_memory=pin)
+            self._first_np[hs] = word.numpy()  # read each step: no tensor indexing then
         word.copy_(self.first, non_blocking=True)
         ev = self._event.get(hs)
         if ev is None:
@@ -349,11 +350,10 @@ class GraphStats(RingReader):
         """The last logits row (a host tensor; None: the step had none) and the input ids put
         for `step` (`put_step_extras`); on a GPU once its copy is done."""
         hs = step % self.host_slots
-        n = self.ids_n.get(hs, 0)
         if self.copies:
-            ids = self._host_slot(step)[-2][:n].copy()
-        else:
-            ids = self.ids[step % self.slots, :n].numpy().copy()
+            self._host_slot(step)  # its event covers the row's and the ids' copies
+        n = self.ids_n.get(hs, 0)
+        ids = self._ids[hs][:n].numpy().astype(np.int64) if n else np.zeros(0, np.int64)
         k = self._lrow_n.get(hs, 0)
         return (self._lrow[hs][:k] if k else None), ids
 
