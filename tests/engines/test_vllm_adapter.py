@@ -388,3 +388,40 @@ def test_a_warmup_forward_on_nan_never_drives_the_verdict(tmp_path, monkeypatch,
         assert 0 in t.nonfinite_record_steps().tolist()  # the warm-up's records hold NaN
     rep = analyze_trace(str(tmp_path / "t.h5"))
     assert rep.status != "FAILED" and rep.first_nonfinite is None, rep.verdict.line
+
+
+def test_compiled_runner_read_the_gpu_way_records_what_eager_records(tmp_path, monkeypatch,
+                                                                      fresh_adapter):
+    """The GPU's way of reading compiled steps (host copies of each slot, the logits row and
+    the ids copied to the host slot at the step's end, a drainer thread; on the CPU through
+    graphstats.HOST_COPIES_ON_CPU) on an engine, whose logits come from its own hook, not the
+    root: the records, the input ids and the logits figures equal the eager capture's."""
+    from qforensics.hooks import graphmode, graphstats
+
+    traces = {}
+    for mode in ("NONE", "VLLM_COMPILE"):
+        with monkeypatch.context() as m:
+            if mode == "VLLM_COMPILE":
+                m.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
+                m.setattr(graphmode, "DRAIN", "thread")
+            m.setenv("QFORENSICS_TRACE", str(tmp_path / f"{mode}.h5"))
+            _serve_two_steps(fresh_adapter, _runner_module(f"{mode.lower()}_gpu_way_runner"),
+                             mode)
+        traces[mode] = open_trace(tmp_path / f"{mode}.h5")
+    e, c = traces["NONE"], traces["VLLM_COMPILE"]
+    assert c.meta["status"]["capture_mode"] == "compiled"
+    assert c.meta["status"]["graph_drain"]["thread"]
+    assert c.steps["step"].tolist() == e.steps["step"].tolist() == [0, 1]
+    for step in (0, 1):
+        np.testing.assert_array_equal(c.input_ids(step), e.input_ids(step))
+        assert len(c.input_ids(step)) == (5 if step == 0 else 2)
+        a = e.records(step).sort_values(["call_index", "io", "slot"])
+        b = c.records(step).sort_values(["call_index", "io", "slot"])
+        cols = ["module_id", "io", "slot", "rows", "channels", "nan_count"]
+        assert a[cols].values.tolist() == b[cols].values.tolist()
+        for f in ("min", "max", "mean", "std"):
+            np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
+    for f in ("has_logits", "logits_argmax", "logits_min", "logits_max", "logits_mean",
+              "logits_entropy"):
+        np.testing.assert_allclose(c.steps[f].values, e.steps[f].values, rtol=1e-5, atol=1e-6,
+                                   err_msg=f)
