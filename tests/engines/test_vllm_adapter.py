@@ -360,12 +360,18 @@ def test_compiled_runner_records_the_same_figures_as_eager(tmp_path, monkeypatch
     assert c.meta["status"]["capture_mode"] == "compiled"
     assert e.meta["status"]["capture_mode"] == "eager"
     for step in (0, 1):
-        a = e.records(step).sort_values(["call_index", "io", "slot"])
-        b = c.records(step).sort_values(["call_index", "io", "slot"])
-        cols = ["module_id", "io", "slot", "rows", "channels", "nan_count"]
-        assert a[cols].values.tolist() == b[cols].values.tolist()
-        for f in ("min", "max", "mean", "std"):
-            np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
+        _same_records(e, c, step)
+
+
+def _same_records(e, c, step: int) -> None:  # noqa: ANN001
+    """Step `step`'s records of trace `c` are those of trace `e` (figures to float32's
+    rounding)."""
+    a = e.records(step).sort_values(["call_index", "io", "slot"])
+    b = c.records(step).sort_values(["call_index", "io", "slot"])
+    cols = ["module_id", "io", "slot", "rows", "channels", "nan_count"]
+    assert a[cols].values.tolist() == b[cols].values.tolist()
+    for f in ("min", "max", "mean", "std"):
+        np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
 
 
 def test_a_warmup_forward_on_nan_never_drives_the_verdict(tmp_path, monkeypatch,
@@ -415,12 +421,7 @@ def test_compiled_runner_read_the_gpu_way_records_what_eager_records(tmp_path, m
     for step in (0, 1):
         np.testing.assert_array_equal(c.input_ids(step), e.input_ids(step))
         assert len(c.input_ids(step)) == (5 if step == 0 else 2)
-        a = e.records(step).sort_values(["call_index", "io", "slot"])
-        b = c.records(step).sort_values(["call_index", "io", "slot"])
-        cols = ["module_id", "io", "slot", "rows", "channels", "nan_count"]
-        assert a[cols].values.tolist() == b[cols].values.tolist()
-        for f in ("min", "max", "mean", "std"):
-            np.testing.assert_allclose(b[f].values, a[f].values, rtol=1e-5, atol=1e-6)
+        _same_records(e, c, step)
     for f in ("has_logits", "logits_argmax", "logits_min", "logits_max", "logits_mean",
               "logits_entropy"):
         np.testing.assert_allclose(c.steps[f].values, e.steps[f].values, rtol=1e-5, atol=1e-6,
