@@ -187,6 +187,16 @@ def child(a: argparse.Namespace) -> dict:
             x[0, n] = nxt
             toks.append(nxt)
             n += 1
+    # what Dynamo and Inductor counted, read before the capture closes: closing drops the
+    # compiled code of a model the user compiled (torch._dynamo.reset, which clears the
+    # counters too; hooks/graphmode.py's _graph_recompile)
+    out.update(_output_code())
+    out["compile_phases"] = _compile_phases()
+    if dev.type == "cuda":
+        from torch._dynamo.utils import counters
+
+        out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+        out["cuda_max_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if ctx is not None:
         ctx.__exit__(None, None, None)
     if timers is not None:
@@ -206,13 +216,6 @@ def child(a: argparse.Namespace) -> dict:
     out["median_cpu_ms"] = round(statistics.median(cpu[1:a.tokens]) * 1e3, 3)
     out["steps_ms"] = [round(t * 1e3, 2) for t in times[1:]]
     out["tokens_out"] = toks[:a.tokens]
-    out.update(_output_code())
-    out["compile_phases"] = _compile_phases()
-    if dev.type == "cuda":
-        from torch._dynamo.utils import counters
-
-        out["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
-        out["cuda_max_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     if a.phase == "captured":
         wall, cpu_s, op_s = (host[0], host[2], host[3]) if host_timed is None else host_timed
         out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)

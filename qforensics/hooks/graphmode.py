@@ -66,6 +66,7 @@ class GraphMode(GraphLate):
 
     _graph_why: str | None
     _graph_step: int
+    _graph_reset = False  # Dynamo's compiled code dropped at attach (`_graph_recompile`)
     _handles: list[Any]
     _graph_lane: int
     _snaps: "Snapshots | None"
@@ -113,7 +114,24 @@ class GraphMode(GraphLate):
             hook = graphhooks.make_hook(self._gs, mid, k == "block", bound, max_inputs,
                                         max_outputs, flush=not inside)
             self._handles.append(m.register_forward_hook(hook, with_kwargs=True))
+        self._graph_recompile()
         return len(mods)
+
+    def _graph_recompile(self) -> None:
+        """A model the user compiled: drop what Dynamo compiled so far, so that its next call
+        traces the hooks in (at attach) or leaves them out (at close). Dynamo does not guard on
+        a module's hooks (`torch._dynamo.config.skip_nnmodule_hook_guards`): a graph compiled
+        before attach would run without them, one compiled under a closed capture would go on
+        writing its ring, and the next capture would reuse it. An engine (vLLM) compiles after
+        attach, with its own cache: left alone."""
+        if self.adapter.compiled() is not None:
+            return
+        try:
+            torch._dynamo.reset()
+            self._graph_reset = True
+        except Exception as exc:  # noqa: BLE001 - never break the run over it
+            log.warning("qforensics: torch._dynamo.reset failed (%s); a graph compiled "
+                        "before capture may run without its hooks", exc)
 
     def _graph_begin(self) -> None:
         if self._gs is not None:
@@ -203,6 +221,8 @@ class GraphMode(GraphLate):
                                  **({"error": d.error} if d.error else {})}
         if self._graph_why:
             st["graph_not_recorded"] = self._graph_why
+        if self._graph_reset:  # the user's model recompiled with the hooks, and after close
+            st["graph_recompiled"] = True
         return st
 
     def _graph_close(self) -> None:
@@ -211,3 +231,6 @@ class GraphMode(GraphLate):
             self._drainer = None
         if self._gs is not None:
             self._gs.close()
+            if getattr(self, "_graph_reset", False):  # the hooks are gone: out of the graph
+                self._graph_reset = False
+                self._graph_recompile()

@@ -46,6 +46,11 @@ class RingReader:
     _event: dict[int, Any]  # host slot -> the event of its copy (a CUDA event)
     _first_host: dict[int, "torch.Tensor"]  # host slot -> the first-failure word it copied
     _first_np: dict[int, np.ndarray]  # the same, numpy views (a read costs no dispatch)
+    # host slot -> a step's input ids and their count, its last logits row and its length
+    _ids: dict[int, "torch.Tensor"]
+    ids_n: dict[int, int]
+    _lrow: dict[int, "torch.Tensor"]
+    _lrow_n: dict[int, int]
     # a step's host copy (a GPU): its segments' rows, logits figures, input ids, token rows
     _host_slot: Callable[[int], list[np.ndarray]]
     call_order: Callable[[], list[tuple[Any, ...]]]
@@ -62,6 +67,17 @@ class RingReader:
         if self._copied.get(hs) != step or ev is None or not ev.query():
             return None
         return int(self._first_np[hs][0])
+
+    def step_extras(self, step: int) -> "tuple[torch.Tensor | None, np.ndarray]":
+        """The last logits row (a host tensor; None: the step had none) and the input ids put
+        for `step` (GraphStats.put_step_extras); on a GPU once its copy is done."""
+        hs = step % self.host_slots
+        if self.copies:
+            self._host_slot(step)  # its event covers the row's and the ids' copies
+        n = self.ids_n.get(hs, 0)
+        ids = self._ids[hs][:n].numpy().astype(np.int64) if n else np.zeros(0, np.int64)
+        k = self._lrow_n.get(hs, 0)
+        return (self._lrow[hs][:k] if k else None), ids
 
     def _rows(self, step: int) -> list[np.ndarray]:
         """This step's slot of each segment, as numpy arrays (views on CPU)."""

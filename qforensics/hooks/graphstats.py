@@ -346,17 +346,6 @@ class GraphStats(RingReader):
         self._event[hs].synchronize()  # one step late: long done
         return [h.numpy() for h in self._host[hs]]
 
-    def step_extras(self, step: int) -> tuple[torch.Tensor | None, np.ndarray]:
-        """The last logits row (a host tensor; None: the step had none) and the input ids put
-        for `step` (`put_step_extras`); on a GPU once its copy is done."""
-        hs = step % self.host_slots
-        if self.copies:
-            self._host_slot(step)  # its event covers the row's and the ids' copies
-        n = self.ids_n.get(hs, 0)
-        ids = self._ids[hs][:n].numpy().astype(np.int64) if n else np.zeros(0, np.int64)
-        k = self._lrow_n.get(hs, 0)
-        return (self._lrow[hs][:k] if k else None), ids
-
     def call_order(self) -> list[tuple[Any, ...]]:
         """A step's compiled calls, (module, its run: `Entry.call`), in the order their hooks
         first ran; those recorded outside the graph (`outside`) left out."""

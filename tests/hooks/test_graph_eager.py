@@ -71,3 +71,32 @@ def test_eager_calls_of_compiled_hooks_record_what_each_hook_saw(tmp_path):
             np.testing.assert_allclose(r["mean"], flat.mean(), rtol=1e-4, atol=1e-5)
             cmin, cmax = t.channel_ranges(r)
             np.testing.assert_allclose(cmax, flat.max(0), rtol=1e-6, err_msg=name)
+
+
+def test_a_model_compiled_and_run_before_capture_is_recorded_whole(tmp_path):
+    """Dynamo does not guard on a module's hooks (torch._dynamo.config
+    .skip_nnmodule_hook_guards): a model compiled and run before capture attaches would keep
+    its graph without the capture's hooks, and a second capture would reuse the first one's
+    graph. Each capture of a compiled model starts from a fresh compile: every hooked module
+    is recorded at every step, by the capture that is open."""
+    import torch._dynamo
+
+    from capture_models import Tiny
+
+    torch._dynamo.reset()
+    model = Tiny()
+    comp = torch.compile(model, dynamic=True)
+    seq = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        comp(seq)  # compiled and run, no capture yet
+        for name in ("a.h5", "b.h5"):  # then two captures, one after the other
+            with qforensics.capture(comp, tmp_path / name):
+                comp(seq)
+                comp(seq)
+            with qforensics.open_trace(tmp_path / name) as t:
+                assert t.meta["status"]["capture_mode"] == "compiled"
+                assert t.meta["status"]["graph_recompiled"] is True
+                names = list(t.module_columns["name"])
+                for step in (0, 1):
+                    got = {names[i] for i in t.records(step)["module_id"]}
+                    assert {"layers.0", "layers.2", "head"} <= got, (name, step, got)
