@@ -114,24 +114,25 @@ class GraphMode(GraphLate):
             hook = graphhooks.make_hook(self._gs, mid, k == "block", bound, max_inputs,
                                         max_outputs, flush=not inside)
             self._handles.append(m.register_forward_hook(hook, with_kwargs=True))
-        self._graph_recompile()
+        self._graph_reset = self._graph_recompile()
         return len(mods)
 
-    def _graph_recompile(self) -> None:
+    def _graph_recompile(self) -> bool:
         """A model the user compiled: drop what Dynamo compiled so far, so that its next call
         traces the hooks in (at attach) or leaves them out (at close). Dynamo does not guard on
         a module's hooks (`torch._dynamo.config.skip_nnmodule_hook_guards`): a graph compiled
         before attach would run without them, one compiled under a closed capture would go on
         writing its ring, and the next capture would reuse it. An engine (vLLM) compiles after
-        attach, with its own cache: left alone."""
+        attach, with its own cache: left alone. True when the compiled code was dropped."""
         if self.adapter.compiled() is not None:
-            return
+            return False
         try:
             torch._dynamo.reset()
-            self._graph_reset = True
+            return True
         except Exception as exc:  # noqa: BLE001 - never break the run over it
             log.warning("qforensics: torch._dynamo.reset failed (%s); a graph compiled "
                         "before capture may run without its hooks", exc)
+            return False
 
     def _graph_begin(self) -> None:
         if self._gs is not None:
@@ -231,6 +232,5 @@ class GraphMode(GraphLate):
             self._drainer = None
         if self._gs is not None:
             self._gs.close()
-            if getattr(self, "_graph_reset", False):  # the hooks are gone: out of the graph
-                self._graph_reset = False
+            if self._graph_reset:  # the hooks are gone: out of the graph too
                 self._graph_recompile()
