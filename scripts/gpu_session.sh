@@ -12,9 +12,9 @@
 #   1. scripts/gpu_check.py: issue 39's GPU targets (SmolLM2's architecture, bf16,
 #      reduce-overhead, 32 tokens) and the planted-NaN case; its JSON lines;
 #   2. bench/compiled_guards.py --device cuda: the host time of the compiled model's guards;
-#   3. pytest on the compiled-mode hook tests (the GPU machine has no pytest: put its wheels in
-#      ./wheels before the call, `pip download --no-deps -d wheels pytest pluggy iniconfig`;
-#      without them this part is skipped and says so).
+#   3. pytest on the compiled-mode hook tests (the GPU machine has no pytest and no network:
+#      the checkout carries the wheels, in ./wheels: pytest, pluggy, iniconfig, pygments, all
+#      pure Python; without them this part is skipped and says so).
 # Writes everything under $OUT (the device tool's output folder; ./gpu-session otherwise) and
 # tars it into $OUT/gpu-session.tgz (the tool brings back few files). Exit status: that of
 # gpu_check.py (0: every target held; 1: one did not; 2: no GPU).
