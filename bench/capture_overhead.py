@@ -1,6 +1,11 @@
 """Capture overhead on the real model, side by side in one run.
 
     python bench/capture_overhead.py [--tokens 64] [--rounds 4] [--no-nnsight]
+    python bench/capture_overhead.py --random --device cuda --dtype bfloat16 --no-nnsight
+
+With `--random` the model is SmolLM2's architecture with random weights (bench/compiled_capture.py
+`build`, `--layers N` to keep N layers) on a fixed prompt: what a GPU machine without the GGUF
+runs (scripts/gpu_session.sh). On a GPU each timed call ends with a device synchronize.
 
 Runs SmolLM2-135M greedy for --tokens new tokens (EOS suppressed so every run has the same
 length) under inference_mode, and times, interleaved round by round on the same prompt:
@@ -84,16 +89,42 @@ def smollm2_generation(tokens: int) -> tuple[torch.nn.Module, Any, Any, dict[str
     return model, tok, enc, gen
 
 
+def random_generation(args: argparse.Namespace
+                      ) -> tuple[torch.nn.Module, None, dict[str, torch.Tensor], dict[str, Any]]:
+    """SmolLM2's architecture with random weights on `args.device`, a fixed prompt and the same
+    greedy arguments as `smollm2_generation` (EOS suppressed)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compiled_capture
+
+    model, ids, _ = compiled_capture.build(args)
+    x = torch.tensor([ids], device=args.device)
+    enc = {"input_ids": x, "attention_mask": torch.ones_like(x)}
+    gen = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+               pad_token_id=0)
+    return model, None, enc, gen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--no-nnsight", action="store_true", help="skip the nnsight row")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--random", action="store_true",
+                    help="SmolLM2's architecture with random weights, not the real model")
+    ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, enc, gen = smollm2_generation(args.tokens)
+    if args.random:
+        model, tok, enc, gen = random_generation(args)
+        args.no_nnsight = True  # nnsight's LanguageModel wants a tokenizer
+    else:
+        model, tok, enc, gen = smollm2_generation(args.tokens)
+    on_gpu = torch.device(args.device).type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     tmp = tempfile.TemporaryDirectory()
     sizes: dict[str, list[float]] = {}
     rings: dict[str, list[float]] = {}
@@ -193,15 +224,19 @@ def main() -> None:
         for name in names:
             fn, done = runners[name]()
             with PeakRSS() as m:
+                sync()
                 t, c = time.perf_counter(), time.process_time()
                 fn()
+                sync()
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.process_time() - c)
             done()
             peaks[name].append(m.delta)
     base = statistics.median(times["plain"])
     base_cpu = statistics.median(cpu["plain"])
-    print(f"SmolLM2-135M, {args.tokens} greedy tokens, every Linear, {args.rounds} interleaved "
+    what = (f"SmolLM2's architecture, random weights, {model.config.num_hidden_layers} layers, "
+            f"{args.device} {args.dtype}" if args.random else "SmolLM2-135M")
+    print(f"{what}, {args.tokens} greedy tokens, every Linear, {args.rounds} interleaved "
           f"rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("ratio: median wall time / plain's; cpu ratio: median process CPU time / plain's "
           "(steadier on a shared machine); generate only (attach and close untimed)")

@@ -11,10 +11,13 @@
 # that one that hangs leaves the rest:
 #   1. scripts/gpu_check.py: issue 39's GPU targets (SmolLM2's architecture, bf16,
 #      reduce-overhead, 32 tokens) and the planted-NaN case; its JSON lines;
-#   2. bench/compiled_guards.py --device cuda: the host time of the compiled model's guards;
+#   2. bench/capture_overhead.py --random --device cuda: HF eager on the GPU (plain, a bare
+#      hook, capture's default path, capture on the stats op), the figures that decide whether
+#      eager capture moves onto the op there (issue 39's one hot path);
 #   3. pytest on the compiled-mode hook tests (the GPU machine has no pytest and no network:
 #      the checkout carries the wheels, in ./wheels: pytest, pluggy, iniconfig, pygments, all
-#      pure Python; without them this part is skipped and says so).
+#      pure Python; without them this part is skipped and says so);
+#   4. bench/compiled_guards.py --device cuda: the host time of the compiled model's guards.
 # Writes everything under $OUT (the device tool's output folder; ./gpu-session otherwise) and
 # tars it into $OUT/gpu-session.tgz (the tool brings back few files). Exit status: that of
 # gpu_check.py (0: every target held; 1: one did not; 2: no GPU).
@@ -44,20 +47,23 @@ step() {  # step NAME SECONDS CMD...: run with a limit, its output to NAME.log, 
 if ((SELF)); then
     CHECK=(--allow-cpu --random --layers 2 --tokens 4)
     GUARDS=(--device cpu --random --layers 2 --rounds 1 --calls 5)
+    EAGER=(--device cpu --layers 2 --tokens 4 --rounds 1)
 else
     CHECK=(--timeout 140)  # each of its two phases: compile (57 s plain on an H200) and steps
     GUARDS=(--device cuda --dtype bfloat16)
+    EAGER=(--device cuda --dtype bfloat16 --tokens 32 --rounds 3)
 fi
 rc=0
 step gpu_check 300 $PY scripts/gpu_check.py --out "$RES/gpu-check" "${CHECK[@]}" || rc=$?
-step compiled_guards 100 $PY bench/compiled_guards.py "${GUARDS[@]}"
+step eager 60 $PY bench/capture_overhead.py --random --no-nnsight "${EAGER[@]}"
 if $PY -c "import pytest" 2>/dev/null; then
-    step pytest 150 $PY -m pytest -q -p no:cacheprovider tests/hooks/test_statsop.py \
+    step pytest 130 $PY -m pytest -q -p no:cacheprovider tests/hooks/test_statsop.py \
         tests/hooks/test_graphstats.py tests/hooks/test_drainer.py tests/hooks/test_graphsnap.py \
         tests/hooks/test_graph_eager.py
 else
     echo "gpu-session: pytest skipped (no pytest: see wheels/ above)" | tee -a "$RES/steps.txt"
 fi
+step compiled_guards 60 $PY bench/compiled_guards.py "${GUARDS[@]}"
 tail -n 12 "$RES/gpu_check.log"
 tar czf "$OUT/gpu-session.tgz" -C "$OUT" gpu-session
 echo "gpu-session: results in $OUT/gpu-session.tgz"

@@ -136,3 +136,16 @@ def test_compiled_capture_compares_both_phases_and_their_compile_phases(tmp_path
     # the host time per step, and within it the logits' op call (so never more than it)
     assert 0 < captured["host_op_ms_per_step"] <= captured["host_ms_per_step"]
     assert cmp["host_op_ms_per_step"] == captured["host_op_ms_per_step"]
+
+
+def test_capture_overhead_runs_the_random_architecture_without_the_model(tmp_path):
+    """What scripts/gpu_session.sh runs on a GPU machine without the GGUF: every variant on
+    SmolLM2's architecture with random weights, qf-op (the stats op on the eager model) too."""
+    out = run_bench("capture_overhead.py", "--random", "--layers", "2", "--tokens", "2",
+                    "--rounds", "1", "--no-nnsight", cwd=tmp_path, timeout=300)
+    assert "SmolLM2's architecture, random weights, 2 layers, cpu float32, 2 greedy tokens" in out
+    (wall, ratio) = figures(rf"(?m)^plain\s+{NUM}\s+{NUM}", out)
+    assert wall > 0 and ratio == 1.0
+    for name in ("bare", "qf-default", "qf-scalar", "qf-op"):
+        (w, r) = figures(rf"(?m)^{name}\s+{NUM}\s+{NUM}", out)
+        assert w > 0 and r == pytest.approx(w / wall, abs=ratio_slack(w, wall)), name
