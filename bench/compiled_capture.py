@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def child(a: argparse.Namespace) -> dict:
         if a.nan:
             out["nan_planted"] = {"step": a.tokens, "row": NAN_ROW, "module":
                                   f"model.layers.{out['layers'] - 1}.mlp.down_proj"}
+    shutil.rmtree(tmp, ignore_errors=True)  # the trace (tens of MB): its facts are read
     return out
 
 
@@ -308,7 +310,10 @@ def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
         ["--nan"] if a.nan else []) + (["--profile"] if a.profile else []) + [
         "--flush-interval", str(a.flush_interval)]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)  # this phase's fresh Inductor cache
     if r.returncode != 0:
         sys.stderr.write(r.stderr[-4000:])
         raise SystemExit(f"{phase} phase failed (exit {r.returncode})")
