@@ -14,9 +14,11 @@
 #   2. bench/capture_overhead.py --random --device cuda: HF eager on the GPU (plain, a bare
 #      hook, capture's default path, capture on the stats op), the figures that decide whether
 #      eager capture moves onto the op there (issue 39's one hot path);
-#   3. pytest on the compiled-mode hook tests (the GPU machine has no pytest and no network:
-#      the checkout carries the wheels, in ./wheels: pytest, pluggy, iniconfig, pygments, all
-#      pure Python; without them this part is skipped and says so);
+#   3. pytest on tests/hooks/test_gpu.py: the op's Triton kernel compiled for the device,
+#      compiled capture under CUDA graphs and eager capture on the device, each against the
+#      CPU. The GPU machine has no pytest and no network: the checkout carries the wheels in
+#      ./wheels (pytest, pluggy, iniconfig, pygments, all pure Python); without them this part
+#      is skipped and says so;
 #   4. bench/compiled_guards.py --device cuda: the host time of the compiled model's guards.
 # Writes everything under $OUT (the device tool's output folder; ./gpu-session otherwise) and
 # tars it into $OUT/gpu-session.tgz (the tool brings back few files). Exit status: that of
@@ -48,6 +50,7 @@ if ((SELF)); then
     CHECK=(--allow-cpu --random --layers 2 --tokens 4)
     GUARDS=(--device cpu --random --layers 2 --rounds 1 --calls 5)
     EAGER=(--device cpu --layers 2 --tokens 4 --rounds 1)
+    export QF_GPU_TEST_DEVICE=cpu  # test_gpu.py's tests on the CPU: checks the tests only
 else
     CHECK=(--timeout 140)  # each of its two phases: compile (57 s plain on an H200) and steps
     GUARDS=(--device cuda --dtype bfloat16)
@@ -57,9 +60,8 @@ rc=0
 step gpu_check 300 $PY scripts/gpu_check.py --out "$RES/gpu-check" "${CHECK[@]}" || rc=$?
 step eager 60 $PY bench/capture_overhead.py --random --no-nnsight "${EAGER[@]}"
 if $PY -c "import pytest" 2>/dev/null; then
-    step pytest 130 $PY -m pytest -q -p no:cacheprovider tests/hooks/test_statsop.py \
-        tests/hooks/test_graphstats.py tests/hooks/test_drainer.py tests/hooks/test_graphsnap.py \
-        tests/hooks/test_graph_eager.py
+    step pytest 130 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 \
+        tests/hooks/test_gpu.py
 else
     echo "gpu-session: pytest skipped (no pytest: see wheels/ above)" | tee -a "$RES/steps.txt"
 fi
