@@ -17,15 +17,22 @@ from vllm_runs import (NAN_WORD, PROMPT_A, PROMPT_B, WHATIF_ROUNDS, WHATIF_SCHEM
                        finish_whatif_vllm, run_recorded, run_tp, start_whatif_vllm)
 
 
+def _w4a16_missing(item) -> str | None:  # noqa: ANN001
+    """Why a `w4a16` test cannot run on this CPU; None: it can, or it is not one."""
+    if item.get_closest_marker("w4a16") is None:
+        return None
+    from qforensics.engines.vllm_cpu import w4a16_runs
+
+    ok, why = w4a16_runs()
+    return None if ok else why
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any fixture of the test starts an engine that would die in its first forward."""
-    if item.get_closest_marker("w4a16") is not None:
-        from qforensics.engines.vllm_cpu import w4a16_runs
-
-        ok, why = w4a16_runs()
-        if not ok:
-            pytest.skip(f"needs vLLM's CPU W4A16 kernel: {why}")
+    why = _w4a16_missing(item)
+    if why is not None:
+        pytest.skip(f"needs vLLM's CPU W4A16 kernel: {why}")
 
 
 @pytest.fixture
@@ -59,8 +66,11 @@ def _whatif_started(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session", autouse=True)
 def whatif_in_background(request, tmp_path_factory):
-    """Starts the what-if run (`whatif_vllm`) at once when a selected test reads it."""
-    if any("whatif_vllm" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    """Starts the what-if run (`whatif_vllm`) at once when a selected test that runs here reads
+    it (every one is `w4a16`: on a CPU without that kernel the run would hold a core for
+    minutes, its checks all skipped, and `quiet_machine` would wait for it)."""
+    if any("whatif_vllm" in getattr(item, "fixturenames", ()) and _w4a16_missing(item) is None
+           for item in request.session.items):
         _whatif_started(tmp_path_factory)
     yield
     proc = _WHATIF.get("proc")
