@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from qforensics.hooks import statscpu, statsnative, statsop, statstriton
+from qforensics.hooks.graphcopy import MAX_IDS, HostCopies  # noqa: F401 - MAX_IDS: graphlate
 from qforensics.hooks.graphread import RingReader
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, entry_width, new_toks
@@ -45,7 +46,6 @@ from qforensics.trace import schema
 
 log = logging.getLogger("qforensics.hooks.capture")
 
-MAX_IDS = 65536  # input ids kept per step (as the eager capture keeps)
 SEGMENT_FLOATS = 1 << 22  # one ring segment's row: 16 MiB (more for an entry wider than that)
 # A GPU's device ring: the op writes a slot, which is copied to pinned host memory right after
 # the step, on its stream (the host reads the copies: their number, `host_slots`, is what
@@ -58,19 +58,6 @@ HOST_COPIES_ON_CPU = False
 _REGISTRY: dict[int, "GraphStats"] = {}
 QUEUE: list[tuple[Any, ...]] = []  # GraphStats.queue
 _KEYS = itertools.count(1)
-
-
-class _Done:
-    """The event of a copy on the CPU (`HOST_COPIES_ON_CPU`): done when made."""
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 def _trace_id() -> tuple[Any, ...] | None:
@@ -109,7 +96,7 @@ class Entry:
     nth: int = 0  # entries of the same (module, io, slot) placed before it
 
 
-class GraphStats(RingReader):
+class GraphStats(RingReader, HostCopies):
     """The device ring of one capture in compiled mode, and the host's view of it (its reading:
     `RingReader`, hooks/graphread.py)."""
 
@@ -174,6 +161,9 @@ class GraphStats(RingReader):
         # a GPU: pinned copies of each slot (segments, logits figures, input ids), allocated
         # once; the step each holds and the event that says its copy is done
         self._host: dict[int, list[torch.Tensor]] = {}
+        # (slot, token slot, host slot, rows) -> (host buffers, segments' use, (dst, src)
+        # views): a step's copies are then copy_ calls only (each view costs a dispatch)
+        self._plans: dict[tuple[int, int, int, int], tuple[Any, list[int], list[Any]]] = {}
         self._event: dict[int, Any] = {}
         self._copied: dict[int, int] = {}
         # the first-failure word as each slot's copy saw it (`copied_first`): pinned, 1 int64
@@ -272,79 +262,6 @@ class GraphStats(RingReader):
         self._occ.clear()
         self._trace = None
         self.step_t.fill_(int(step))
-
-    def put_step_extras(self, step: int, row: torch.Tensor | None,
-                        ids: torch.Tensor | None) -> None:
-        """The last logits row and the input ids of `step`, read when it is emitted: the row
-        copied as it is now into a host buffer of its host slot (on a GPU pinned, the copy
-        queued on the stream: one transfer, no sync, no kernel; the figures are computed on
-        the host, off the hot path), the ids likewise (at most MAX_IDS)."""
-        hs = step % self.host_slots
-        pin = self.device.type == "cuda"
-        self._lrow_n[hs] = 0
-        if row is not None:
-            flat = row.reshape(-1)
-            buf = self._lrow.get(hs)
-            if buf is None or buf.numel() < flat.numel() or buf.dtype != flat.dtype:
-                buf = self._lrow[hs] = torch.empty(  # once per slot, not per step
-                    flat.numel(), dtype=flat.dtype, pin_memory=pin)
-            buf[:flat.numel()].copy_(flat, non_blocking=True)
-            self._lrow_n[hs] = int(flat.numel())
-        n = 0
-        if ids is not None:
-            flat = ids.reshape(-1)
-            n = min(int(flat.numel()), MAX_IDS)
-            buf = self._ids.get(hs)
-            if buf is None or buf.dtype != flat.dtype:  # the ids' own dtype: no conversion
-                buf = self._ids[hs] = torch.empty(MAX_IDS, dtype=flat.dtype, pin_memory=pin)
-            buf[:n].copy_(flat[:n], non_blocking=True)
-        self.ids_n[hs] = n
-
-    def start_copy(self, step: int, rows: int | None = None) -> None:
-        """After the step (on a GPU): its slot of every segment, its first `rows` token rows
-        (None: all; the host knows a step's tokens, the entries' rows are those) and the
-        first-failure word, copied asynchronously into pinned host buffers allocated once per
-        slot (the token rows' grown when a step has more), then the event that also covers
-        `put_step_extras`' copies (made before this); read in `collect`. On CPU: nothing
-        (collect reads the ring in place)."""
-        if not self.copies:
-            return
-        slot, hs = step % self.slots, step % self.host_slots
-        pin = self.device.type == "cuda"
-        t_rows = self.tok_rows if rows is None else max(1, min(int(rows), self.tok_rows))
-        ncol = self.toks.shape[2]
-        host = self._host.get(hs)
-        if host is None or len(host) != len(self.segments) + 1 or any(
-                h.numel() < used for h, used in zip(host, self._used)):
-            host = self._host[hs] = [  # as much as the entries use: slots x segments
-                torch.empty(max(1, used), dtype=torch.float32, pin_memory=pin)
-                for used in self._used] + [torch.empty(0, dtype=torch.float32)]
-        if host[-1].numel() < t_rows * ncol:  # grown to the most rows a step had (rare)
-            host[-1] = torch.empty(max(t_rows, min(64, self.tok_rows)) * ncol,
-                                   dtype=torch.float32, pin_memory=pin)
-        for dst, seg, used in zip(host, self.segments, self._used):
-            dst[:used].copy_(seg[slot, :used], non_blocking=True)
-        tslot = self.toks[step % self.toks.shape[0], :t_rows]
-        host[-1][:t_rows * ncol].copy_(tslot.reshape(-1), non_blocking=True)
-        self._tok_copied[hs] = t_rows
-        word = self._first_host.get(hs)
-        if word is None:
-            word = self._first_host[hs] = torch.empty(1, dtype=torch.int64, pin_memory=pin)
-            self._first_np[hs] = word.numpy()  # read each step: no tensor indexing then
-        word.copy_(self.first, non_blocking=True)
-        ev = self._event.get(hs)
-        if ev is None:
-            ev = self._event[hs] = torch.cuda.Event() if pin else _Done()
-        ev.record()
-        self._copied[hs] = step
-
-    def _host_slot(self, step: int) -> list[np.ndarray]:
-        """The host copy of `step`'s slot (a GPU), its copy started if it was not."""
-        hs = step % self.host_slots
-        if self._copied.get(hs) != step:
-            self.start_copy(step)
-        self._event[hs].synchronize()  # one step late: long done
-        return [h.numpy() for h in self._host[hs]]
 
     def call_order(self) -> list[tuple[Any, ...]]:
         """A step's compiled calls, (module, its run: `Entry.call`), in the order their hooks
