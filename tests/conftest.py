@@ -124,6 +124,7 @@ SLOW = (
     "tests/bench/test_bench_tools.py::test_collect_cost_times_both_paths_on_a_smollm2_sized_ring",
     "tests/bench/test_bench_tools.py::test_compiled_guards_times_the_guards_of_both_phases",
     "tests/bench/test_bench_tools.py::test_capture_overhead_runs_the_random_architecture",
+    "tests/bench/test_bench_tools.py::test_gpu_step_host_times_the_gpu_paths_step_end",
     "tests/bench/test_bench_tools.py::test_compiled_capture_compares_both_phases_and_their",
     "tests/triage/test_triage_processes.py",
     "tests/triage/test_triage_local.py",

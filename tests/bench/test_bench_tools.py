@@ -149,3 +149,21 @@ def test_capture_overhead_runs_the_random_architecture_without_the_model(tmp_pat
     for name in ("bare", "qf-default", "qf-scalar", "qf-op"):
         (w, r) = figures(rf"(?m)^{name}\s+{NUM}\s+{NUM}", out)
         assert w > 0 and r == pytest.approx(w / wall, abs=ratio_slack(w, wall)), name
+
+
+def test_gpu_step_host_times_the_gpu_paths_step_end_on_its_stand_ins(tmp_path):
+    """bench/gpu_step_host.py on the CPU: the GPU's path (host copies, a drainer) recorded
+    every step, and the host time per step is its begin plus its end, each at least the
+    parts timed inside it."""
+    out = run_bench("gpu_step_host.py", "--layers", "1", "--steps", "40", cwd=tmp_path,
+                    timeout=300)
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["capture_mode"] == "compiled" and d["steps_recorded"] == 40
+    assert d["graph_drain"]["thread"] is True and d["graph_drain"]["dropped"] == 0
+    us = d["us_per_step"]
+    pre, post, end = (us[k] for k in ("CallHooks._on_root_pre", "CallHooks._on_root_post",
+                                      "GraphLate._graph_end"))
+    assert d["host_us_per_step"] == pytest.approx(pre + post, abs=0.2) and pre > 0
+    assert post >= end > 0  # medians: the end runs inside the root's post hook
+    assert all(us[k] > 0 for k in ("GraphStats.start_copy", "GraphStats.put_step_extras",
+                                   "GraphMode._graph_flush", "Drainer.put"))
