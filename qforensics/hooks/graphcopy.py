@@ -46,6 +46,7 @@ class HostCopies:
     _used: list[int]
     _host: dict[int, list[torch.Tensor]]
     _plans: dict[tuple[int, int, int, int], tuple[Any, list[int], list[Any]]]
+    _views: dict[tuple[int, int, int, torch.dtype], torch.Tensor]  # `_dst`'s
     _event: dict[int, Any]
     _copied: dict[int, int]
     _tok_copied: dict[int, int]
@@ -63,25 +64,39 @@ class HostCopies:
         queued on the stream: one transfer, no sync, no kernel; the figures are computed on
         the host, off the hot path), the ids likewise (at most MAX_IDS)."""
         hs = step % self.host_slots
-        pin = self.device.type == "cuda"
         self._lrow_n[hs] = 0
         if row is not None:
-            flat = row.reshape(-1)
-            buf = self._lrow.get(hs)
-            if buf is None or buf.numel() < flat.numel() or buf.dtype != flat.dtype:
-                buf = self._lrow[hs] = torch.empty(  # once per slot, not per step
-                    flat.numel(), dtype=flat.dtype, pin_memory=pin)
-            buf[:flat.numel()].copy_(flat, non_blocking=True)
-            self._lrow_n[hs] = int(flat.numel())
+            flat = row if row.dim() == 1 else row.reshape(-1)
+            n = flat.numel()
+            self._dst(self._lrow, hs, n, flat.dtype, n).copy_(flat, non_blocking=True)
+            self._lrow_n[hs] = n
         n = 0
         if ids is not None:
-            flat = ids.reshape(-1)
-            n = min(int(flat.numel()), MAX_IDS)
-            buf = self._ids.get(hs)
-            if buf is None or buf.dtype != flat.dtype:  # the ids' own dtype: no conversion
-                buf = self._ids[hs] = torch.empty(MAX_IDS, dtype=flat.dtype, pin_memory=pin)
-            buf[:n].copy_(flat[:n], non_blocking=True)
+            flat = ids if ids.dim() == 1 else ids.reshape(-1)
+            n = flat.numel()
+            if n > MAX_IDS:
+                n, flat = MAX_IDS, flat[:MAX_IDS]
+            # the ids' own dtype: no conversion
+            self._dst(self._ids, hs, n, flat.dtype, MAX_IDS).copy_(flat, non_blocking=True)
         self.ids_n[hs] = n
+
+    def _dst(self, bufs: dict[int, torch.Tensor], hs: int, n: int, dtype: torch.dtype,
+             size: int) -> torch.Tensor:
+        """The first `n` elements of host slot `hs`'s buffer in `bufs` (allocated once per
+        slot, at least `size`, pinned on a GPU), a view kept for the next step of that size."""
+        key = (id(bufs), hs, n, dtype)
+        v = self._views.get(key)
+        if v is None:
+            buf = bufs.get(hs)
+            if buf is None or buf.numel() < max(n, size) or buf.dtype != dtype:
+                buf = bufs[hs] = torch.empty(max(n, size), dtype=dtype,
+                                             pin_memory=self.device.type == "cuda")
+                for k in [k for k in self._views if k[:2] == (id(bufs), hs)]:
+                    del self._views[k]  # views of the buffer it replaced
+            if len(self._views) > 1024:  # steps of many sizes (an engine's batches)
+                self._views.clear()
+            v = self._views[key] = buf[:n]
+        return v
 
     def start_copy(self, step: int, rows: int | None = None) -> None:
         """After the step (on a GPU): its slot of every segment, its first `rows` token rows

@@ -164,6 +164,7 @@ class GraphStats(RingReader, HostCopies):
         # (slot, token slot, host slot, rows) -> (host buffers, segments' use, (dst, src)
         # views): a step's copies are then copy_ calls only (each view costs a dispatch)
         self._plans: dict[tuple[int, int, int, int], tuple[Any, list[int], list[Any]]] = {}
+        self._views: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
         self._event: dict[int, Any] = {}
         self._copied: dict[int, int] = {}
         # the first-failure word as each slot's copy saw it (`copied_first`): pinned, 1 int64
