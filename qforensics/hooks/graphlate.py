@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from qforensics.hooks import graphstats, reduce
+from qforensics.hooks import graphcopy, graphstats, reduce
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
@@ -133,7 +133,7 @@ class GraphLate:
                 row_t = reduce.last_logits(logits.detach())
                 if self._drainer is not None:
                     row_t = _host_copy(row_t)
-            ids_np = (ids.reshape(-1)[:graphstats.MAX_IDS].cpu().numpy().astype(np.int64)
+            ids_np = (ids.reshape(-1)[:graphcopy.MAX_IDS].cpu().numpy().astype(np.int64)
                       if ids is not None else np.zeros(0, np.int64))
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from qforensics.hooks import statscpu, statsnative, statsop, statstriton
-from qforensics.hooks.graphcopy import MAX_IDS, HostCopies  # noqa: F401 - MAX_IDS: graphlate
+from qforensics.hooks.graphcopy import HostCopies
 from qforensics.hooks.graphread import RingReader
 from qforensics.hooks.graphsnap import CompiledSnap
 from qforensics.hooks.statsop import COL, entry_width, new_toks
