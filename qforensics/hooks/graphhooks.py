@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
-from qforensics.hooks.graphstats import QUEUE, GraphStats, registered
+from qforensics.hooks.graphstats import _REGISTRY, QUEUE, GraphStats, registered
 from qforensics.hooks.reduce import dtype_code
 from qforensics.trace import schema
 
@@ -160,6 +160,9 @@ def width_bound(module: torch.nn.Module, channel_limit: int) -> int:
 # GraphStats is reached through `registered`, one source for every hook.
 _HOOK = """
 def hook(module, args, kwargs, output):
+    if not torch.compiler.is_compiling():
+        _eager_call({key}, {mid}, {n_in}, {n_out}, {bound}, args, kwargs, output)
+        return None
     ins = _tensors(args, {n_in})
     if not ins:
         ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
@@ -173,30 +176,82 @@ def hook(module, args, kwargs, output):
 """
 
 
-# A module inside a block leaves its tensors to the block's op call when traced; run eagerly
-# (a model that is not compiled, a graph break) it hands them over at once, since the model may
-# change them in place before the block's hook (vLLM's fused add-RMSNorm does). Dynamo reads
-# is_compiling() as True: nothing of this reaches the graph.
-_EAGER_FLUSH = """if not torch.compiler.is_compiling():
-        _flush_key({key})"""
-
 
 def make_hook(gs: GraphStats, mid: int, is_block: bool, bound: int, max_inputs: int,
               max_outputs: int, flush: bool = True):
     """The forward hook (with kwargs) of one module: the same tensors as the eager capture's
     `_on_call` takes (its first tensor arguments, else a hidden-state keyword; its first
-    outputs; a decoder block one of each), queued. `flush`: this hook hands the queue to the
-    op (a decoder block, after its modules' hooks queued theirs; a module outside any block);
-    False for a module inside a hooked block (which still hands them over when run eagerly)."""
+    outputs; a decoder block one of each), queued when traced. `flush`: this traced hook hands
+    the queue to the op (a decoder block, after its modules' hooks queued theirs; a module
+    outside any block); False for a module inside a hooked block. Run eagerly (a model that
+    is not compiled, a graph break), every hook hands its tensors to the op at once
+    (`_eager_call`), since the model may change them in place before the block's hook
+    (vLLM's fused add-RMSNorm does). Dynamo reads is_compiling() as True: nothing of the
+    eager branch reaches the graph."""
     src = _HOOK.format(n_in=1 if is_block else int(max_inputs),
                        n_out=1 if is_block else int(max_outputs), key=int(gs.key),
                        mid=int(mid), bound=int(bound), io_in=int(schema.IO_INPUT),
                        io_out=int(schema.IO_OUTPUT),
-                       flush=f"_flush_key({int(gs.key)})" if flush else _EAGER_FLUSH.format(
-                           key=int(gs.key)))
+                       flush=f"_flush_key({int(gs.key)})" if flush else "")
     ns: dict[str, Any] = {}
     exec(compile(src, f"<qforensics hook {int(mid)}>", "exec"), globals(), ns)  # noqa: S102
     return ns["hook"]
+
+
+def _eager_call(key: int, mid: int, n_in: int, n_out: int, bound: int, args: Any,
+                kwargs: dict[str, Any], output: Any) -> None:
+    """A hook run eagerly: its tensors to the op in one call. Its first run with a given
+    (module, run in the step, tensors' dtypes) places them as a traced hook would (`_place`,
+    `_group`) and keeps the op calls that came out (`GraphStats.eager`); a later run with the
+    same key calls the op with them, nothing placed or grouped (most of an eager hook's cost
+    was there: ~20 us a call against ~7 for the op)."""
+    gs = _REGISTRY.get(key)
+    if gs is None:
+        return
+    ins = _tensors(args, n_in)
+    if not ins:
+        ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)
+    outs = _tensors((output,) if isinstance(output, torch.Tensor) else (
+        output if isinstance(output, (tuple, list)) else ()), n_out)
+    ts = ins + outs
+    if not ts:
+        return
+    if QUEUE:  # what a traced region left queued (Dynamo replays its appends after a graph)
+        _flush(gs)
+    eager = gs._trace is None  # eager since the step began (else after a trace attempt)
+    run = gs.runs.get(mid, 0) if eager else 0
+    sig = (mid, run, len(ins), *[t.dtype for t in ts])
+    plan = gs.eager.get(sig) if eager else None
+    if plan is None:
+        keys = _keys(len(ins), len(outs))
+        if eager:  # `place` counts runs per (module, io, slot): from this module's so far
+            for k in keys:
+                gs._occ[(mid, *k)] = run
+        # (after a trace attempt, `place` restarts the count at this run: the run is 0)
+        placed = [(i, _place(key, mid, io, slot, bound, t.dtype, t.dim()))
+                  for i, ((io, slot), t) in enumerate(zip(keys, ts))]
+        placed = [(i, e) for i, e in placed if e >= 0]
+        plan = (tuple(i for i, _ in placed),
+                tuple((getattr(gs, f"r{c[0]}"), *c[1:]) for c in _group(
+                    key, tuple(e for _, e in placed))))
+        if eager:
+            gs.eager[sig] = plan
+    gs.runs[mid] = run + 1
+    _call_plan(gs, ts, plan)
+
+
+def _keys(n_in: int, n_out: int) -> list[tuple[int, int]]:
+    return ([(schema.IO_INPUT, s) for s in range(n_in)]
+            + [(schema.IO_OUTPUT, s) for s in range(n_out)])
+
+
+def _call_plan(gs: GraphStats, ts: list[torch.Tensor], plan: tuple[Any, ...]) -> None:
+    idx, calls = plan
+    xs = [t.detach() if t.requires_grad else t for t in (ts if len(idx) == len(ts) else
+                                                          [ts[i] for i in idx])]
+    for ring, i, j, offs, caps, toks, ents, pairs in calls:
+        torch.ops.qforensics.stats(xs[i:j], ring, gs.toks, gs.first, gs.step_t, offs, caps,
+                                   toks, ents, gs.snap.buf, pairs)
 
 
 def _flush_key(key: int) -> None:

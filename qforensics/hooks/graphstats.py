@@ -131,6 +131,10 @@ class GraphStats(RingReader, HostCopies):
         self.queue = QUEUE
         # graphhooks._group: the op calls' constants of a queued run of entries
         self.groups: dict[tuple[int, ...], tuple[tuple[Any, ...], ...]] = {}
+        # graphhooks._eager_call: a module's runs in this step, and the op calls of an eager
+        # hook's (module, run, inputs, dtypes...), kept from its first such run
+        self.runs: dict[int, int] = {}
+        self.eager: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
         self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
@@ -200,6 +204,7 @@ class GraphStats(RingReader, HostCopies):
         if trace != self._trace:  # a new trace attempt, or eager calls again after one
             self._trace = trace
             self._occ.clear()
+            self.runs.clear()
         occ = self._occ[(mid, io, slot)]
         self._occ[(mid, io, slot)] = occ + 1
         call = (None if trace is None else trace[0], occ)
@@ -261,6 +266,7 @@ class GraphStats(RingReader, HostCopies):
         the device, ordered before the forward's kernels; no sync. A step's calls are counted
         from here (`place`)."""
         self._occ.clear()
+        self.runs.clear()
         self._trace = None
         self.step_t.fill_(int(step))
 

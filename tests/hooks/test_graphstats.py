@@ -384,17 +384,19 @@ class _Shared(nn.Module):
         return self.b(self.a(h))
 
 
-@pytest.mark.parametrize("brk", [False, True])
-def test_a_module_run_twice_keeps_a_record_per_run(brk):
+@pytest.mark.parametrize("brk,compiled", [(False, True), (True, True), (False, False)])
+def test_a_module_run_twice_keeps_a_record_per_run(brk, compiled):
     """Each run of a shared layer has its own entry, call index and figures (the first run's
     are not overwritten by the second's); a trace Dynamo restarts at a graph break places no
-    entry twice (every entry is written every step)."""
+    entry twice (every entry is written every step). Eagerly, from the second step on, each
+    run reuses the op calls its first step placed (graphhooks._eager_call): still one entry
+    per run."""
     m = _Shared(brk)
     gs = _stats()
     for mid, mod in enumerate((m.a, m.b)):
         mod.register_forward_hook(graphhooks.make_hook(gs, mid, False, 8, 4, 2),
                                   with_kwargs=True)
-    f = torch.compile(m, fullgraph=not brk)
+    f = torch.compile(m, fullgraph=not brk) if compiled else m
     for step in range(3):
         x = torch.randn(3, 8)
         gs.begin(step)
@@ -474,6 +476,36 @@ def test_eager_calls_after_a_trace_reuse_its_entries():
     assert rec["call_index"].tolist() == [7, 7, 8, 8]
     assert rec["rows"].tolist() == [2, 2, 2, 2]
     np.testing.assert_allclose(rec["max"][3], y.max().item(), rtol=1e-6)
+
+
+class _WithComplex(nn.Module):
+    """A forward whose first positional tensor is complex (no entry for the op), its second
+    a float: the hook records the float input and the output."""
+
+    def forward(self, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + c.real
+
+
+def test_eager_hooks_skip_a_tensor_the_op_does_not_take_at_every_step():
+    """A complex tensor among a call's tensors gets no entry; the others keep theirs and their
+    figures at every step, a dtype change (bfloat16 input) keeps the entry of its slot."""
+    m = _WithComplex()
+    gs = _stats()
+    m.register_forward_hook(graphhooks.make_hook(gs, 0, False, 8, 4, 2), with_kwargs=True)
+    for step, dt in enumerate((torch.float32, torch.float32, torch.bfloat16)):
+        c = torch.randn(2, 3, dtype=torch.complex64)
+        x = (torch.randn(2, 3) * (step + 1)).to(dt)
+        gs.begin(step)
+        with torch.no_grad():
+            y = m(c, x)
+        rec = gs.collect(step, 0, True)["records"]
+        assert len(gs.entries) == 2
+        assert rec["io"].tolist() == [schema.IO_INPUT, schema.IO_OUTPUT]
+        assert rec["slot"].tolist() == [1, 0]
+        for r, t in zip(rec, (x.float(), y.float())):
+            e = _expect(t)
+            np.testing.assert_allclose([r["min"], r["max"], r["mean"]],
+                                       [e["min"], e["max"], e["mean"]], rtol=1e-5, atol=1e-6)
 
 
 def test_a_step_copied_before_later_entries_were_placed_reads_what_it_ran(monkeypatch):
