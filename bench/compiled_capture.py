@@ -290,6 +290,8 @@ def _trace_facts(path: str) -> dict:
     return {"modules": n_mod, "steps": int(len(t.steps)),
             "every_module_every_step": bool(len(per_step) == len(t.steps)
                                             and (per_step == n_mod).all()),
+            # steps whose detail the drainer gave up, lagging (complete 2: no records)
+            "spilled_steps": int((t.steps["complete"] == 2).sum()),
             "capture_mode": t.meta["status"].get("capture_mode"),
             "graph_calls": t.meta["status"].get("graph_calls"),
             "numpy_redos": t.meta["status"].get("graph_numpy_redos", {}),
@@ -342,6 +344,7 @@ def compare(p: dict, c: dict) -> dict:
         "calls_per_module": round(c["stats_op_calls"] / max(1, c.get("graph_calls") or 1), 2),
         "tokens_identical": p["tokens_out"] == c["tokens_out"],
         "every_module_every_step": c.get("every_module_every_step"),
+        "spilled_steps": c.get("spilled_steps"),
         "cudagraph_skips": c.get("cudagraph_skips"),
         # a GPU: the memory capture adds (its ring, token ring, snapshot buffer, pinned
         # copies are host memory and not counted here)

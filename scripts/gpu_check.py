@@ -46,7 +46,8 @@ def targets(cmp: dict, cap: dict) -> list[tuple[str, bool, str]]:
          f"{cmp['compile_ratio']:.3f}"),
         ("tokens identical", bool(cmp["tokens_identical"]), str(cmp["tokens_identical"])),
         ("every module recorded at every step", bool(cmp["every_module_every_step"]),
-         str(cmp["every_module_every_step"])),
+         f"{cmp['every_module_every_step']} (steps spilled by a lagging drainer: "
+         f"{cmp.get('spilled_steps')})"),
         ("no cudagraph skip", cmp.get("cudagraph_skips") == 0, str(cmp.get("cudagraph_skips"))),
         ("planted NaN located (step, producer)", located, verdict[:160]),
     ]

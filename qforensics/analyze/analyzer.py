@@ -333,7 +333,8 @@ def analyze_open_trace(trace: Trace, th: Thresholds | None = None, *,
            if reference is not None else None)
     gaps = _guarded(trace, lambda: find_gaps(trace, steps), None)
     verdict = verdict_for(first, precursors, len(steps), end, trace.unreadable, cause=cause,
-                          evidence=evidence, coverage=cov, gaps=gaps.line() if gaps else "")
+                          evidence=evidence, coverage=cov, gaps=gaps.line() if gaps else "",
+                          note=gaps.note() if gaps else "")
     if summary_only is not None:
         verdict = Verdict(FAILED, f"{FAILED} | the step summaries record NaN/Inf at step "
                           f"{summary_only[0]} (first at call {summary_only[1]}), but that step's "

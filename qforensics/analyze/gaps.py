@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qforensics.formats import KIND_ROOT
+from qforensics.trace import schema
 from qforensics.trace.reader import Trace
 from qforensics.trace.table import Table
 
@@ -40,13 +41,24 @@ def _steps(steps: list[int], most: int = 4) -> str:
 class Gaps:
     """`empty`: steps recorded in full that hold no record; `never`: hooked modules with no
     record in any of them; `partial`: {module: steps it is missing from}, for modules seen at
-    some steps only; `steps`: how many steps were checked."""
+    some steps only; `steps`: how many steps were checked; `spilled`: steps whose per-module
+    detail compiled mode gave up when its ring overflowed (`complete` 2): no gap, since the
+    op's first-failure word covered them, but said (`note`)."""
 
     steps: int = 0
     modules: int = 0
     empty: list[int] = field(default_factory=list)
     never: list[str] = field(default_factory=list)
     partial: dict[str, list[int]] = field(default_factory=dict)
+    spilled: list[int] = field(default_factory=list)
+
+    def note(self) -> str:
+        """The spilled steps, in words ('' when none)."""
+        if not self.spilled:
+            return ""
+        return (f"{len(self.spilled)} of {self.steps} steps kept no per-module detail "
+                f"(steps {_steps(self.spilled)}: the capture's ring overflowed; the device's "
+                "NaN/Inf check covered them)")
 
     def line(self) -> str:
         """What is missing, in words ('' when nothing is)."""
@@ -70,7 +82,7 @@ class Gaps:
         return {"steps": self.steps, "modules": self.modules, "empty_steps": self.empty[:100],
                 "never_recorded": self.never[:100],
                 "missing_from_steps": {k: v[:20] for k, v in list(self.partial.items())[:100]},
-                "line": self.line()}
+                "spilled_steps": self.spilled[:100], "line": self.line(), "note": self.note()}
 
 
 def find_gaps(trace: Trace, steps: Table) -> Gaps:
@@ -81,12 +93,15 @@ def find_gaps(trace: Trace, steps: Table) -> Gaps:
         return Gaps(0, n_mod)
     wanted = np.asarray(steps["step"], np.int64)
     counts = np.asarray(steps["record_count"], np.int64)
-    whole = np.asarray(steps["complete"]) != 0
+    complete = np.asarray(steps["complete"])
+    spilled = complete == schema.STEP_SPILLED
+    whole = (complete != schema.STEP_RAISED) & ~spilled
     # a step cut short by the run's stop (SIGTERM mid-forward) may hold nothing: no gap, as
     # long as some whole step recorded something (a trace of empty steps never passes)
     if not (counts[whole] > 0).any():
         whole[:] = True
-    g = Gaps(len(wanted), n_mod, empty=[int(s) for s in wanted[(counts == 0) & whole]])
+    g = Gaps(len(wanted), n_mod, empty=[int(s) for s in wanted[(counts == 0) & whole]],
+             spilled=[int(s) for s in wanted[spilled]])
     cols = trace.record_columns(["step", "module_id"])
     st = np.asarray(cols["step"], np.int64)
     mid = np.asarray(cols["module_id"], np.int64)

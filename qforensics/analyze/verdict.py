@@ -48,13 +48,17 @@ def cross_check(trace: Trace, steps: Table, fail_row: int | None,
 def verdict_for(first: FirstNonfinite | None, precursors: list, n_steps: int,
                 end: Any, unreadable: list[str] | None = None, *, cause: Cause | None = None,
                 evidence: list[Evidence] | None = None,
-                coverage: Coverage | None = None, gaps: str = "") -> Verdict:
+                coverage: Coverage | None = None, gaps: str = "", note: str = "") -> Verdict:
     """FAILED with a non-finite value (naming its cause), SUSPECT with silent-failure evidence
     (parameters and activations first, then the output), when anything was `unreadable` or
     when recording stopped with no summaries of the steps after it, else PASSED. Where
     detail was thinned, the line says which steps it covers and at what resolution. `gaps`:
-    what the steps recorded in full lack (`Gaps.line`): never PASSED over modules not seen."""
+    what the steps recorded in full lack (`Gaps.line`): never PASSED over modules not seen.
+    `note`: what the line also says, whatever it reads (`Gaps.note`: steps whose detail
+    compiled mode gave up, their NaN/Inf check kept)."""
     tail = "" if end.complete else f" (trace truncated after step {end.last_step})"
+    if note:
+        tail += f"; {note}"
     if coverage is not None and coverage.thinned:
         tail += f"; {coverage.line()}"
         if coverage.summaries:

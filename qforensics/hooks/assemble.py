@@ -268,10 +268,11 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float,
                 t_end: float | None = None, first_call: int,
                 next_call: int, logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
                 snaps: np.ndarray, data: np.ndarray, incidents: np.ndarray,
-                channel_dtype: str) -> StepBatch:
+                channel_dtype: str, detail: bool = True) -> StepBatch:
     """The step's parts (one per reduction) -> one StepBatch: records in call order, offsets
     rebased, the step row with its logits summary. `t_end`: when the step ended, for a step
-    emitted later (default: now)."""
+    emitted later (default: now). `detail` False: a compiled step whose ring detail was
+    spilled (hooks/graphlate.py), `complete` 2."""
     recs = []
     cmins, cmaxs, toks = [], [], []
     chan_base = tok_base = 0
@@ -294,7 +295,8 @@ def build_batch(parts: list[dict[str, Any]], *, step: int, t0: float,
     s["step"] = step
     s["t_start"] = t0
     s["duration"] = (time.time() if t_end is None else t_end) - t0
-    s["complete"] = 1 if complete else 0
+    s["complete"] = (schema.STEP_WHOLE if detail else schema.STEP_SPILLED) if complete else (
+        schema.STEP_RAISED)
     s["record_offset"] = 0
     s["record_count"] = len(rec)
     s["first_call"] = first_call if next_call > first_call else -1

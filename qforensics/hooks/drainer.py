@@ -10,10 +10,14 @@ and, on a GPU, starts the slot's asynchronous copy (hooks/graphstats.py).
 
 - Order: items run one at a time, in the order they were put: the steps, and anything the
   engine writes between them (vLLM's own tables, `put`), reach the writer in run order.
-- At most `depth` items wait or run at once: the ring holds as many steps the op has not
-  reached again (hooks/graphmode.py sizes it so). `put` waits (on the host, never on the
-  device) while `depth` items are still to run, so the op never writes a slot whose step was
-  not yet read: no step is lost, the model's thread waits instead.
+- At most `depth` items that hold a slot of the ring wait or run at once: the ring holds as
+  many steps the op has not reached again (hooks/graphmode.py sizes it so). When `depth` are
+  still to run, `put` spills the oldest waiting one that its `spill` function takes (a step
+  known finite: hooks/graphlate.py): that item stays in line, in a form that holds no slot (its
+  summary, not its ring detail), so the op may overwrite its slot and the model's thread goes
+  on. Only where nothing can be spilled (no `spill` given, the items in line all taken, or
+  none that `spill` takes) does `put` wait (on the host, never on the device), so the op never
+  writes a slot whose step was not yet read. Counted: `spills`, `waits`.
 - Wake-ups: the thread takes the items once `batch` of them wait, or once the oldest has
   waited `linger` seconds (an idle server's last steps), or at once when `flush`, `kick` or
   `close` asks: one pass over several steps, not one a step (the issue's "every R/2 steps").
@@ -37,6 +41,15 @@ from typing import Any, Callable
 log = logging.getLogger("qforensics.hooks.capture")
 
 
+class _Spilled:
+    """An item in line that no longer holds a ring slot (`Drainer.put`'s spill)."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+
 class Drainer:
     def __init__(self, run: Callable[[Any], None], depth: int, name: str = "qforensics-drain",
                  many: bool = False, batch: int = 1, linger: float = 0.0) -> None:
@@ -52,30 +65,50 @@ class Drainer:
         self._flushing = 0  # callers in `flush`: take what waits at once meanwhile
         self._cv = threading.Condition()
         self._busy = 0  # items taken but not finished
+        self._held = 0  # items put, not finished, that hold a slot (all but spilled ones)
+        self._busy_held = 0  # of the items taken, those
         self._stop = False
         self.error: str | None = None
         self.dropped = 0
-        self.waits = 0  # times `put` found the drainer `depth` items behind
+        self.waits = 0  # times `put` found `depth` items behind and had to wait
+        self.spills = 0  # items `put` spilled instead of waiting
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, item: Any) -> None:
-        """Queue an item; waits while `depth` items are still to run."""
+    def put(self, item: Any, spill: Callable[[Any], Any] | None = None) -> None:
+        """Queue an item. While `depth` items that hold a slot are still to run: the oldest
+        waiting item that `spill` turns into its light form (not None) is replaced by it;
+        where there is none, wait."""
         with self._cv:
             if self.error is not None or self._stop:
                 self.dropped += 1
                 return
-            if len(self._items) + self._busy >= self.depth:
+            if self._held >= self.depth and not (spill is not None and self._spill(spill)):
                 self.waits += 1
                 # never kept waiting for a linger: `depth` waiting items are a batch, and
                 # room comes when the items in hand are done
-                self._cv.wait_for(lambda: len(self._items) + self._busy < self.depth
-                                  or self.error is not None)
+                self._cv.wait_for(lambda: self._held < self.depth or self.error is not None)
             if not self._items:
                 self._since = time.monotonic()
             self._items.append(item)
+            self._held += 1
             if len(self._items) in (1, self.batch):  # its linger starts; or it is due
                 self._cv.notify_all()
+
+    def _spill(self, spill: Callable[[Any], Any]) -> bool:
+        """(holding the lock) Spill the oldest waiting item `spill` takes; False: none. Items
+        it declines (None) and items spilled before are passed over: the first item it takes
+        in line order is the oldest step."""
+        for k, it in enumerate(self._items):
+            if isinstance(it, _Spilled):
+                continue
+            light = spill(it)
+            if light is not None:
+                self._items[k] = _Spilled(light)
+                self._held -= 1
+                self.spills += 1
+                return True
+        return False
 
     def kick(self) -> None:
         """Take what waits now (a step that went bad: on disk before the next steps')."""
@@ -132,6 +165,8 @@ class Drainer:
                     items = [self._items.popleft()]
                     self._since = time.monotonic()  # the next one's linger, roughly
                 self._busy = len(items)
+                self._busy_held = sum(not isinstance(i, _Spilled) for i in items)
+                items = [i.item if isinstance(i, _Spilled) else i for i in items]
             try:
                 if self.error is not None:
                     self.dropped += len(items)
@@ -144,7 +179,10 @@ class Drainer:
             finally:
                 with self._cv:
                     self._busy = 0
+                    self._held -= self._busy_held
+                    self._busy_held = 0
                     if self.error is not None:
                         self.dropped += len(self._items)
                         self._items.clear()
+                        self._held = 0
                     self._cv.notify_all()

@@ -9,6 +9,7 @@ decides where emission runs (`DRAIN`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from qforensics.hooks import graphcopy, graphstats, reduce
+from qforensics.hooks import graphcopy, graphstats, reduce, statsop
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
 LATE_ON_CPU = False
 # Steps emitted together: read from the ring in one pass (GraphStats.collect_many). Without a
 # drainer the model's thread emits once EMIT_BATCH steps wait; a drainer wakes once half as
-# many wait (the steps go on meanwhile) and lets the model's thread run at most EMIT_BATCH
-# steps ahead. The ring holds EMIT_BATCH + 2 steps beyond what the flight recorder keeps in it
-# (graphmode._ring_slots), so the op never reaches a slot not yet read. Nor does a step wait
+# many wait (the steps go on meanwhile) and holds the ring detail of at most EMIT_BATCH
+# steps: past that the oldest waiting step known finite gives it up (`_spill`), and only
+# where none may, the model's thread waits. The ring holds EMIT_BATCH + 2 steps beyond what
+# the flight recorder keeps in it (graphmode._ring_slots), so the op never reaches a slot
+# whose detail is still to be read. Nor does a step wait
 # longer than EMIT_LINGER x the writer's flush interval after it ended (an idle server's last
 # steps; without a drainer, checked at the next step's end), nor at all once the op's
 # first-failure word is set (`_graph_failed`: the failing step on its way to disk before
@@ -56,6 +59,8 @@ class LateStep:
     ids: np.ndarray | None  # None: the row and the ids come with the slot (step_extras)
     incidents: list[np.ndarray]
     kind: dict[str, Any]
+    # its ring detail given up (`GraphLate._spill`): emitted from what the host noted only
+    spilled: bool = False
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -79,6 +84,7 @@ class GraphLate:
     _late: "collections.deque[LateStep | Callable[[], None]]"
     _drainer: "Drainer | None"
     _first_seen: int  # the op's first-failure word as last read (`_graph_failed`)
+    _clean_through: int  # the last step that word was clear through (-1: none yet)
     _graph_first: int
     _next_call: int
     _pending: "PendingStep"
@@ -98,7 +104,8 @@ class GraphLate:
         def _emit_batch(self, parts: list[dict[str, Any]], *, step: int, t0: float,
                         t_end: float | None, first_call: int, next_call: int,
                         logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
-                        incidents: list[np.ndarray], kind: dict[str, Any]) -> None: ...
+                        incidents: list[np.ndarray], kind: dict[str, Any],
+                        detail: bool = True) -> None: ...
 
         def _graph_flush(self) -> None: ...
 
@@ -146,8 +153,11 @@ class GraphLate:
                 if self._degraded is None:
                     self._degrade(RuntimeError(f"compiled steps' records: {d.error}"))
                 return
-            d.put(n)
-            if self._graph_failed():
+            failed = self._graph_failed()
+            # the drainer behind: the oldest steps known finite give up their ring detail,
+            # the model's thread does not wait; never once a failure was seen
+            d.put(n, spill=self._spill if self._first_seen == statsop.NO_FIRST else None)
+            if failed:
                 d.kick()
             return
         self._late.append(n)
@@ -157,6 +167,16 @@ class GraphLate:
                 len(waiting) >= keep + max(1, EMIT_BATCH) or self._graph_failed()
                 or n.t_end - waiting[0].t_end >= self._linger()):
             self._graph_drain(keep=keep)
+
+    def _spill(self, item: Any) -> "LateStep | None":
+        """The summary form of a step waiting for the drainer (None: it keeps its detail):
+        only a step the op's first-failure word was clear through (`_clean_through`), so a
+        step that went bad is never spilled. It is emitted with no records (`complete` 2 in
+        /steps: hooks/assemble.py), with its logits row and ids where the host holds them
+        (the CPU), not where they came with its slot (a GPU)."""
+        if not isinstance(item, LateStep) or item.spilled or item.step > self._clean_through:
+            return None
+        return dataclasses.replace(item, spilled=True)
 
     def _linger(self) -> float:
         """The longest a step waits to be emitted, in seconds (EMIT_LINGER)."""
@@ -177,6 +197,8 @@ class GraphLate:
             word = got
         else:
             word = int(gs.first_word[0])
+        if word == statsop.NO_FIRST:  # no call failed up to the step this word is from
+            self._clean_through = self.step - 1 if gs.copies else self.step
         if word == self._first_seen:
             return False
         self._first_seen = word
@@ -218,13 +240,16 @@ class GraphLate:
         read from the ring in one pass."""
         run: list[LateStep] = []
         for item in items:
-            if isinstance(item, LateStep):
+            if isinstance(item, LateStep) and not item.spilled:
                 run.append(item)
                 continue
             if run:
                 self._graph_emit_many(run)
                 run = []
-            item()
+            if isinstance(item, LateStep):
+                self._graph_emit_spilled(item)
+            else:
+                item()
         if run:
             self._graph_emit_many(run)
 
@@ -251,3 +276,14 @@ class GraphLate:
                              t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
                              logits_row=row, ids=ids, complete=n.complete,
                              incidents=n.incidents, kind=n.kind)
+
+    def _graph_emit_spilled(self, n: LateStep) -> None:
+        """A spilled step (`_spill`): its step row from what the host noted, no records."""
+        has_row = n.has_logits and n.ids is not None and n.logits_t is not None
+        row = (reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(), n.logits_t)
+               if has_row else None)
+        self._emit_batch([], step=n.step, t0=n.t0, t_end=n.t_end, first_call=n.first_call,
+                         next_call=n.next_call, logits_row=row,
+                         ids=n.ids if n.ids is not None else np.zeros(0, np.int64),
+                         complete=n.complete, incidents=n.incidents, kind=n.kind,
+                         detail=False)

@@ -101,6 +101,7 @@ class GraphMode(GraphLate):
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
             slots=_ring_slots(self.options["ring_steps"], lazy), lazy=lazy)
         self._first_seen = statsop.NO_FIRST
+        self._clean_through = -1
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
             batch = graphlate.EMIT_BATCH
             self._drainer = Drainer(self._graph_emit_items, batch, many=True,
@@ -218,7 +219,8 @@ class GraphMode(GraphLate):
                                       "lost": self._gs.ranges_lost}
         d = self._drainer
         if d is not None:
-            st["graph_drain"] = {"thread": True, "waits": d.waits, "dropped": d.dropped,
+            st["graph_drain"] = {"thread": True, "waits": d.waits, "spilled": d.spills,
+                                 "dropped": d.dropped,
                                  **({"error": d.error} if d.error else {})}
         if self._graph_why:
             st["graph_not_recorded"] = self._graph_why

@@ -190,9 +190,11 @@ class StepEnd:
     def _emit_batch(self, parts: list[dict[str, Any]], *, step: int, t0: float,
                     t_end: float | None, first_call: int, next_call: int,
                     logits_row: np.ndarray | None, ids: np.ndarray, complete: bool,
-                    incidents: list[np.ndarray], kind: dict[str, Any]) -> None:
+                    incidents: list[np.ndarray], kind: dict[str, Any],
+                    detail: bool = True) -> None:
         """One step's batch to the flight recorder and the writer: now, or (compiled mode on
-        a GPU, hooks/graphlate.py) a step late, from what the host noted at its end."""
+        a GPU, hooks/graphlate.py) a step late, from what the host noted at its end (`detail`
+        False: only that, its ring detail spilled)."""
         assert self._writer is not None and self._snaps is not None
         snaps, data = self._snaps.take()
         batch = build_batch(
@@ -201,7 +203,7 @@ class StepEnd:
             snaps=snaps, data=data,
             incidents=(np.concatenate(incidents) if incidents
                        else np.zeros(0, schema.incident_dtype())),
-            channel_dtype=self.options["channel_dtype"])
+            channel_dtype=self.options["channel_dtype"], detail=detail)
         if self._watch is not None:  # every N steps, and at once on a non-finite step
             try:
                 warm = np.full(len(batch.steps), bool(kind.get("warmup")))

@@ -56,7 +56,7 @@ _STEP_DOMAINS = (  # (column, lowest, highest or None)
     ("n_nonfinite_records", 0, None), ("logits_nan", 0, None), ("logits_inf", 0, None),
     ("n_calls", 0, None), ("record_count", 0, None), ("token_count", 0, None),
     ("first_nonfinite_call", -1, None), ("first_nonfinite_record", -1, None),
-    ("complete", 0, 1), ("has_logits", 0, 1),
+    ("complete", 0, schema.STEP_SPILLED), ("has_logits", 0, 1),
 )
 
 
@@ -214,8 +214,11 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
 
     def _check_step_domains(self, raw: dict[str, np.ndarray]) -> None:
         """Counts are >= 0, 'first' indices are -1 (none) or >= 0, flags are 0 or 1: a value
-        outside its domain is damage the format itself can show."""
+        outside its domain is damage the format itself can show. `complete` is 0 or 1 before
+        format 1.3 (2, a spilled step, came with it)."""
         for col, lo, hi in _STEP_DOMAINS:
+            if col == "complete" and tuple(getattr(self, "format_version", (1, 3))) < (1, 3):
+                hi = schema.STEP_WHOLE
             v = raw[col]
             bad = (v < lo) | (v > hi) if hi is not None else (v < lo)
             if bad.any():

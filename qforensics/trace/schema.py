@@ -11,7 +11,7 @@ import functools
 import numpy as np
 
 FORMAT_NAME = "qforensics-trace"
-FORMAT_VERSION = (1, 2)  # (major, minor): a reader refuses a newer major
+FORMAT_VERSION = (1, 3)  # (major, minor): a reader refuses a newer major
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
 
 # Record roles
@@ -45,12 +45,18 @@ DTYPE_CODES: dict[str, int] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
+# /steps `complete`: the forward returned (1); it raised, or capture closed mid-step (0); it
+# returned, but its per-module detail was given up before it was read (2, format 1.3: compiled
+# mode's ring overflowed and the model's thread went on instead of waiting; only steps the
+# op's first-failure word was clear through, so their NaN/Inf check is kept: no records)
+STEP_RAISED, STEP_WHOLE, STEP_SPILLED = 0, 1, 2
+
 # /steps: one row per step. (name, numpy dtype, trailing shape)
 STEP_COLUMNS: list[tuple[str, str, tuple[int, ...]]] = [
     ("step", "i4", ()),
     ("t_start", "f8", ()),  # unix time the step began
     ("duration", "f8", ()),  # seconds, wall clock, including the reduction
-    ("complete", "i1", ()),  # 1: the forward returned; 0: it raised (or capture closed mid-step)
+    ("complete", "i1", ()),  # STEP_WHOLE, STEP_SPILLED, STEP_RAISED (above)
     ("record_offset", "i8", ()),  # first row of this step in /records
     ("record_count", "i8", ()),
     ("first_call", "i8", ()),  # call_index of the first call in this step (-1: none)

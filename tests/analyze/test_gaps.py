@@ -27,9 +27,11 @@ def _without(b: StepBatch, drop: set[int]) -> StepBatch:
 
 
 def _write(tmp_path, drop: dict[int, set[str]], *, extra: list[dict] | None = None,
-           n_steps: int = 5, cut: set[int] = frozenset()) -> str:
+           n_steps: int = 5, cut: set[int] = frozenset(),
+           spilled: set[int] = frozenset()) -> str:
     """`cut`: steps whose row says they were cut short (complete 0), as a stop mid-forward
-    leaves the last one."""
+    leaves the last one; `spilled`: steps written as compiled mode writes a step whose ring
+    detail it gave up (complete 2, no records)."""
     mods = module_table(N_LAYERS) + (extra or [])
     ids = {m["name"]: i for i, m in enumerate(mods)}
     batches = run_model(TinyModel(n_layers=N_LAYERS), n_steps)
@@ -41,6 +43,9 @@ def _write(tmp_path, drop: dict[int, set[str]], *, extra: list[dict] | None = No
         b = _without(b, {ids[n] for n in names})
         if s in cut:
             b.steps["complete"] = 0
+        if s in spilled:
+            b = _without(b, set(ids.values()))
+            b.steps["complete"] = 2
         w.submit(b)
     w.close()
     return path
@@ -50,6 +55,38 @@ def test_a_full_trace_passes_and_has_no_gaps(tmp_path):
     f = analyze_trace(_write(tmp_path, {}))
     assert f.verdict.status == "PASSED", f.verdict.line
     assert f.coverage["gaps"]["line"] == ""
+
+
+def test_steps_whose_detail_was_spilled_are_no_gap_but_are_said(tmp_path):
+    """Steps 1 and 2 kept no records because compiled mode's ring overflowed (complete 2):
+    the verdict stays PASSED, and its line says which steps and why."""
+    f = analyze_trace(_write(tmp_path, {}, spilled={1, 2}))
+    assert f.verdict.status == "PASSED", f.verdict.line
+    assert "2 of 5 steps kept no per-module detail (steps 1, 2" in f.verdict.line
+    assert f.coverage["gaps"]["spilled_steps"] == [1, 2]
+    assert f.coverage["gaps"]["line"] == ""
+
+
+def test_a_step_with_no_record_is_still_a_gap_next_to_spilled_ones(tmp_path):
+    """The same, but step 3 lost its records without saying so (complete 1): SUSPECT."""
+    every = {m["name"] for m in module_table(N_LAYERS)}
+    f = analyze_trace(_write(tmp_path, {3: every}, spilled={1}))
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert "1 of 5 steps hold no record (steps 3)" in f.verdict.line
+    assert "1 of 5 steps kept no per-module detail (steps 1" in f.verdict.line
+
+
+def test_before_format_1_3_a_complete_of_2_is_damage(tmp_path):
+    """A 1.2 writer never wrote a spilled step: there, 2 is a damaged value, not a reason to
+    pass over a step without records."""
+    import h5py
+
+    path = _write(tmp_path, {}, spilled={1})
+    with h5py.File(path, "r+") as h:
+        h.attrs["format_version"] = "1.2"
+    f = analyze_trace(path)
+    assert f.verdict.status == "SUSPECT", f.verdict.line
+    assert "/steps/complete[1] holds 2, outside its domain" in f.verdict.line
 
 
 def test_a_module_missing_from_one_step_is_named(tmp_path):

@@ -70,15 +70,21 @@ def test_a_drainer_behind_hands_over_what_waits_in_one_call():
     assert max(len(b) for b in batches) <= 3
 
 
-def test_put_waits_while_the_ring_would_be_overrun():
-    """depth=2: two items may wait or run; a third `put` waits until one has finished."""
+def _gated():  # noqa: ANN202
+    """(gate, ran, run): `run` appends its item to `ran` once `gate` is set."""
     gate = threading.Event()
-    ran: list[int] = []
+    ran: list[object] = []
 
-    def run(i: int) -> None:
+    def run(i: object) -> None:
         gate.wait(10)
         ran.append(i)
 
+    return gate, ran, run
+
+
+def test_put_waits_while_the_ring_would_be_overrun():
+    """depth=2: two items may wait or run; a third `put` waits until one has finished."""
+    gate, ran, run = _gated()
     d = Drainer(run, depth=2)
     d.put(0)
     d.put(1)
@@ -92,6 +98,35 @@ def test_put_waits_while_the_ring_would_be_overrun():
     assert not third.is_alive()
     assert d.flush(timeout=10) and ran == [0, 1, 2]
     d.close(timeout=10)
+
+
+def test_put_spills_the_oldest_waiting_item_its_spill_function_takes():
+    """depth=3, the first item held running: a put past the depth spills the oldest waiting
+    item that `spill` takes (not one it declines, not the running one) and does not wait; the
+    spilled item still runs, in its place in line, in its light form. Where `spill` takes
+    none, put waits as before."""
+    gate, ran, run = _gated()
+    d = Drainer(run, depth=3)
+    d.put(0)  # taken, held at the gate
+    _until(lambda: d._busy == 1)
+    d.put("keep")
+    d.put(1)
+
+    def light(i: object) -> object:
+        return None if i == "keep" else f"light-{i}"
+
+    d.put(2, spill=light)  # "keep" declined, 1 the oldest it takes: 3 held again
+    assert (d.spills, d.waits) == (1, 0)
+    blocked = threading.Thread(target=d.put, args=(3,), kwargs={"spill": lambda i: None})
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # nothing it may spill: it waits
+    gate.set()
+    blocked.join(10)
+    assert d.flush(timeout=10)
+    d.close(timeout=10)
+    assert ran == [0, "keep", "light-1", 2, 3] and (d.spills, d.waits) == (1, 1)
+    assert d._held == 0  # every slot given back: spilled ones at once, the others once run
 
 
 def _until(pred, timeout: float = 10.0) -> float:  # noqa: ANN001
@@ -201,51 +236,104 @@ def test_the_drained_trace_is_the_one_built_at_each_step_end(tmp_path, monkeypat
             np.testing.assert_array_equal(a.input_ids(s), b.input_ids(s))
 
 
-@pytest.mark.parametrize("gpu_like", [False, True])
-def test_a_slow_drainer_holds_the_model_back_instead_of_losing_steps(tmp_path, monkeypatch,
-                                                                    gpu_like):
-    """Records built slower than the model steps: the ring's slots are never overwritten
-    before they are read (the model's thread waits): every step is in the trace, whole.
-    `gpu_like`: as a GPU reads the ring (steps emitted a step late, from host copies of a
-    4-slot ring and a 2-slot token ring): every record, token maxima included, is the one
-    built at each step's end without a drainer."""
-    if gpu_like:
-        monkeypatch.setattr(graphmode, "DRAIN", "sync")
-        greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ref.h5", 10)
-        monkeypatch.setattr(graphmode, "DRAIN", "thread")
-        monkeypatch.setattr(graphlate, "LATE_ON_CPU", True)
-        monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
+def _slow_collect(monkeypatch, seconds: float) -> None:
     orig = graphstats.GraphStats.collect_many
 
     def slow(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        time.sleep(0.05)
+        time.sleep(seconds)
         return orig(self, *a, **kw)
 
     monkeypatch.setattr(graphstats.GraphStats, "collect_many", slow)
-    greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", 10)
-    t = qforensics.open_trace(tmp_path / "t.h5")
+
+
+def _gpu_like(monkeypatch) -> None:  # noqa: ANN001
+    """The ring read as on a GPU: steps emitted a step late, from host copies of a 4-slot
+    ring and a 2-slot token ring."""
+    monkeypatch.setattr(graphlate, "LATE_ON_CPU", True)
+    monkeypatch.setattr(graphstats, "HOST_COPIES_ON_CPU", True)
+
+
+@pytest.mark.parametrize("gpu_like", [False, True])
+def test_a_slow_drainer_spills_the_oldest_steps_instead_of_holding_the_model_back(
+        tmp_path, monkeypatch, gpu_like):
+    """Records built far slower than the model steps (0.1 s a batch): the model's thread
+    does not wait for the drainer; the oldest waiting steps give up their ring detail
+    instead (issue 39: the oldest steps' detail is lost, their summaries are not, and the
+    trace says so). Every step has its row, in order; a spilled one reads `complete` 2 with
+    no records, every other one holds exactly the records of a run without a drainer (the
+    reference, built at each step's end); analyze reads what the reference reads (no gap)
+    and names the spilled steps.
+    On the CPU a spilled step keeps its input ids (the host noted them); `gpu_like`, they
+    came with its slot and are gone with it."""
+    n = 24
+    monkeypatch.setattr(graphmode, "DRAIN", "sync")
+    ref_toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "ref.h5", n)
+    monkeypatch.setattr(graphmode, "DRAIN", "thread")
     if gpu_like:
-        ref = qforensics.open_trace(tmp_path / "ref.h5")
-        assert t.meta["status"]["graph_ring"]["slots"] == graphstats.RING_SLOTS
-        cols = ["step", "call_index", "module_id", "io", "slot", "rows", "min", "max",
-                "absmax", "tok_count"]
-        np.testing.assert_array_equal(t.records()[cols].values, ref.records()[cols].values)
-        assert assert_same_channels(t, ref)[0] > 0
-        # each step's input ids (one more each step) and logits figures, read with its slot
-        # however far behind the drainer was: the steps' own, not a later step's
-        for s in range(10):
-            np.testing.assert_array_equal(t.input_ids(s), ref.input_ids(s))
-        for f in ("token_count", "logits_argmax", "logits_min", "logits_max", "logits_mean",
-                  "logits_entropy"):
-            np.testing.assert_allclose(t.steps[f].values, ref.steps[f].values, rtol=1e-5,
-                                       err_msg=f)
-    st = t.meta["status"]
-    assert st["graph_drain"]["waits"] > 0 and st["graph_drain"]["dropped"] == 0
-    assert t.steps["step"].tolist() == list(range(10))
-    rec = t.records()
-    per_step = rec.groupby("step").size()
-    assert (per_step == per_step.iloc[0]).all()  # the same calls, every step
-    assert (rec.step.values >= 0).all()
+        _gpu_like(monkeypatch)
+    _slow_collect(monkeypatch, 0.1)
+    toks = greedy_tokens(torch.compile(Tiny(), dynamic=True), tmp_path / "t.h5", n)
+    assert toks == ref_toks
+    t = qforensics.open_trace(tmp_path / "t.h5")
+    ref = qforensics.open_trace(tmp_path / "ref.h5")
+    st = t.meta["status"]["graph_drain"]
+    assert st["dropped"] == 0
+    steps = t.steps
+    assert steps["step"].tolist() == list(range(n))
+    spilled = steps["step"][steps["complete"] == 2].tolist()
+    kept = steps["step"][steps["complete"] == 1].tolist()
+    assert st["spilled"] == len(spilled) > 0 and sorted(spilled + kept) == list(range(n))
+    assert (steps["record_count"][steps["complete"] == 2] == 0).all()
+    rec, ref_rec = t.records(), ref.records()
+    ref_kept = ref_rec[ref_rec.step.isin(kept)]
+    cols = ["step", "call_index", "module_id", "io", "slot", "rows", "min", "max", "absmax",
+            "nan_count", "tok_count"]
+    np.testing.assert_array_equal(rec[cols].values, ref_kept[cols].values)
+    for f in ("first_call", "n_calls"):  # the host's own notes, spilled or not
+        assert steps[f].tolist() == ref.steps[f].tolist(), f
+    for s in spilled:
+        assert len(t.input_ids(s)) == (0 if gpu_like else 4 + s)
+    # the spilled steps are no gap (the toy model's random head may read near-uniform
+    # logits: whatever the reference reads, this run reads, and says what it spilled)
+    f, f_ref = analyze_trace(tmp_path / "t.h5"), analyze_trace(tmp_path / "ref.h5")
+    assert f.status == f_ref.status, (f.verdict.line, f_ref.verdict.line)
+    assert not any(w in f.verdict.line for w in ("no record", "missing", "damaged"))
+    assert f"{len(spilled)} of {n} steps kept no per-module detail" in f.verdict.line
+
+
+@pytest.mark.parametrize("gpu_like,word_late", [(False, False), (True, False), (True, True)])
+def test_a_run_that_went_bad_keeps_its_detail_however_slow_the_drainer(tmp_path, monkeypatch,
+                                                                        gpu_like, word_late):
+    """A weight row overwritten with NaN at step 12 while the drainer lags: no step at or
+    after the failure is spilled (a spill needs the op's first-failure word clear through the
+    step), so analyze finds step 12 and its producer from records. `word_late`: as on a GPU
+    whose copies of the word fall behind, the word of no step from 10 on is read in time:
+    the failure is never seen at a step's end, and still no step past the last word read
+    clear is spilled."""
+    monkeypatch.setattr(graphmode, "DRAIN", "thread")
+    if gpu_like:
+        _gpu_like(monkeypatch)
+    if word_late:
+        orig = graphstats.GraphStats.copied_first
+        monkeypatch.setattr(graphstats.GraphStats, "copied_first",
+                            lambda self, step: None if step >= 10 else orig(self, step))
+    _slow_collect(monkeypatch, 0.1)
+    model = Tiny()
+    comp = torch.compile(model, dynamic=True)
+    seq = torch.tensor([[1, 2, 3, 4]])
+    with qforensics.capture(comp, tmp_path / "t.h5"), torch.no_grad():
+        for i in range(20):
+            if i == 12:
+                model.layers[1].down.weight[0].fill_(float("nan"))
+            comp(seq)
+    t = qforensics.open_trace(tmp_path / "t.h5")
+    steps = t.steps
+    assert steps["step"].tolist() == list(range(20))
+    late = steps[steps["step"] >= 12]
+    assert (late["complete"] == 1).all() and (late["record_count"] > 0).all()
+    f = analyze_trace(tmp_path / "t.h5")
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == 12
+    assert f.first_nonfinite.producer == "layers.1.down"
 
 
 def test_a_failure_in_the_drainer_stops_recording_not_thegreedy_tokens(tmp_path, monkeypatch):

@@ -105,10 +105,13 @@ def _greedy(model: torch.nn.Module, path, dev: torch.device = DEV, plant: int | 
 def _same_figures(ref, got) -> None:  # noqa: ANN001
     """Every step of trace `got` holds the records of trace `ref` (module, io, slot, shape,
     counts exact; figures, token maxima and channel ranges to float32 rounding: another
-    device's GEMMs), and the same first failing call."""
+    device's GEMMs), and the same first failing call. A step `got`'s drainer spilled (it
+    lagged: `complete` 2, no records; docs/architecture.md) is left out, its row kept."""
     ra, rb = ref.records(), got.records()
-    assert len(ra) == len(rb) > 0
-    for step in range(STEPS):
+    kept = got.steps["step"][got.steps["complete"] == 1].tolist()
+    assert got.steps["step"].tolist() == list(range(STEPS)) and len(kept) > 0
+    assert len(ra[ra.step.isin(kept)]) == len(rb) > 0
+    for step in kept:
         a = ra[ra.step == step].sort_values(["call_index", "io", "slot"])
         b = rb[rb.step == step].sort_values(["call_index", "io", "slot"])
         exact = ["module_id", "io", "slot", "rows", "channels", "numel", "nan_count",
