@@ -31,7 +31,10 @@ def _place(key: int, mid: int, io: int, slot: int, width: int, dtype: torch.dtyp
     Run by Dynamo once, at trace time (its result is a constant of the graph); called
     eagerly, a dict look-up."""
     gs = registered(key)
-    if gs is None or not (dtype.is_floating_point or dtype == torch.bool or _is_int(dtype)):
+    if gs is None:
+        return -1
+    if not (dtype.is_floating_point or dtype == torch.bool or _is_int(dtype)):
+        gs.not_taken(mid, io, slot, str(dtype).replace("torch.", ""))
         return -1
     return gs.place(mid, io, slot, width if dim >= 2 else 1, dtype_code(dtype),
                     not dtype.is_floating_point)[0]

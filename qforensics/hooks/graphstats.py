@@ -158,7 +158,9 @@ class GraphStats(RingReader, HostCopies):
         self._occ: collections.Counter = collections.Counter()
         self._trace: Any = None
         self._nth: dict[tuple[int, int, int, int], int] = {}  # (module, io, slot, n) -> entry
-        self.lost: list[str] = []  # entries that found no room (said in the status)
+        # tensors left unrecorded: no entry left, a dtype the op does not take (the status)
+        self.lost: list[str] = []
+        self._said: set[str] = set()
         self._order: list[tuple[Any, ...]] | None = None
         self._idx: dict[str, Any] | None = None  # the reader's caches (RingReader)
         self._gathers: dict[bytes, Any] = {}
@@ -253,6 +255,14 @@ class GraphStats(RingReader, HostCopies):
         self._order = None
         self._idx = None
         return self._geometry(e)
+
+    def not_taken(self, mid: int, io: int, slot: int, dtype: str) -> None:
+        """A tensor of a dtype the op does not take (complex, ...): unrecorded, and said in
+        the status once per (module, io, slot, dtype)."""
+        line = f"module {mid} io {io} slot {slot}: dtype {dtype} not taken by the stats op"
+        if line not in self._said:
+            self._said.add(line)
+            self.lost.append(line)
 
     def _geometry(self, e: int) -> tuple[int, int, int, int, int]:
         if e < 0:

@@ -487,8 +487,9 @@ class _WithComplex(nn.Module):
 
 
 def test_eager_hooks_skip_a_tensor_the_op_does_not_take_at_every_step():
-    """A complex tensor among a call's tensors gets no entry; the others keep theirs and their
-    figures at every step, a dtype change (bfloat16 input) keeps the entry of its slot."""
+    """A complex tensor among a call's tensors gets no entry (the status names it); the
+    others keep theirs and their figures at every step, a dtype change (bfloat16 input) keeps
+    the entry of its slot."""
     m = _WithComplex()
     gs = _stats()
     m.register_forward_hook(graphhooks.make_hook(gs, 0, False, 8, 4, 2), with_kwargs=True)
@@ -506,6 +507,9 @@ def test_eager_hooks_skip_a_tensor_the_op_does_not_take_at_every_step():
             e = _expect(t)
             np.testing.assert_allclose([r["min"], r["max"], r["mean"]],
                                        [e["min"], e["max"], e["mean"]], rtol=1e-5, atol=1e-6)
+    # the trace says what it left out, once
+    assert gs.status()["graph_not_recorded"] == [
+        f"module 0 io {schema.IO_INPUT} slot 0: dtype complex64 not taken by the stats op"]
 
 
 def test_a_step_copied_before_later_entries_were_placed_reads_what_it_ran(monkeypatch):
