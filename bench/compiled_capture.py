@@ -3,12 +3,16 @@
     python bench/compiled_capture.py                        # the real SmolLM2, CPU, 16 tokens
     python bench/compiled_capture.py --random --layers 4    # SmolLM2's architecture, 4 layers
     python bench/compiled_capture.py --device cuda --dtype bfloat16 --mode reduce-overhead
+    python bench/compiled_capture.py --kv-cache             # a KV-cached decode step
 
 Each phase runs in a child process of its own with a fresh Inductor cache, so that neither
 compile reuses the other's work: `plain` (torch.compile of the model) and `captured` (the same,
 under `qforensics.capture`). Both generate greedily with a static shape: the whole sequence
-re-fed every step, no KV cache, so every step runs the same graph. Printed, one JSON line per
-phase, then the comparison:
+re-fed every step, no KV cache, so every step runs the same graph. With `--kv-cache`, as HF's
+compiled generation runs: a static KV cache (transformers' StaticCache), the prompt in one
+prefill step, then one token a step; two graphs (prefill, decode), so "compile plus first
+step" is the first two steps and the median is over the decode steps after them. Printed, one
+JSON line per phase, then the comparison:
 - compile plus first step (s), and the median later step (ms), with their ratios;
 - where the compile's time went (`compile_phases`: Dynamo's trace, its guards, AOTAutograd and
   Inductor, from torch._dynamo.utils.compile_times), and captured / plain per phase;
@@ -56,6 +60,9 @@ import time
 
 # the project itself, installed or not (a GPU machine carries the checkout only)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import compiled_parts as parts  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -163,14 +170,16 @@ def child(a: argparse.Namespace) -> dict:
     x = torch.zeros((1, width), dtype=torch.long, device=dev)
     x[0, :len(ids0)] = torch.tensor(ids0, device=dev)
     n, toks, times, cpu = len(ids0), [], [], []
+    forward = parts.kv_forward(comp, model, width, dev) if a.kv_cache else (lambda x, n, i: comp(x))
+    warm = 2 if a.kv_cache else 1  # steps that compile: prefill and decode, or the one graph
     with torch.no_grad():
         for i in range(steps):
             if i == a.tokens:
                 w = model.model.layers[-1].mlp.down_proj.weight
                 w[NAN_ROW].fill_(float("nan"))  # in place, as a kernel's stray store would
             sync()
-            if i == 1:
-                host[:] = [0.0, 0, 0.0, 0.0]  # the first step's attach and compile left out
+            if i == warm:
+                host[:] = [0.0, 0, 0.0, 0.0]  # the compiling steps (and attach) left out
                 drain[:] = [0.0, 0]
                 if timers is not None:
                     for d in timers:
@@ -180,8 +189,8 @@ def child(a: argparse.Namespace) -> dict:
             if i == a.tokens:
                 host_timed = (host[0], host[2], host[3])
             t0, c0 = time.perf_counter(), time.process_time()
-            logits = comp(x).logits
-            nxt = int(logits[0, n - 1].float().argmax())
+            logits = forward(x, n, i).logits
+            nxt = int(logits[0, -1 if a.kv_cache else n - 1].float().argmax())
             sync()
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
@@ -191,8 +200,8 @@ def child(a: argparse.Namespace) -> dict:
     # what Dynamo and Inductor counted, read before the capture closes: closing drops the
     # compiled code of a model the user compiled (torch._dynamo.reset, which clears the
     # counters too; hooks/graphmode.py's _graph_recompile)
-    out.update(_output_code())
-    out["compile_phases"] = _compile_phases()
+    out.update(parts.output_code())
+    out["compile_phases"] = parts.compile_phases()
     if dev.type == "cuda":
         from torch._dynamo.utils import counters
 
@@ -211,95 +220,29 @@ def child(a: argparse.Namespace) -> dict:
             report(*timers, n_timed)
         finally:
             sys.stdout = saved
-    out["first_step_s"] = round(times[0], 3)
-    out["median_ms"] = round(statistics.median(times[1:a.tokens]) * 1e3, 3)
+    out["kv_cache"] = bool(a.kv_cache)
+    out["first_step_s"] = round(sum(times[:warm]), 3)
+    out["median_ms"] = round(statistics.median(times[warm:a.tokens]) * 1e3, 3)
     # CPU time of the whole process (every thread): on a loaded machine the steadier figure
-    out["median_cpu_ms"] = round(statistics.median(cpu[1:a.tokens]) * 1e3, 3)
-    out["steps_ms"] = [round(t * 1e3, 2) for t in times[1:]]
+    out["median_cpu_ms"] = round(statistics.median(cpu[warm:a.tokens]) * 1e3, 3)
+    out["steps_ms"] = [round(t * 1e3, 2) for t in times[warm:]]
     out["tokens_out"] = toks[:a.tokens]
     if a.phase == "captured":
         wall, cpu_s, op_s = (host[0], host[2], host[3]) if host_timed is None else host_timed
-        out["host_ms_per_step"] = round(wall / max(1, a.tokens - 1) * 1e3, 4)
+        timed = max(1, a.tokens - warm)
+        out["host_ms_per_step"] = round(wall / timed * 1e3, 4)
         # of it, the op call on what ran outside the graph (the logits): on the CPU the
         # reduction itself runs there, on a GPU it is a launch
-        out["host_op_ms_per_step"] = round(op_s / max(1, a.tokens - 1) * 1e3, 4)
-        out["host_cpu_ms_per_step"] = round(cpu_s / max(1, a.tokens - 1) * 1e3, 4)
+        out["host_op_ms_per_step"] = round(op_s / timed * 1e3, 4)
+        out["host_cpu_ms_per_step"] = round(cpu_s / timed * 1e3, 4)
         out["drain"] = os.environ.get("QFORENSICS_DRAIN", "auto")
         out["drain_cpu_ms_per_step"] = round(drain[0] / max(1, drain[1]) * 1e3, 4)
-        out.update(_trace_facts(path))
+        out.update(parts.trace_facts(path))
         if a.nan:
             out["nan_planted"] = {"step": a.tokens, "row": NAN_ROW, "module":
                                   f"model.layers.{out['layers'] - 1}.mlp.down_proj"}
     shutil.rmtree(tmp, ignore_errors=True)  # the trace (tens of MB): its facts are read
     return out
-
-
-def _output_code() -> dict:
-    """Inductor's output code of this process: kernels it generated, stats-op calls."""
-    from torch._inductor.codecache import PyCodeCache
-
-    kernels = calls = 0
-    for mod in list(PyCodeCache.modules):
-        try:
-            with open(mod.__file__) as f:
-                src = f.read()
-        except (OSError, AttributeError, TypeError):
-            continue
-        kernels += src.count("async_compile.cpp_pybinding(") + src.count(
-            "async_compile.triton(") + src.count("async_compile.cpp(")
-        calls += src.count("torch.ops.qforensics.stats.default(")
-    return {"generated_kernels": kernels, "stats_op_calls": calls}
-
-
-# torch._dynamo.utils.compile_times' totals worth comparing: the whole compile, Dynamo's
-# symbolic run of the Python (the hooks' share of a capture's compile), building the guards,
-# and AOTAutograd with Inductor
-COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "build_guards",
-                  "create_aot_dispatcher_function")
-
-
-def _compile_phases() -> dict:
-    """Seconds spent in each of COMPILE_PHASES in this process (empty where this torch does
-    not say)."""
-    try:
-        from torch._dynamo.utils import compile_times
-
-        text = compile_times(repr="str", aggregate=True)
-    except Exception:  # noqa: BLE001 - a torch without the table: no phases
-        return {}
-    got = {}
-    for line in str(text).splitlines():
-        name, _, value = line.rpartition(",")
-        if name.strip() in COMPILE_PHASES:
-            try:
-                got[name.strip()] = round(float(value), 2)
-            except ValueError:
-                continue
-    return got
-
-
-def _trace_facts(path: str) -> dict:
-    import qforensics
-    from qforensics.analyze.analyzer import analyze_trace
-
-    t = qforensics.open_trace(path)
-    rec = t.records()
-    n_mod = len(t.module_columns["name"])
-    per_step = rec.groupby("step").module_id.nunique()
-    f = analyze_trace(path)
-    return {"modules": n_mod, "steps": int(len(t.steps)),
-            "every_module_every_step": bool(len(per_step) == len(t.steps)
-                                            and (per_step == n_mod).all()),
-            # steps whose detail the drainer gave up, lagging (complete 2: no records)
-            "spilled_steps": int((t.steps["complete"] == 2).sum()),
-            "capture_mode": t.meta["status"].get("capture_mode"),
-            "graph_calls": t.meta["status"].get("graph_calls"),
-            "numpy_redos": t.meta["status"].get("graph_numpy_redos", {}),
-            "stats_kernel": (t.meta["status"].get("stats_kernel") or {}).get("kernel"),
-            "graph_ring": t.meta["status"].get("graph_ring"),
-            "graph_drain": t.meta["status"].get("graph_drain"),
-            "verdict": f.verdict.line,
-            "cause": f.cause.line if f.cause is not None else None}
 
 
 def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
@@ -310,7 +253,7 @@ def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
            str(a.tokens), "--device", a.device, "--dtype", a.dtype, "--mode", a.mode,
            "--layers", str(a.layers)] + (["--random"] if a.random else []) + (
         ["--nan"] if a.nan else []) + (["--profile"] if a.profile else []) + [
-        "--flush-interval", str(a.flush_interval)]
+        "--flush-interval", str(a.flush_interval)] + (["--kv-cache"] if a.kv_cache else [])
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -331,6 +274,7 @@ def run_phase(a: argparse.Namespace, phase: str, drain: str = "auto") -> dict:
 
 def compare(p: dict, c: dict) -> dict:
     return {
+        "kv_cache": bool(c.get("kv_cache")),
         "compile_ratio": round(c["first_step_s"] / p["first_step_s"], 3),
         "step_ratio": round(c["median_ms"] / p["median_ms"], 3),
         "step_cpu_ratio": round(c["median_cpu_ms"] / p["median_cpu_ms"], 3),
@@ -343,6 +287,7 @@ def compare(p: dict, c: dict) -> dict:
         "stats_op_calls": c["stats_op_calls"],
         "calls_per_module": round(c["stats_op_calls"] / max(1, c.get("graph_calls") or 1), 2),
         "tokens_identical": p["tokens_out"] == c["tokens_out"],
+        "tokens": c["tokens_out"],
         "every_module_every_step": c.get("every_module_every_step"),
         "spilled_steps": c.get("spilled_steps"),
         "cudagraph_skips": c.get("cudagraph_skips"),
@@ -379,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--flush-interval", type=float, default=1.0,
                     help="the writer's flush interval (s): steps per write, as on a GPU's "
                     "~500 steps a second, with a longer one on the CPU")
+    ap.add_argument("--kv-cache", action="store_true",
+                    help="a static KV cache: the prompt, then one token a step (HF's compiled "
+                         "generation), instead of the whole sequence re-fed")
     ap.add_argument("--phase", choices=("plain", "captured"), help=argparse.SUPPRESS)
     return ap
 

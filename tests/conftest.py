@@ -126,6 +126,7 @@ SLOW = (
     "tests/bench/test_bench_tools.py::test_capture_overhead_runs_the_random_architecture",
     "tests/bench/test_bench_tools.py::test_gpu_step_host_times_the_gpu_paths_step_end",
     "tests/bench/test_bench_tools.py::test_compiled_capture_compares_both_phases_and_their",
+    "tests/bench/test_bench_tools.py::test_compiled_capture_with_a_kv_cache_decodes",
     "tests/triage/test_triage_processes.py",
     "tests/triage/test_triage_local.py",
     "tests/hooks/test_graphstats.py::test_compiled_hooks_match_numpy_full_graph",

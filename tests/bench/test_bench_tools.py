@@ -5,9 +5,10 @@ from what each script builds, not from a previous run."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-from bench_runs import NUM, REPO, figures, ratio_slack, run_bench
+from bench_runs import BENCH, NUM, REPO, figures, ratio_slack, run_bench
 
 SAMPLES = sorted((REPO / "sample_traces").glob("*.h5"))
 
@@ -136,6 +137,33 @@ def test_compiled_capture_compares_both_phases_and_their_compile_phases(tmp_path
     # the host time per step, and within it the logits' op call (so never more than it)
     assert 0 < captured["host_op_ms_per_step"] <= captured["host_ms_per_step"]
     assert cmp["host_op_ms_per_step"] == captured["host_op_ms_per_step"]
+
+
+def test_compiled_capture_with_a_kv_cache_decodes_one_token_a_step(tmp_path):
+    """`--kv-cache`: the prompt in one step, then one token a step through a static cache;
+    its greedy tokens are those of the same random model run eagerly with the whole sequence
+    re-fed (computed here), and the captured run recorded every module at every step."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    import compiled_capture
+
+    out = run_bench("compiled_capture.py", "--random", "--layers", "2", "--tokens", "4",
+                    "--kv-cache", cwd=tmp_path, timeout=900)
+    plain, captured, cmp = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert plain["kv_cache"] and captured["kv_cache"] and cmp["kv_cache"]
+    assert cmp["tokens_identical"] and cmp["every_module_every_step"]
+    assert captured["steps"] == 4 and len(captured["steps_ms"]) == 2  # 2 compiling steps
+    model, ids, _ = compiled_capture.build(argparse.Namespace(
+        random=True, layers=2, dtype="float32", device="cpu"))
+    x, want = torch.tensor([ids]), []
+    with torch.no_grad():
+        for _ in range(4):
+            want.append(int(model(x).logits[0, -1].argmax()))
+            x = torch.cat([x, torch.tensor([[want[-1]]])], 1)
+    assert cmp["tokens"] == want
 
 
 def test_capture_overhead_runs_the_random_architecture_without_the_model(tmp_path):
