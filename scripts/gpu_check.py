@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                  # writes gpu-check/ beside the checkout
     python scripts/gpu_check.py --out /tmp/gpu --tokens 32
+    python scripts/gpu_check.py --kv-cache --random --layers 4   # a one-token decode step
 
 SmolLM2 (the real one where its package is installed, else its architecture with random
 weights), bfloat16, `torch.compile(mode="reduce-overhead")` (CUDA graphs), greedy with a static
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
     ap.add_argument("--random", action="store_true", help="random weights even if real")
+    ap.add_argument("--kv-cache", action="store_true",
+                    help="a static KV cache: one token a decode step, as HF's compiled "
+                         "generation runs (the targets are read on its decode steps)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=280, help="per phase, seconds")
     o = ap.parse_args(argv)
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", str(o.timeout), "--device", "cuda" if on_gpu else "cpu",
         "--dtype", "bfloat16" if on_gpu else "float32",
         "--mode", "reduce-overhead" if on_gpu else "default"] + (
-        ["--random"] if o.random else []))
+        ["--random"] if o.random else []) + (["--kv-cache"] if o.kv_cache else []))
     os.makedirs(o.out, exist_ok=True)
     t0 = time.perf_counter()
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if on_gpu
