@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
-from qforensics.hooks.graphstats import _REGISTRY, QUEUE, GraphStats, registered
+from qforensics.hooks.graphstats import QUEUE, GraphStats, registered
 from qforensics.hooks.reduce import dtype_code
 from qforensics.trace import schema
 
@@ -208,7 +208,7 @@ def _eager_call(key: int, mid: int, n_in: int, n_out: int, bound: int, args: Any
     `_group`) and keeps the op calls that came out (`GraphStats.eager`); a later run with the
     same key calls the op with them, nothing placed or grouped (most of an eager hook's cost
     was there: ~20 us a call against ~7 for the op)."""
-    gs = _REGISTRY.get(key)
+    gs = registered(key)
     if gs is None:
         return
     ins = _tensors(args, n_in)

@@ -74,6 +74,11 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
         t.dtype).reshape(t.shape)
 
 
+def _logits_figures(row_t: torch.Tensor) -> np.ndarray:
+    """The step row's logits figures, from the last logits row the host holds."""
+    return reduce.logits_row(reduce.fast_logits(row_t).cpu().numpy(), row_t)
+
+
 def _rows(ids: torch.Tensor | None) -> int | None:
     """The token rows of a step, from its input ids (None: not known, every row is copied)."""
     return None if ids is None else int(ids.numel())
@@ -270,8 +275,7 @@ class GraphLate:
             row_t, ids = n.logits_t, n.ids
             if ids is None:  # its logits row and ids came with its slot
                 row_t, ids = gs.step_extras(n.step)
-            row = (reduce.logits_row(reduce.fast_logits(row_t).cpu().numpy(), row_t)
-                   if n.has_logits and row_t is not None else None)
+            row = _logits_figures(row_t) if n.has_logits and row_t is not None else None
             self._emit_batch([part] if part is not None else [], step=n.step, t0=n.t0,
                              t_end=n.t_end, first_call=n.first_call, next_call=n.next_call,
                              logits_row=row, ids=ids, complete=n.complete,
@@ -280,8 +284,7 @@ class GraphLate:
     def _graph_emit_spilled(self, n: LateStep) -> None:
         """A spilled step (`_spill`): its step row from what the host noted, no records."""
         has_row = n.has_logits and n.ids is not None and n.logits_t is not None
-        row = (reduce.logits_row(reduce.fast_logits(n.logits_t).cpu().numpy(), n.logits_t)
-               if has_row else None)
+        row = _logits_figures(n.logits_t) if has_row else None
         self._emit_batch([], step=n.step, t0=n.t0, t_end=n.t_end, first_call=n.first_call,
                          next_call=n.next_call, logits_row=row,
                          ids=n.ids if n.ids is not None else np.zeros(0, np.int64),

@@ -160,7 +160,6 @@ class GraphStats(RingReader, HostCopies):
         self._nth: dict[tuple[int, int, int, int], int] = {}  # (module, io, slot, n) -> entry
         # tensors left unrecorded: no entry left, a dtype the op does not take (the status)
         self.lost: list[str] = []
-        self._said: set[str] = set()
         self._order: list[tuple[Any, ...]] | None = None
         self._idx: dict[str, Any] | None = None  # the reader's caches (RingReader)
         self._gathers: dict[bytes, Any] = {}
@@ -260,8 +259,7 @@ class GraphStats(RingReader, HostCopies):
         """A tensor of a dtype the op does not take (complex, ...): unrecorded, and said in
         the status once per (module, io, slot, dtype)."""
         line = f"module {mid} io {io} slot {slot}: dtype {dtype} not taken by the stats op"
-        if line not in self._said:
-            self._said.add(line)
+        if line not in self.lost:  # placing runs once per hook and trace: a short list
             self.lost.append(line)
 
     def _geometry(self, e: int) -> tuple[int, int, int, int, int]:

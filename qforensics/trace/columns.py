@@ -50,10 +50,6 @@ class ColumnWriter:
     _len: dict[str, int]
     _geo: dict[str, tuple[int, int, tuple[int, ...]]]
     _file: h5py.File
-    # rows appended (or a dataset widened) since the file was last flushed: HDF5 allocates
-    # their chunks only when it flushes them, so until then the file's size on disk leaves
-    # them out (`_within_cap` flushes first)
-    _unflushed = False
     path: str
     max_bytes: int
     capped_at: int | None
@@ -106,9 +102,10 @@ class ColumnWriter:
     def _within_cap(self, extra: int) -> bool:
         if not self.max_bytes:
             return True
-        if self._unflushed:  # the size on disk once what was appended has its chunks
-            self._file.flush()
-            self._unflushed = False
+        # HDF5 gives appended rows (a widened dataset) their chunks only when it flushes
+        # them: until then the size on disk leaves them out. A flush with nothing to write
+        # costs ~2 us, and a write checks a handful of times
+        self._file.flush()
         # 64 KiB for HDF5's own metadata (B-tree nodes, heaps) that a flush may add
         return os.path.getsize(self.path) + extra + (64 << 10) <= self.max_bytes
 
@@ -146,7 +143,6 @@ class ColumnWriter:
                 return
             dmin.resize((dmin.shape[0], width))
             dmax.resize((dmax.shape[0], width))
-            self._unflushed = True
         put_at(self._cols["ring/step"], slot, -1)  # invalid while the slot is rewritten
         # whole chunks straight to the file (the ring has no filters): HDF5's chunk cache and
         # selection machinery cost several times the copy itself at this size
@@ -185,7 +181,6 @@ class ColumnWriter:
                 ds.resize((n + m, *inner))
                 ds[n:] = values
             self._len[path] = n + m
-            self._unflushed = True
         return n
 
     def _append_table(self, table: str, columns: list, rows: np.ndarray) -> int:

@@ -217,7 +217,7 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         outside its domain is damage the format itself can show. `complete` is 0 or 1 before
         format 1.3 (2, a spilled step, came with it)."""
         for col, lo, hi in _STEP_DOMAINS:
-            if col == "complete" and tuple(getattr(self, "format_version", (1, 3))) < (1, 3):
+            if col == "complete" and self.format_version < (1, 3):
                 hi = schema.STEP_WHOLE
             v = raw[col]
             bad = (v < lo) | (v > hi) if hi is not None else (v < lo)

@@ -250,7 +250,6 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
                 self._pin(batches, stripped, appended)
                 self._write_summary()
                 self._file.flush()
-                self._unflushed = False
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._fail(exc, batches, noted)
