@@ -192,6 +192,9 @@ def test_gpu_step_host_times_the_gpu_paths_step_end_on_its_stand_ins(tmp_path):
     pre, post, end = (us[k] for k in ("CallHooks._on_root_pre", "CallHooks._on_root_post",
                                       "GraphLate._graph_end"))
     assert d["host_us_per_step"] == pytest.approx(pre + post, abs=0.2) and pre > 0
+    assert d["torch_threads"] == 1  # the CPU default: no OpenMP thread beside the drainer
+    # the whole step's own statistics: a percentile above the median, a positive mean
+    assert d["host_us_p99"] >= d["host_us_median"] > 0 and d["host_us_mean"] > 0
     assert post >= end > 0  # medians: the end runs inside the root's post hook
     assert all(us[k] > 0 for k in ("GraphStats.start_copy", "GraphStats.put_step_extras",
                                    "GraphMode._graph_flush", "Drainer.put"))
