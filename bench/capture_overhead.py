@@ -209,10 +209,13 @@ def main() -> None:
         got = fn()
         done()
         assert torch.equal(ref, got), "a hooked run changed the generated tokens"
-    from qforensics.hooks import fused  # the one-pass step reduction: built off-thread, once
+    from qforensics.hooks import fused, opcall  # built off-thread, once
 
     fused.REDUCER.wait()
-    print(f"end-of-step reduction: {fused.REDUCER.status()['reduction']}", file=sys.stderr)
+    opcall.LANE.wait()  # qf-op's eager op calls without the dispatcher (hooks/opcall.py)
+    print(f"end-of-step reduction: {fused.REDUCER.status()['reduction']}; the op's eager "
+          f"lane: {'off (' + opcall.LANE.off + ')' if opcall.LANE.off else 'c'}",
+          file=sys.stderr)
     sizes.clear()
     rings.clear()
     times: dict[str, list[float]] = {k: [] for k in runners}

@@ -38,9 +38,9 @@ def build_flags() -> tuple[str, ...]:
             f"-DQF_ABI_{sys.implementation.cache_tag.replace('-', '_')}")
 
 
-def _load_module(path: Path) -> Any:
-    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+def _load_module(path: Path, name: str = MODULE) -> Any:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     if spec is None:
         raise ImportError(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
@@ -48,54 +48,81 @@ def _load_module(path: Path) -> Any:
     return mod
 
 
-class FastTake:
-    """The extension's Cursor type once built; None until then (and for good when off)."""
+class Extension:
+    """A small CPython extension of this package (a C source, a module name), built and cached
+    like fused_reduce.c; `module()` is it once loaded, None until then (and for good when off:
+    `off` says why)."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.off: str | None = None if enabled else "QFORENSICS_REDUCE=eager"
-        self._cursor: type | None = None
-        self.hook_type: type | None = None  # the extension's Hook, once loaded
-        self.forward_type: type | None = None  # its Forward (a module's forward + the hook)
+    def __init__(self, source: Path, name: str, off: str | None = None,
+                 thread_name: str = "qforensics-build-ext") -> None:
+        self.source, self.name, self.off = source, name, off
+        self._mod: Any = None
         self._thread: threading.Thread | None = None
+        self._thread_name = thread_name
         self._tried_cache = False
+
+    def build(self) -> Path:
+        return fused.build(source=self.source, flags=build_flags(), libs=())
+
+    def _loaded(self, mod: Any) -> None:
+        """What a subclass takes from the module once loaded (before `module()` returns it)."""
 
     def _build_and_load(self) -> None:
         try:
             if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
                 raise RuntimeError("Python.h not found (install the Python headers)")
-            path = fused.build(source=SOURCE, flags=build_flags(), libs=())
-            mod = _load_module(path)
-            self.hook_type = mod.Hook
-            self.forward_type = mod.Forward
-            self._cursor = mod.Cursor  # set last: ready
-        except Exception as exc:  # no compiler or headers, a failed build: Python takes
+            mod = _load_module(self.build(), self.name)
+            self._loaded(mod)
+            self._mod = mod  # set last: ready
+        except Exception as exc:  # no compiler or headers, a failed build: Python's path
             self.off = f"{type(exc).__name__}: {str(exc)[:300]}"
 
-    def cursor_type(self) -> type | None:
-        """The Cursor type, or None: not built yet (a background build starts), or off."""
-        if self._cursor is not None or self.off is not None:
-            return self._cursor
+    def module(self) -> Any:
+        """The module, or None: not built yet (a background build starts), or off."""
+        if self._mod is not None or self.off is not None:
+            return self._mod
         if not self._tried_cache:
             self._tried_cache = True
-            try:  # built by an earlier process: load it now (~1 ms)
-                path = fused.library_path(source=SOURCE, flags=build_flags(), libs=())
+            try:  # built by an earlier process (or at install): load it now (~1 ms)
+                path = fused.library_path(source=self.source, flags=build_flags(), libs=())
                 if path.exists() and fused.trusted(path):
                     self._build_and_load()
-                    return self._cursor
+                    return self._mod
             except OSError:
                 pass
         if self._thread is None:
             self._thread = threading.Thread(target=self._build_and_load, daemon=True,
-                                            name="qforensics-build-take")
+                                            name=self._thread_name)
             self._thread.start()
         return None
 
     def wait(self, timeout: float = 120.0) -> None:
         """Block until the extension is built or has failed (tests, benchmarks; never hooks)."""
-        self.cursor_type()
+        self.module()
         t = self._thread
         if t is not None:
             t.join(timeout)
+
+
+class FastTake(Extension):
+    """fast_take.c: its Cursor type once built; None until then (and for good when off)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__(SOURCE, MODULE, None if enabled else "QFORENSICS_REDUCE=eager",
+                         "qforensics-build-take")
+        self._cursor: type | None = None
+        self.hook_type: type | None = None  # the extension's Hook, once loaded
+        self.forward_type: type | None = None  # its Forward (a module's forward + the hook)
+
+    def _loaded(self, mod: Any) -> None:
+        self.hook_type = mod.Hook
+        self.forward_type = mod.Forward
+        self._cursor = mod.Cursor
+
+    def cursor_type(self) -> type | None:
+        """The Cursor type, or None: not built yet (a background build starts), or off."""
+        self.module()
+        return self._cursor
 
     def status(self) -> dict[str, Any]:
         return {"takes": "c" if self._cursor is not None else "python",

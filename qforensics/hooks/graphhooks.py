@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
+from qforensics.hooks import opcall
 from qforensics.hooks.callhooks import HIDDEN_KWARGS as _HIDDEN_KWARGS
 from qforensics.hooks.graphstats import QUEUE, GraphStats, registered
 from qforensics.hooks.reduce import dtype_code
@@ -236,7 +237,8 @@ def _eager_call(key: int, mid: int, n_in: int, n_out: int, bound: int, args: Any
         placed = [(i, e) for i, e in placed if e >= 0]
         plan = (tuple(i for i, _ in placed),
                 tuple((getattr(gs, f"r{c[0]}"), *c[1:]) for c in _group(
-                    key, tuple(e for _, e in placed))))
+                    key, tuple(e for _, e in placed))),
+                [None])  # its calls' OpCalls (hooks/opcall.py), made at its first call
         if eager:
             gs.eager[sig] = plan
     gs.runs[mid] = run + 1
@@ -249,11 +251,22 @@ def _keys(n_in: int, n_out: int) -> list[tuple[int, int]]:
 
 
 def _call_plan(gs: GraphStats, ts: list[torch.Tensor], plan: tuple[Any, ...]) -> None:
-    idx, calls = plan
+    """An eager hook's op calls. On the CPU each goes first to its OpCall (hooks/opcall.py:
+    the op kernel's reduction without the dispatcher), and to the op only when that leaves
+    something for it to do (a NaN/Inf, a strided tensor...)."""
+    idx, calls, lanes = plan
     xs = [t.detach() if t.requires_grad else t for t in (ts if len(idx) == len(ts) else
                                                           [ts[i] for i in idx])]
-    for ring, i, j, offs, caps, toks, ents, pairs in calls:
-        torch.ops.qforensics.stats(xs[i:j], ring, gs.toks, gs.first, gs.step_t, offs, caps,
+    fast = lanes[0]
+    if fast is None:
+        fast = lanes[0] = opcall.lanes(gs, calls)
+        if fast:
+            gs.op_calls.extend(fast)
+    for k, (ring, i, j, offs, caps, toks, ents, pairs) in enumerate(calls):
+        part = xs if i == 0 and j == len(xs) else xs[i:j]
+        if fast and fast[k](part):
+            continue
+        torch.ops.qforensics.stats(part, ring, gs.toks, gs.first, gs.step_t, offs, caps,
                                    toks, ents, gs.snap.buf, pairs)
 
 

@@ -135,6 +135,7 @@ class GraphStats(RingReader, HostCopies):
         # hook's (module, run, inputs, dtypes...), kept from its first such run
         self.runs: dict[int, int] = {}
         self.eager: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.op_calls: list[Any] = []  # the eager plans' OpCalls (hooks/opcall.py), counted
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
         self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
@@ -316,6 +317,9 @@ class GraphStats(RingReader, HostCopies):
             st["graph_numpy_redos"] = dict(redos)
         if statstriton.skipped_in_capture:  # groups a CUDA graph captured before any call
             st["graph_skipped_in_capture"] = int(statstriton.skipped_in_capture)
+        if self.op_calls:  # eager op calls finished by their OpCall / left to the op
+            st["graph_eager_calls"] = {"c": int(sum(c.fast for c in self.op_calls)),
+                                       "op": int(sum(c.slow for c in self.op_calls))}
         st["snapshot_compiled"] = dict(self.snap.state)
         first = self.first_nonfinite() if self.entries else None
         if first is not None:

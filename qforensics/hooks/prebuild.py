@@ -1,7 +1,8 @@
 """Build the native kernels at install time: `python -m qforensics.hooks.prebuild`.
 
 hooks/fused_reduce.c (the CPU stats op's and the eager reduction's one-pass kernels),
-hooks/fast_take.c (the eager hooks' C takes) and hooks/statsop_cpu.cpp (the stats op's C++
+hooks/fast_take.c (the eager hooks' C takes), hooks/opcall.c (the stats op's eager CPU calls
+without the dispatcher) and hooks/statsop_cpu.cpp (the stats op's C++
 kernel, against this torch's headers: hooks/statsnative.py) are compiled into the
 kernel cache (hooks/fused.py `build`: keyed by source, flags and CPU, loaded only from a folder
 nobody else can write). A run then loads them on its first step instead of compiling them in a
@@ -20,7 +21,7 @@ from pathlib import Path
 
 
 def main() -> int:
-    from qforensics.hooks import fast_take, fused, statsnative
+    from qforensics.hooks import fast_take, fused, opcall, statsnative
 
     failed = 0
     jobs = [("fused_reduce.c", lambda: fused.build()),
@@ -28,8 +29,10 @@ def main() -> int:
     if (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         jobs.append(("fast_take.c", lambda: fused.build(source=fast_take.SOURCE,
                                                         flags=fast_take.build_flags(), libs=())))
+        jobs.append(("opcall.c", opcall.build))
     else:
-        print("fast_take.c: not built (Python.h not found: install the Python headers)")
+        print("fast_take.c, opcall.c: not built (Python.h not found: install the Python "
+              "headers)")
         failed = 1
     for name, job in jobs:
         try:
