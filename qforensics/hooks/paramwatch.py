@@ -140,19 +140,25 @@ class ParamWatch:
         self._prev_bad = False
         self.checks = 0
 
-    def step_end(self, step: int, nonfinite: bool) -> np.ndarray:
-        """At the end of `step`: the checks due now; rows for tensors first seen non-finite."""
+    def step_end(self, step: int, nonfinite: bool, now: int | None = None) -> np.ndarray:
+        """At the end of `step` (its records just built): the checks due now; rows for tensors
+        first seen non-finite. `now`: the latest step the model has run when the check reads
+        the parameters, where records are built late (compiled mode emits steps in batches,
+        or a step late from its drainer thread): a check reads the parameters as they are
+        then, so its rows are labelled with that step, never with an earlier one the
+        parameters may not yet have been overwritten at."""
         trigger = nonfinite and not self._prev_bad
         self._prev_bad = nonfinite
         due = (step + 1) % self.every == 0
         if not (trigger or due or self._pending_step is not None):
             return _EMPTY
+        at = step if now is None else max(step, int(now))
         rows = self._collect(wait=trigger, trigger="interval")
         if trigger:
-            self._launch(step)
+            self._launch(at)
             rows = _cat(rows, self._collect(wait=True, trigger="nonfinite"))
         elif due:
-            self._launch(step)
+            self._launch(at)
             if self._host_only:  # nothing in flight on a CPU: read it now, at no extra cost
                 rows = _cat(rows, self._collect(wait=True, trigger="interval"))
         return rows

@@ -207,8 +207,9 @@ class StepEnd:
         if self._watch is not None:  # every N steps, and at once on a non-finite step
             try:
                 warm = np.full(len(batch.steps), bool(kind.get("warmup")))
-                batch.params = self._watch.step_end(
-                    step, bool(bad_steps(batch.steps, warmup=warm).any()))
+                batch.params = self._watch.step_end(  # read now: labelled with the
+                    step, bool(bad_steps(batch.steps, warmup=warm).any()),  # model's step
+                    now=self.step)
             except Exception as exc:  # noqa: BLE001 - never break the run: stop watching
                 log.warning("qforensics: parameter watch off (%s)", exc)
                 self._watch = None

@@ -84,6 +84,25 @@ def test_row_overwritten_mid_run_is_named_at_its_step_by_the_trigger(tmp_path):
            f"(finite at attach; first seen at step {k})" in c.line
 
 
+def test_a_check_of_a_step_built_late_is_labelled_with_the_step_it_read_at(tmp_path):
+    """Compiled mode builds a step's records late (on the CPU in batches of EMIT_BATCH steps,
+    on a GPU a step late): the interval check due at step 3 then runs at step 7's end, and
+    reads the parameters as they are by then. Its row must say so: the Inf planted before
+    step 6 was never there at step 3 (the label was the emitted step's: 'first seen at step
+    3' for a row written at step 6)."""
+    model = _tiny()
+    n, k, row = 4, 6, 230
+
+    def plant(m):
+        m.model.embed_tokens.weight[row, 3] = float("inf")
+
+    _decode(model, model, tmp_path / "t.h5", 12, plant, at=k, param_watch=n, compiled=True)
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        assert t.meta["status"]["capture_mode"] == "compiled"
+    r = _row(tmp_path / "t.h5", "model.embed_tokens")
+    assert r["step"] >= k and r["last_finite"] < k and r["rows"][0] == row
+
+
 def test_interval_check_finds_what_no_step_reads_within_n_steps(tmp_path):
     """A corrupt embedding row of a token never fed: every output stays finite, so no trigger;
     the check every N steps names it at the first check at or after k."""
