@@ -68,15 +68,29 @@ bash scripts/install.sh
 QF_TEST_CACHE_HOME=$(mktemp -d -t qf-test-caches-XXXXXX)
 export QF_TEST_CACHE_HOME
 VENVS_PID= PYTEST_PID=
-trap 'kill ${PYTEST_PID:-} ${VENVS_PID:-} 2>/dev/null || true; rm -rf "$QF_TEST_CACHE_HOME"' EXIT
+# tree PID: PID and every process below it, parents first
+tree() {
+    local c
+    echo "$1"
+    for c in $(pgrep -P "$1" 2>/dev/null); do tree "$c"; done
+}
+# stop_tree PID: TERM to PID's whole tree at once (the main stage: a shell, its pytest, and
+# that pytest's workers, engines and servers)
+stop_tree() {
+    [[ -n ${1:-} ]] || return 0
+    kill -TERM $(tree "$1") 2>/dev/null || true
+}
+trap 'stop_tree "${PYTEST_PID:-}"; kill ${VENVS_PID:-} 2>/dev/null || true
+      rm -rf "$QF_TEST_CACHE_HOME"' EXIT
 trap 'exit 130' INT TERM  # the background runs ignore ^C: the EXIT trap stops them
 PY=${PYTHON:-python3}
 SECONDS=0
-# The main stage spreads its tests over the cores (pytest-xdist), 2 workers by default
-# (QF_TEST_WORKERS=0: one process): they are independent, none asserts a timing, and none
-# starts an engine (the vLLM and llmcompressor stages below keep one process: their engine
-# starts pin cores of their own). On a 2-core Zen 3 the full run's main stage took 480 s for
-# what is not `slow` and 334 s for the 58 `slow` tests on two workers (429 s in one process).
+# The main stage spreads the tests that are not `slow` over the cores (pytest-xdist), 2 workers
+# by default (QF_TEST_WORKERS=0: one process): they are independent, none asserts a timing,
+# none starts an engine. The full run's `slow` tests then run in one process: real processes
+# (Dask, SIGKILLed and size-limited writers) and drainer threads whose timing a second worker
+# on a 2-core machine changes (a disk-full child's cut at close, a drainer's spills). On a 2-core
+# Zen 3: 480 s for the rest on two workers, 429 s for the 58 `slow` ones in one process.
 WORKERS=()
 if ((${QF_TEST_WORKERS:-2} > 0)) && $PY -c "import xdist" 2>/dev/null; then
     WORKERS=(-n "${QF_TEST_WORKERS:-2}")
@@ -86,7 +100,7 @@ if [[ $MODE == fast ]]; then
 elif [[ $MODE == model ]]; then
     MARKS="not browser and not vllm and not llmc and not slow"
 else
-    MARKS="not vllm and not llmc"
+    MARKS="not vllm and not llmc and not slow"
     # The two venvs (llmcompressor's, vLLM's) are built while the main tests run: pip mostly
     # waits on unpacking and the disk. Their output goes to a log, shown when a build fails.
     VENVS_LOG=$QF_TEST_CACHE_HOME/venvs.log
@@ -98,9 +112,23 @@ venvs_failed() {
     echo "run-tests: building the llmcompressor or vLLM venv failed (log above)" >&2
     exit 1
 }
+# main_tests ARGS: the main stage; in the full run its `slow` tests after the rest, in one process
+# (pytest's exit 5, no test selected, is not a failure: arguments may pick only one kind)
+main_tests() {
+    local rc=0
+    $PY -m pytest -q -p no:cacheprovider -m "$MARKS" --durations=15 \
+        ${WORKERS[@]+"${WORKERS[@]}"} "$@" || rc=$?
+    ((rc == 5)) && rc=0
+    if ((rc == 0)) && [[ $MODE == full ]]; then
+        $PY -m pytest -q -p no:cacheprovider -m "slow and not vllm and not llmc" \
+            --durations=15 "$@" || rc=$?
+        ((rc == 5)) && rc=0
+    fi
+    return "$rc"
+}
 # The main stage runs in the background; a watcher stops it at once if the venv build fails.
 start=$SECONDS
-$PY -m pytest -q -p no:cacheprovider -m "$MARKS" --durations=15 ${WORKERS[@]+"${WORKERS[@]}"} "$@" &
+main_tests "$@" &
 PYTEST_PID=$!
 while kill -0 "$PYTEST_PID" 2>/dev/null; do
     if [[ -n $VENVS_PID ]] && ! kill -0 "$VENVS_PID" 2>/dev/null; then
@@ -109,8 +137,7 @@ while kill -0 "$PYTEST_PID" 2>/dev/null; do
         else
             VENVS_PID=
             echo "run-tests: the venv build failed; stopping the main tests" >&2
-            pkill -TERM -P "$PYTEST_PID" 2>/dev/null || true  # its engines, workers, servers
-            kill -TERM "$PYTEST_PID" 2>/dev/null || true
+            stop_tree "$PYTEST_PID"
             wait "$PYTEST_PID" 2>/dev/null || true
             PYTEST_PID=
             stage_done "main pytest" "$start" "$BUDGET_MAIN"
