@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v[skip:]) / 1e3 for k, v in spent.items() if len(v) > skip}
     total = med["CallHooks._on_root_pre"] + med["CallHooks._on_root_post"]
     total_cpu = med["cpu CallHooks._on_root_pre"] + med["cpu CallHooks._on_root_post"]
-    # the mean, not only the median: a step that waits for the GIL the drainer holds is rare
-    # and long, and a run pays for every one
+    # the mean, not only the median: a step kept waiting (for a core, for the GIL the drainer
+    # holds) is rare and long, and a run pays for every one
     whole = [a + b for a, b in zip(spent["CallHooks._on_root_pre"][skip:],
                                    spent["CallHooks._on_root_post"][skip:])]
     mean = statistics.mean(whole) / 1e3 if whole else float("nan")

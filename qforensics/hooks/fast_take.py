@@ -38,7 +38,7 @@ def build_flags() -> tuple[str, ...]:
             f"-DQF_ABI_{sys.implementation.cache_tag.replace('-', '_')}")
 
 
-def _load_module(path: Path, name: str = MODULE) -> Any:
+def _load_module(path: Path, name: str) -> Any:
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     if spec is None:

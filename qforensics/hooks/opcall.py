@@ -29,16 +29,12 @@ from typing import Any
 
 import torch
 
-from qforensics.hooks import fast_take, fused, statsnative, statsop
+from qforensics.hooks import fast_take, fused, statscpu, statsnative, statsop
 
 SOURCE = Path(__file__).with_name("opcall.c")
 MODULE = "qf_op_call"
-# qf_group's dtype codes 0..3
-DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.int32)
-
-
-def build() -> Path:
-    return fused.build(source=SOURCE, flags=fast_take.build_flags(), libs=())
+# the dtypes in the order of qf_group's codes (0, 1, ...): OpCall finds a tensor's code there
+DTYPES = tuple(sorted(statscpu.GROUP_DTYPE, key=statscpu.GROUP_DTYPE.__getitem__))
 
 
 class Lane(fast_take.Extension):
@@ -72,8 +68,8 @@ def lanes(gs: Any, calls: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...] | None
         return ()
     op_call = LANE.op_call_type()
     group = fused.REDUCER.group()
-    if op_call is None or group is None:
-        return None if LANE.off is None else ()
+    if op_call is None or group is None:  # building; never, where either one is off
+        return () if LANE.off is not None or fused.REDUCER.off is not None else None
     toks = gs.toks
     if toks.dtype != torch.float32 or toks.dim() != 3 or not toks.is_contiguous():
         return ()

@@ -27,9 +27,8 @@ def main() -> int:
     jobs = [("fused_reduce.c", lambda: fused.build()),
             ("statsop_cpu.cpp", statsnative.build)]
     if (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        jobs.append(("fast_take.c", lambda: fused.build(source=fast_take.SOURCE,
-                                                        flags=fast_take.build_flags(), libs=())))
-        jobs.append(("opcall.c", opcall.build))
+        jobs.append(("fast_take.c", fast_take.TAKER.build))
+        jobs.append(("opcall.c", opcall.LANE.build))
     else:
         print("fast_take.c, opcall.c: not built (Python.h not found: install the Python "
               "headers)")

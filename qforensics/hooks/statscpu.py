@@ -209,7 +209,7 @@ def _each_cpu(xs: Sequence[Tensor], row: np.ndarray, tslot: np.ndarray, n: int,
 
 
 GROUP_DESC = 10  # int64 per tensor in fused_reduce.c's qf_group
-_GROUP_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32: 3}
+GROUP_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32: 3}
 
 
 def _pitch(x: Tensor, d: int, chans: int) -> int:
@@ -251,7 +251,7 @@ class _Site:
                              entry_width(c), 0))
                 continue
             seen[key] = i
-            code = _GROUP_DTYPE.get(x.dtype)
+            code = GROUP_DTYPE.get(x.dtype)
             pitch = _pitch(x, d, chans) if code is not None else -1
             if pitch < 0:
                 desc.append((e, -1, 0, 0, o, c, 0, -1, 0, 0))  # not for C: done stays 0
