@@ -73,7 +73,7 @@ def _calls(gs: GraphStats, ents: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]
             j += 1
         grp = [gs.entries[e] for e in ents[i:j]]
         out.append((seg, i, j, tuple(g.off for g in grp), tuple(g.cap for g in grp),
-                    tuple(g.tok for g in grp), tuple(ents[i:j]), _pairs(grp)))
+                    tuple(g.tok for g in grp), tuple(ents[i:j]), _pairs(grp, gs.gemm)))
         i = j
     return tuple(out)
 
@@ -89,13 +89,19 @@ def _flush(gs: GraphStats) -> None:
                                    gs.step_t, offs, caps, toks, ents, gs.snap.buf, pairs)
 
 
-def _pairs(grp: list[Any]) -> tuple[int, ...]:
+def _pairs(grp: list[Any], gemm: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """The op's `pair` of a group (its entries' module, io and slot): for an output, the
     index of its module's `input.0` in the group (itself when the group has none), kept with
-    it when it is the first failing output; -1 for an input."""
+    it when it is the first failing output; for the float `input.0` of a GEMM module (`gemm`)
+    whose `output.0` is in the group, -2 - that output's index: a candidate for the first
+    outlier's snapshot; -1 for any other input."""
     first_in = {g.mid: k for k, g in reversed(list(enumerate(grp)))
                 if g.io == schema.IO_INPUT and g.slot == 0}
-    return tuple(first_in.get(g.mid, k) if g.io == schema.IO_OUTPUT else -1
+    first_out = {g.mid: k for k, g in reversed(list(enumerate(grp)))
+                 if g.io == schema.IO_OUTPUT and g.slot == 0}
+    return tuple(first_in.get(g.mid, k) if g.io == schema.IO_OUTPUT else
+                 -2 - first_out[g.mid] if (g.slot == 0 and g.mid in gemm and not g.nonfloat
+                                           and g.mid in first_out) else -1
                  for k, g in enumerate(grp))
 
 
@@ -212,6 +218,14 @@ def _eager_call(key: int, mid: int, n_in: int, n_out: int, bound: int, args: Any
     gs = registered(key)
     if gs is None:
         return
+    try:
+        _eager_take(gs, key, mid, n_in, n_out, bound, args, kwargs, output)
+    except Exception as exc:  # noqa: BLE001 - never break the run: capture degrades
+        gs.fail(exc)
+
+
+def _eager_take(gs: GraphStats, key: int, mid: int, n_in: int, n_out: int, bound: int,
+                args: Any, kwargs: dict[str, Any], output: Any) -> None:
     ins = _tensors(args, n_in)
     if not ins:
         ins = _tensors([kwargs.get(k) for k in _HIDDEN_KWARGS], 1)

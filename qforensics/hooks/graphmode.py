@@ -19,10 +19,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from qforensics.hooks import graphhooks, graphlate, graphstats, statsop
+from qforensics.hooks import graphhooks, graphlate, graphsnap, graphstats, statsop
 from qforensics.hooks.drainer import Drainer
 from qforensics.hooks.graphlate import GraphLate
 from qforensics.trace import schema
@@ -40,6 +41,7 @@ _SELFTEST: dict[str, str | None] = {}  # device type -> None (traces) or why not
 # compiled 1.72 with the thread against 1.53 without; HF compiled 1.34 against 1.32)
 DRAIN = os.environ.get("QFORENSICS_DRAIN", "auto")
 OUTSIDE_ENTRIES = 16  # entries kept for tensors recorded outside the graph
+EAGER_RUNS = 2  # runs of each module a step of an eager model has entries for
 
 
 def _ring_slots(ring_steps: int, lazy: bool) -> int:
@@ -69,6 +71,8 @@ class GraphMode(GraphLate):
     _graph_reset = False  # Dynamo's compiled code dropped at attach (`_graph_recompile`)
     _handles: list[Any]
     _graph_lane: int
+    _eager_model: bool
+    _gemm_ids: np.ndarray
     _snaps: "Snapshots | None"
 
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
@@ -93,13 +97,17 @@ class GraphMode(GraphLate):
         # recorder, which then resolves them, and a float32 trace (float16 clips as it copies)
         lazy = self._recorder is not None and self.options["channel_dtype"] != "float16"
         # + OUTSIDE_ENTRIES: what is recorded outside the graph (the logits, hooks/callhooks.py;
-        # an engine's lm_head and row flags), none of it among `mods`
+        # an engine's lm_head and row flags), none of it among `mods`; a model run eagerly
+        # twice over: its modules may run again in a step (a guard's rerun of the layers)
+        per_run = graphhooks.max_entries([m for _, m, _ in mods], blocks, max_inputs,
+                                         max_outputs)
         self._gs = graphstats.GraphStats(
-            entries=graphhooks.max_entries([m for _, m, _ in mods], blocks, max_inputs,
-                                           max_outputs) + OUTSIDE_ENTRIES,
+            entries=per_run * (EAGER_RUNS if self._eager_model else 1)
+            + OUTSIDE_ENTRIES,
             tok_rows=self.adapter.token_rows(), device=device, channel_limit=limit,
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
-            slots=_ring_slots(self.options["ring_steps"], lazy), lazy=lazy)
+            slots=_ring_slots(self.options["ring_steps"], lazy), lazy=lazy,
+            outlier=self.options["outlier_threshold"], gemm=self._gemm_ids.tolist())
         self._first_seen = statsop.NO_FIRST
         self._clean_through = -1
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
@@ -165,26 +173,34 @@ class GraphMode(GraphLate):
         return part
 
     def _graph_snapshot(self, part: dict[str, Any] | None, step: int) -> None:
-        """At the first collected step with a non-finite output: the call the op kept on the
-        device (hooks/graphsnap.py) into the session's snapshots, as eager mode keeps it."""
+        """At the first collected step with a non-finite output, and at the first with a GEMM
+        input at the outlier threshold: the call the op kept on the device (hooks/graphsnap.py)
+        into the session's snapshots, as eager mode keeps them."""
         gs, snaps = self._gs, self._snaps
         if gs is None or part is None or gs.snap.done or snaps is None:
             return
         rec = part["records"]
-        if not ((rec["io"] == schema.IO_OUTPUT) & (rec["nan_count"] + rec["inf_count"] > 0)
-                ).any():
-            return
-        try:
-            got = gs.snap.read(rec, step, gs.entries)
-        except Exception as exc:  # noqa: BLE001 - never break the run over a snapshot
-            log.warning("qforensics: compiled snapshot not read (%s); continuing", exc)
-            gs.snap.state = {"taken": False, "why": f"not read: {exc}"[:200]}
-            return
-        if got is not None:
-            if "first_nonfinite_output" in snaps.snapped:  # an eager part of a step kept one
-                gs.snap.state = {"taken": False, "why": "kept by the eager path"}
+        due = [not gs.snap.read_done[0] and bool(
+            ((rec["io"] == schema.IO_OUTPUT) & (rec["nan_count"] + rec["inf_count"] > 0)).any()),
+               not gs.snap.read_done[1] and bool(
+            (np.isin(rec["module_id"], self._gemm_ids) & (rec["io"] == schema.IO_INPUT)
+             & (rec["absmax"] >= snaps.outlier_threshold)
+             & ((rec["flags"] & schema.FLAG_NONFLOAT) == 0)).any())]
+        for which, reason in enumerate(graphsnap.REASONS):
+            if not due[which]:
+                continue
+            try:
+                got = gs.snap.read(rec, step, gs.entries, which)
+            except Exception as exc:  # noqa: BLE001 - never break the run over a snapshot
+                log.warning("qforensics: compiled snapshot not read (%s); continuing", exc)
+                gs.snap.states[which] = {"taken": False, "why": f"not read: {exc}"[:200]}
+                continue
+            if got is None:
+                continue
+            if reason in snaps.snapped:  # an eager part of a step kept one
+                gs.snap.states[which] = {"taken": False, "why": "kept by the eager path"}
             else:
-                snaps.keep_call("first_nonfinite_output", step, *got)
+                snaps.keep_call(reason, step, *got)
 
     # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------
     def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool:

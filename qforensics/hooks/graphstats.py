@@ -32,7 +32,7 @@ import collections
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -102,7 +102,8 @@ class GraphStats(RingReader, HostCopies):
 
     def __init__(self, *, entries: int, tok_rows: int, device: torch.device,
                  channel_limit: int, channel_io: str, slots: int = RING_SLOTS,
-                 snap_bytes: int = 0, lazy: bool = False) -> None:
+                 snap_bytes: int = 0, lazy: bool = False, outlier: float = float("inf"),
+                 gemm: Iterable[int] = ()) -> None:
         self.key = next(_KEYS)
         self.device = device
         self.max_entries = int(entries)
@@ -138,7 +139,10 @@ class GraphStats(RingReader, HostCopies):
         self.op_calls: list[Any] = []  # the eager plans' OpCalls (hooks/opcall.py), counted
         for t in (self.step_t, self.first):
             torch._dynamo.mark_static_address(t)
-        self.snap = CompiledSnap(device, snap_bytes)  # read in graphmode._graph_snapshot
+        # GEMM modules: their float input.0 may keep the first outlier's snapshot, the first
+        # to reach `outlier` (graphhooks._pairs)
+        self.gemm = frozenset(int(m) for m in gemm)
+        self.snap = CompiledSnap(device, snap_bytes, outlier)  # graphmode._graph_snapshot
         self.tok_rows = max(1, int(tok_rows))
         # token maxima, token-major (statsop.py): a step's row r of every entry side by side,
         # so a decode step's maxima are one short run, and a GPU copies only the step's rows;
@@ -186,6 +190,7 @@ class GraphStats(RingReader, HostCopies):
         self.ids_n: dict[int, int] = {}
         self._lrow: dict[int, torch.Tensor] = {}
         self._lrow_n: dict[int, int] = {}
+        self.error: str | None = None  # an eager hook's failure (`fail`)
         _REGISTRY[self.key] = self
 
     # -- trace time --------------------------------------------------------------------------
@@ -320,11 +325,20 @@ class GraphStats(RingReader, HostCopies):
         if self.op_calls:  # eager op calls finished by their OpCall / left to the op
             st["graph_eager_calls"] = {"c": int(sum(c.fast for c in self.op_calls)),
                                        "op": int(sum(c.slow for c in self.op_calls))}
-        st["snapshot_compiled"] = dict(self.snap.state)
+        st["snapshot_compiled"] = dict(self.snap.states[0])
+        st["snapshot_compiled_outlier"] = dict(self.snap.states[1])
         first = self.first_nonfinite() if self.entries else None
         if first is not None:
             st["graph_first_nonfinite"] = first
         return st
+
+    def fail(self, exc: BaseException) -> None:
+        """An eager hook's call failed: no hook records from now on (`registered` is None),
+        and the session degrades at the step's end (`error`); the model's run goes on."""
+        if self.error is None:
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+        _REGISTRY.pop(self.key, None)
+        QUEUE.clear()
 
     def close(self) -> None:
         _REGISTRY.pop(self.key, None)

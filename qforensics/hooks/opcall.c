@@ -46,6 +46,11 @@ typedef struct {
     PyObject *keep;   /* the tensors the pointers are into */
     PyObject *dtypes; /* (float32, bfloat16, int64, int32): qf_group's dtype codes 0..3 */
     unsigned long long fast, slow;
+    /* the first outlier's snapshot: its region's `taken`, the threshold, the candidate inputs
+     * (group positions) and where a ring row keeps min and max; none when otaken is NULL */
+    const float *otaken;
+    double othr;
+    int64_t *ocand, ocand_n, col_min, col_max;
     vectorcallfunc vectorcall;
 } OpCall;
 
@@ -69,6 +74,7 @@ static void OpCall_dealloc(OpCall *c) {
     free(c->entry); /* one block: entry, off, cap, tok, desc, addr */
     free(c->done);
     free(c->spill);
+    free(c->ocand);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -182,23 +188,38 @@ static PyObject *OpCall_vectorcall(OpCall *c, PyObject *const *args, size_t narg
         c->slow++;
         Py_RETURN_FALSE;
     }
+    if (c->otaken && *c->otaken == 0.f) { /* an input at the threshold: the op keeps it */
+        for (int64_t k = 0; k < c->ocand_n; k++) {
+            const float *e = row + c->off[c->ocand[k]];
+            const double lo = e[c->col_min], hi = e[c->col_max];
+            if ((-lo > hi ? -lo : hi) >= c->othr) {
+                c->slow++;
+                Py_RETURN_FALSE;
+            }
+        }
+    }
     c->fast++;
     Py_RETURN_TRUE;
 }
 
 /* OpCall(fn, ring, ring_rows, ring_stride, toks, tok_slots, tok_rows, tok_cols, tok_stride,
- *        step, stamp_mod, entries, offs, caps, toks_per_tensor, dtypes, keep): addresses as
- * ints, the per-tensor arguments as tuples of ints (the op's `entry`, `off`, `cap`, `tok`). */
+ *        step, stamp_mod, entries, offs, caps, toks_per_tensor, dtypes, keep
+ *        [, otaken, othr, ocand, col_min, col_max]): addresses as ints, the per-tensor
+ * arguments as tuples of ints (the op's `entry`, `off`, `cap`, `tok`); `ocand` the group
+ * positions of the first outlier's candidate inputs (otaken 0: none). */
 static int OpCall_init(OpCall *c, PyObject *args, PyObject *kw) {
-    unsigned long long fn, ring, toks, step;
+    unsigned long long fn, ring, toks, step, otaken = 0;
     long long ring_rows, ring_stride, tok_slots, tok_rows, tok_cols, tok_stride, stamp_mod;
-    PyObject *ents, *offs, *caps, *tks, *dtypes, *keep;
+    long long col_min = 0, col_max = 0;
+    double othr = 0.0;
+    PyObject *ents, *offs, *caps, *tks, *dtypes, *keep, *ocand = NULL;
     (void)kw;
-    if (!PyArg_ParseTuple(args, "KKLLKLLLLKLO!O!O!O!O!O!:OpCall", &fn, &ring, &ring_rows,
+    if (!PyArg_ParseTuple(args, "KKLLKLLLLKLO!O!O!O!O!O!|KdO!LL:OpCall", &fn, &ring, &ring_rows,
                           &ring_stride, &toks, &tok_slots, &tok_rows, &tok_cols, &tok_stride,
                           &step, &stamp_mod, &PyTuple_Type, &ents, &PyTuple_Type, &offs,
                           &PyTuple_Type, &caps, &PyTuple_Type, &tks, &PyTuple_Type, &dtypes,
-                          &PyTuple_Type, &keep))
+                          &PyTuple_Type, &keep, &otaken, &othr, &PyTuple_Type, &ocand,
+                          &col_min, &col_max))
         return -1;
     Py_ssize_t m = PyTuple_GET_SIZE(ents);
     if (!fn || !ring || !toks || !step || m < 1 || ring_rows < 1 || tok_slots < 1
@@ -245,6 +266,33 @@ static int OpCall_init(OpCall *c, PyObject *args, PyObject *kw) {
     c->dtypes = Py_NewRef(dtypes);
     c->keep = Py_NewRef(keep);
     c->fast = c->slow = 0;
+    free(c->ocand);
+    c->ocand = NULL;
+    c->ocand_n = 0;
+    c->otaken = NULL;
+    if (otaken && ocand && PyTuple_GET_SIZE(ocand)) {
+        Py_ssize_t k = PyTuple_GET_SIZE(ocand);
+        c->ocand = (int64_t *)calloc((size_t)k, sizeof(int64_t));
+        if (!c->ocand) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(ocand, i));
+            if (v == -1 && PyErr_Occurred())
+                return -1;
+            if (v < 0 || v >= m) {
+                PyErr_SetString(PyExc_ValueError, "OpCall: outlier candidate out of range");
+                return -1;
+            }
+            c->ocand[i] = v;
+        }
+        c->ocand_n = k;
+        c->otaken = (const float *)(intptr_t)otaken;
+        c->othr = othr;
+        c->col_min = col_min;
+        c->col_max = col_max;
+    }
     c->vectorcall = (vectorcallfunc)OpCall_vectorcall;
     return 0;
 }

@@ -74,12 +74,18 @@ def lanes(gs: Any, calls: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...] | None
     if toks.dtype != torch.float32 or toks.dim() != 3 or not toks.is_contiguous():
         return ()
     fn = int(ctypes.cast(group, ctypes.c_void_p).value or 0)
+    snap = gs.snap.buf  # the first outlier's region: an input at its threshold goes to the op
+    b0, _ = statsop.snap_region(snap.numel(), 1)
+    otaken = snap.data_ptr() + 4 * (b0 + statsop.SNAP["taken"])
+    othr = float(snap[statsop.SNAP["thr"]])
     out = []
-    for ring, _i, _j, offs, caps, tks, ents, _pairs in calls:
+    for ring, _i, _j, offs, caps, tks, ents, pairs in calls:
         if ring.dtype != torch.float32 or ring.dim() != 2 or ring.stride(1) != 1:
             return ()
         out.append(op_call(fn, ring.data_ptr(), ring.shape[0], ring.stride(0), toks.data_ptr(),
                            toks.shape[0], toks.shape[1], toks.shape[2], toks.stride(0),
                            gs.step_t.data_ptr(), statsop.STAMP_MOD, tuple(ents), tuple(offs),
-                           tuple(caps), tuple(tks), DTYPES, (ring, toks, gs.step_t)))
+                           tuple(caps), tuple(tks), DTYPES, (ring, toks, gs.step_t, snap),
+                           otaken, othr, tuple(k for k, p in enumerate(pairs) if p <= -2),
+                           statsop.COL["min"], statsop.COL["max"]))
     return tuple(out)

@@ -26,6 +26,7 @@ points) cannot hold NaN/Inf and are not watched; their scales are.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -139,37 +140,57 @@ class ParamWatch:
         self._found: set[int] = set()
         self._prev_bad = False
         self.checks = 0
+        # rows the interval checks found, not yet handed to a step's batch (`tick`); the
+        # lock: `tick` runs on the model's thread, `step_end` where records are built
+        self._ready = _EMPTY
+        self._lock = threading.Lock()
+
+    def tick(self, step: int) -> None:
+        """At the end of every step, on the model's thread, whenever its records are built: the
+        interval check, launched at the steps it is due (every N), so that it reads the
+        parameters as that step left them. A CPU reads it at once; an accelerator at the next
+        check or step end that finds its copy landed (a launch still in flight: this one is
+        skipped, never waited for)."""
+        if (step + 1) % self.every:
+            return
+        with self._lock:
+            if self._pending_step is not None:
+                self._ready = _cat(self._ready, self._collect(wait=False, trigger="interval"))
+                if self._pending_step is not None:
+                    return
+            self._launch(step)
+            if self._host_only:  # nothing in flight on a CPU: read it now, at no extra cost
+                self._ready = _cat(self._ready, self._collect(wait=True, trigger="interval"))
 
     def step_end(self, step: int, nonfinite: bool, now: int | None = None) -> np.ndarray:
-        """At the end of `step` (its records just built): the checks due now; rows for tensors
-        first seen non-finite. `now`: the latest step the model has run when the check reads
-        the parameters, where records are built late (compiled mode emits steps in batches,
-        or a step late from its drainer thread): a check reads the parameters as they are
-        then, so its rows are labelled with that step, never with an earlier one the
+        """When `step`'s records are built (at its end, or late in compiled mode): the rows the
+        interval checks found (`tick`), and at once a check when the step's records or
+        logits hold NaN/Inf; rows for tensors first seen non-finite. `now`: the latest step
+        the model has run, where records are built late (compiled mode emits steps in
+        batches, or a step late from its drainer thread): that check reads the parameters as
+        they are then, so its rows are labelled with that step, never with an earlier one the
         parameters may not yet have been overwritten at."""
         trigger = nonfinite and not self._prev_bad
         self._prev_bad = nonfinite
-        due = (step + 1) % self.every == 0
-        if not (trigger or due or self._pending_step is not None):
-            return _EMPTY
-        at = step if now is None else max(step, int(now))
-        rows = self._collect(wait=trigger, trigger="interval")
-        if trigger:
-            self._launch(at)
-            rows = _cat(rows, self._collect(wait=True, trigger="nonfinite"))
-        elif due:
-            self._launch(at)
-            if self._host_only:  # nothing in flight on a CPU: read it now, at no extra cost
-                rows = _cat(rows, self._collect(wait=True, trigger="interval"))
-        return rows
+        with self._lock:
+            if not (trigger or self._pending_step is not None or len(self._ready)):
+                return _EMPTY
+            rows, self._ready = self._ready, _EMPTY
+            rows = _cat(rows, self._collect(wait=trigger, trigger="interval"))
+            if trigger:
+                self._launch(step if now is None else max(step, int(now)))
+                rows = _cat(rows, self._collect(wait=True, trigger="nonfinite"))
+            return rows
 
     def close(self, step: int) -> np.ndarray:
         """The last check (at close): what is in flight, then the parameters as they end."""
-        rows = self._collect(wait=True, trigger="interval")
-        if step < 0 or not self._devs:
-            return rows
-        self._launch(step)
-        return _cat(rows, self._collect(wait=True, trigger="close"))
+        with self._lock:
+            rows, self._ready = self._ready, _EMPTY
+            rows = _cat(rows, self._collect(wait=True, trigger="interval"))
+            if step < 0 or not self._devs:
+                return rows
+            self._launch(step)
+            return _cat(rows, self._collect(wait=True, trigger="close"))
 
     def _launch(self, step: int) -> None:
         for d in self._devs:

@@ -87,7 +87,8 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         if compiled not in (None, True, False):
             raise CaptureError("compiled must be True, False or None (None: compiled when "
                                "torch.compile wraps the model)")
-        if type(model).__name__ == "OptimizedModule":  # torch.compile(model): hook the model
+        compiled_wrapper = type(model).__name__ == "OptimizedModule"
+        if compiled_wrapper:  # torch.compile(model): hook the model
             model = model._orig_mod  # type: ignore[assignment]
             compiled = True if compiled is None else compiled
         if flush_interval <= 0:
@@ -133,12 +134,18 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self.adapter = adapter if adapter is not None else EngineAdapter()
         engine_compiles = self.adapter.compiled()
         # compiled mode (hooks/graphmode.py): torch-op hooks traced into the graph
+        # the model runs eagerly (no engine compile, no torch.compile): its hooks may run a
+        # module more than once in a step (a guard's rerun), so the ring keeps room for that
+        self._eager_model = not (engine_compiles or compiled_wrapper or is_compiled(model))
+        # the stats op's path (hooks/graphmode.py) unless compiled=False or an engine that
+        # runs eagerly (vLLM's enforce_eager) asks for the older eager hooks (hooks/callhooks.py)
         if compiled is None:
-            compiled = engine_compiles if engine_compiles is not None else is_compiled(model)
+            compiled = engine_compiles if engine_compiles is not None else True
         self._graph_mode = bool(compiled)
         self._gs = None
         self._late: collections.deque = collections.deque()  # compiled steps not yet emitted
         self._drainer = None  # compiled mode's drainer thread (hooks/drainer.py)
+        self._draining = False  # `_degrade` emitting the steps noted before the error
         self._graph_lane = -1  # the last step whose outside-graph calls went to the ring
         self._graph_why: str | None = None
         self._graph_step = -1
@@ -336,6 +343,10 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         if not self._in_step:
             return
         try:
+            if self._gs is not None and self._gs.error is not None:  # a stats-op hook failed
+                self._degrade(RuntimeError(f"stats-op hook: {self._gs.error}"))
+                return
+            self._watch_tick()
             if self._graph_owns_step():  # compiled: the ring holds it all (hooks/graphmode.py)
                 self._graph_end(complete)
             else:
@@ -358,6 +369,15 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             log.error("qforensics: capture error (%s); recording stops, the run continues",
                       self._degraded, exc_info=True)
         self._pending.clear()
+        if self._late and not self._draining:
+            # the steps noted whole before the error (compiled mode emits them late): kept
+            self._draining = True
+            try:
+                self._graph_drain()
+            except Exception:  # noqa: BLE001 - already degraded: what is left is lost
+                pass
+            finally:
+                self._draining = False
         self._late.clear()
         if self._gs is not None:
             self._gs.queue.clear()

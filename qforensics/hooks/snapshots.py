@@ -131,6 +131,13 @@ class Snapshots:
         one; `cut`: names of the tensors kept to their leading rows only."""
         self._step = step
         self.snapped.add(reason)
+        same = [r for r in self.rows if int(r["call_index"][0]) == ci]
+        if same:  # the same call was just kept for another reason: point at those bytes
+            for r in same:
+                dup = r.copy()
+                dup["reason"] = reason.encode()
+                self.rows.append(dup)
+            return
         n = len(self.rows)
         self._snapshot_call(reason, ci, mid, meta, tensors)
         for r in self.rows[n:]:

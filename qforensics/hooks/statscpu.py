@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from qforensics.hooks import fused, statsnative, statsop
-from qforensics.hooks.statsop import (N_SCAL, NO_FIRST, SNAP, SNAP_COLS, SNAP_HEADER,
+from qforensics.hooks.statsop import (COL, N_SCAL, NO_FIRST, SNAP, SNAP_COLS, SNAP_HEADER,
                                       STAMP_MOD, chan_span, entry_width, first_key,
-                                      snap_split, _as_rows, _same_memory)
+                                      snap_region, snap_split, _as_rows, _same_memory)
 
 
 def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray
@@ -147,6 +147,8 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tensor, s
     counts = (_group_c(fn, xs, ring, toks, n, off, cap, tok, entry) if fn is not None
               else _each_cpu(xs, _row(ring, n), _row(toks, n), n, off, cap,
                              _clamp_tok(toks, tok, entry), entry))
+    sn = snap.numpy()
+    _outlier_cpu(sn, n, xs, ring, off, entry, pair)
     if not counts:  # every tensor finite: no first-failure word, no snapshot to consider
         return
     best = NO_FIRST
@@ -158,10 +160,29 @@ def stats_cpu(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tensor, s
     if best != NO_FIRST:
         f = first.numpy()
         f[0] = min(int(f[0]), best)
-    if keep >= 0 and snap.numpy()[SNAP["taken"]] == 0:
+    a0, cap0 = snap_region(sn.size, 0)
+    if keep >= 0 and sn[a0 + SNAP["taken"]] == 0:
         j = pair[keep]
-        _snap_cpu(snap.numpy(), n, xs[keep], entry[keep], xs[j] if j != keep else None,
-                  entry[j] if j != keep else -1)
+        _snap_cpu(sn[a0:a0 + SNAP_HEADER + cap0], n, xs[keep], entry[keep],
+                  xs[j] if j != keep else None, entry[j] if j != keep else -1)
+
+
+def _outlier_cpu(sn: np.ndarray, n: int, xs: Sequence[Tensor], ring: Tensor,
+                 off: Sequence[int], entry: Sequence[int], pair: Sequence[int]) -> None:
+    """The first outlier's snapshot (statsop `snap`'s second region): the first candidate
+    input of the group, in group order, whose finite absmax (its ring row's min and max,
+    just written) reaches the threshold, with its call's output; once a run."""
+    b0, cap = snap_region(sn.size, 1)
+    if sn[b0 + SNAP["taken"]] != 0 or min(pair, default=0) > -2:
+        return
+    thr = float(sn[SNAP["thr"]])
+    row = _row(ring, n)
+    for i, p in enumerate(pair):
+        if p <= -2 and max(-float(row[off[i] + COL["min"]]),
+                           float(row[off[i] + COL["max"]])) >= thr:
+            k = -2 - p
+            _snap_cpu(sn[b0:b0 + SNAP_HEADER + cap], n, xs[k], entry[k], xs[i], entry[i])
+            return
 
 
 def _row(ring: Tensor, n: int) -> np.ndarray:

@@ -49,6 +49,7 @@ def build_flags() -> tuple[str, ...]:
               f"-DQF_ENTRY_BITS={statsop._ENTRY_BITS}",
               f"-DQF_SNAP_HEADER={statsop.SNAP_HEADER}"]
     layout += [f"-DQF_SNAP_{name.upper()}={i}" for name, i in statsop.SNAP.items()]
+    layout += [f"-DQF_COL_{name.upper()}={i}" for name, i in statsop.COL.items()]
     digest = hashlib.sha256(fused.SOURCE.read_bytes() + torch.__version__.encode())
     return ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",

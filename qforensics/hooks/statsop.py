@@ -30,6 +30,13 @@ to the host only the rows the step has (graphstats.start_copy).
   group, or i itself when the group has none), while the header's `taken` is 0. Its input's
   rows then its own (float32, flattened, split by `snap_split`), the header (`SNAP_COLS`) and
   `taken` = 1. What `qforensics replay` starts from in compiled mode (hooks/graphsnap.py).
+  `snap` holds two such regions of equal size (`new_snap`, `snap_region`): the first failing
+  output's call in the first, in the second the first call whose input reaches the outlier
+  threshold (`thr` in the first region's header; inf: never): a candidate input has
+  `pair[i] = -2 - k`, k the index of its call's output in the group (a GEMM's float input.0;
+  -1: not a candidate), and the first of them, in group order, whose finite absmax is at least
+  the threshold keeps its rows and its output's the same way, while the second region's
+  `taken` is 0.
 
 Why one op for a group: the capture's hooks queue their tensors and the decoder layer's hook
 (or a module outside any layer) hands them over at once (hooks/graphhooks.py), so Inductor sees
@@ -67,6 +74,7 @@ SNAP_COLS = ("taken", "step", "out_entry", "in_entry", "in_rows", "in_chans", "o
              "out_chans", "in_kept", "out_kept")
 SNAP = {name: i for i, name in enumerate(SNAP_COLS)}
 SNAP_HEADER = 16
+SNAP["thr"] = SNAP_HEADER - 1  # the first region's header: the outlier threshold
 _ENTRY_BITS = 32
 
 
@@ -129,12 +137,25 @@ SCHEMA = ("stats(Tensor[] xs, Tensor(a!) ring, Tensor(b!) toks, Tensor(c!) first
           "int[] off, int[] cap, int[] tok, int[] entry, Tensor(d!) snap, int[] pair) -> ()")
 
 
-def new_snap(device: torch.device, capacity: int) -> Tensor:
-    """A snapshot buffer of `capacity` floats; none (0): `taken` from the start, never kept."""
-    s = torch.zeros(SNAP_HEADER + max(0, int(capacity)), dtype=torch.float32, device=device)
-    if capacity <= 0:
+def new_snap(device: torch.device, capacity: int, threshold: float = float("inf")) -> Tensor:
+    """A snapshot buffer: two regions of `capacity` floats each (`snap_region`), the first
+    failing output's call and the first outlier's; a region that cannot keep anything (no
+    capacity; no threshold for the second) is `taken` from the start."""
+    cap = max(0, int(capacity))
+    s = torch.zeros(2 * (SNAP_HEADER + cap), dtype=torch.float32, device=device)
+    s[SNAP["thr"]] = float(threshold)
+    if cap <= 0:
         s[SNAP["taken"]] = 1.0
+    if cap <= 0 or not threshold < float("inf"):
+        s[SNAP_HEADER + cap + SNAP["taken"]] = 1.0
     return s
+
+
+def snap_region(numel: int, which: int) -> tuple[int, int]:
+    """(start, body capacity) of region `which` (0: the first failing output's; 1: the first
+    outlier's) of a snapshot buffer of `numel` floats."""
+    half = int(numel) // 2
+    return which * half, half - SNAP_HEADER
 
 
 def _define() -> Any:

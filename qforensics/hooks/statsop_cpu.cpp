@@ -132,6 +132,24 @@ void take_snapshot(float* s, int64_t capacity, int64_t n, const at::Tensor& out,
     s[QF_SNAP_TAKEN] = 1.f;
 }
 
+// The first outlier's snapshot (statsop `snap`'s second region, `s`): the first candidate
+// input of the group (pair[i] = -2 - k, k its call's output) whose finite absmax, read back
+// from its ring row, reaches the threshold `thr`; once a run.
+void outlier_snapshot(float* s, int64_t capacity, float thr, int64_t n, at::TensorList xs,
+                      const float* row, c10::IntArrayRef off, c10::IntArrayRef entry,
+                      c10::IntArrayRef pair) {
+    if (s[QF_SNAP_TAKEN] != 0.f) return;
+    for (size_t i = 0; i < pair.size(); i++) {
+        if (pair[i] > -2) continue;
+        const float lo = row[off[i] + QF_COL_MIN], hi = row[off[i] + QF_COL_MAX];
+        if (std::max(-lo, hi) >= thr) {
+            const int64_t k = -2 - pair[i];
+            take_snapshot(s, capacity, n, xs[k], entry[k], &xs[i], entry[i]);
+            return;
+        }
+    }
+}
+
 struct Scratch {
     std::vector<int64_t> desc, addr, src;
     std::vector<int8_t> done;
@@ -213,7 +231,12 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& toks,
     const int left = qf_group(m, sc.desc.data(), sc.addr.data(), row, tslot, ts, stamp,
                               sc.spill.data(), static_cast<int64_t>(sc.spill.size()),
                               sc.done.data());
-    if (!left) return;  // every tensor finite: no first-failure word, no snapshot to consider
+    float* s = snap.data_ptr<float>();
+    const int64_t half = snap.numel() / 2, cap_snap = half - QF_SNAP_HEADER;
+    if (!left) {  // every tensor finite: no first-failure word, no such snapshot to consider
+        outlier_snapshot(s + half, cap_snap, s[QF_SNAP_THR], n, xs, row, off, entry, pair);
+        return;
+    }
     sc.counts.assign(static_cast<size_t>(m), {0, 0});
     // redone below: what C left, but for repeats (copied from their first after it)
     auto redone = [&](int64_t j) { return !sc.done[j] && sc.src[j] < 0; };
@@ -242,6 +265,7 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& toks,
             sc.counts[i] = sc.counts[j];
         }
     }
+    outlier_snapshot(s + half, cap_snap, s[QF_SNAP_THR], n, xs, row, off, entry, pair);
     int64_t best = kNoFirst, keep = -1;
     for (int64_t i = 0; i < m; i++) {
         if (!sc.counts[i].first) continue;
@@ -254,10 +278,9 @@ void stats(at::TensorList xs, const at::Tensor& ring, const at::Tensor& toks,
         int64_t* f = first.data_ptr<int64_t>();
         f[0] = std::min(f[0], best);
     }
-    float* s = snap.data_ptr<float>();
     if (keep >= 0 && s[QF_SNAP_TAKEN] == 0.f) {
         const int64_t j = pair[keep];
-        take_snapshot(s, snap.numel() - QF_SNAP_HEADER, n, xs[keep], entry[keep],
+        take_snapshot(s, cap_snap, n, xs[keep], entry[keep],
                       j != keep ? &xs[j] : nullptr, j != keep ? entry[j] : -1);
     }
 }

@@ -28,15 +28,17 @@ try:  # Triton is only needed on a GPU
 except Exception:  # noqa: BLE001 - absent or broken: no CUDA kernel (capture says so)
     triton = None  # type: ignore[assignment]
 
-# per tensor: start in the gathered buffer, rows, channels, off, cap, tok, entry; a candidate
-# output for the snapshot (1/0), its input's start, rows, channels and entry (rows 0, entry -1:
-# none)
+# per tensor: start in the gathered buffer, rows, channels, off, cap, tok, entry; what it is to
+# the snapshots: 1, a candidate output for the first failing output's (then its input's start,
+# rows, channels and entry: rows 0, entry -1 for none); 2, a candidate input for the first
+# outlier's (then its output's); 0, neither
 TABLE_COLS = 12
 
 if triton is not None:
     @triton.jit
     def _stats_kernel(x_ptr, tab_ptr, ring_ptr, tok_ptr, first_ptr, step_ptr, width, nslots,
-                      tok_slots, tok_slot, tok_cols, snap_ptr, snap_cap, BR: tl.constexpr,
+                      tok_slots, tok_slot, tok_cols, snap_ptr, snap_cap, obase,
+                      BR: tl.constexpr,
                       BC: tl.constexpr, BLK: tl.constexpr):
         """Program i reduces tensor i of the group ([rows, chans], contiguous, at `start` in
         the gathered buffer) in one pass: row tiles outer, channel tiles inner; channel ranges
@@ -111,33 +113,50 @@ if triton is not None:
         tl.atomic_min(first_ptr, key, mask=acc_bad > 0)
         # the snapshot: the group's first failing candidate output keeps its call, once
         flag_ptr = snap_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        if (acc_bad > 0) & (tl.load(t + 7) > 0):
+        role = tl.load(t + 7)
+        if (acc_bad > 0) & (role == 1):
             if tl.load(flag_ptr) == 0:
-                earlier = tl.zeros((), tl.int32)
-                for j in range(0, tl.program_id(0)):
-                    tj = tab_ptr + j * 12
-                    if tl.load(tj + 7) > 0:
-                        sj = tl.load(tj)
-                        nj = tl.load(tj + 1) * tl.load(tj + 2)
-                        for b0 in range(0, nj, BLK):
-                            kk = b0 + tl.arange(0, BLK)
-                            w = tl.load(x_ptr + sj + kk, mask=kk < nj, other=0.0).to(tl.float32)
-                            odd = (w != w) | (w == float("inf")) | (w == float("-inf"))
-                            earlier += tl.sum(odd.to(tl.int32), axis=0)
-                if earlier == 0:
+                if _earlier(x_ptr, tab_ptr, 1, 0.0, BLK) == 0:
                     if tl.atomic_cas(flag_ptr, 0, 0x3F800000) == 0:  # 1.0f's bits
-                        _snap_copy(x_ptr, t, snap_ptr, snap_cap, start, rows, chans, entry,
-                                   step, BLK)
+                        _snap_copy(x_ptr, snap_ptr, snap_cap, tl.load(t + 8), tl.load(t + 9),
+                                   tl.load(t + 10), tl.load(t + 11), start, rows, chans,
+                                   entry, step, BLK)
+        # the first outlier's snapshot (the second region): the group's first candidate input
+        # whose finite absmax reaches the threshold keeps its call, once; the same claim
+        if role == 2:
+            thr = tl.load(snap_ptr + 15)  # statsop SNAP["thr"]
+            oflag_ptr = (snap_ptr + obase).to(tl.pointer_type(tl.int32), bitcast=True)
+            if (tl.maximum(-gmin, gmax) >= thr) & (tl.load(oflag_ptr) == 0):
+                if _earlier(x_ptr, tab_ptr, 2, thr, BLK) == 0:
+                    if tl.atomic_cas(oflag_ptr, 0, 0x3F800000) == 0:
+                        _snap_copy(x_ptr, snap_ptr + obase, snap_cap, start, rows, chans,
+                                   entry, tl.load(t + 8), tl.load(t + 9), tl.load(t + 10),
+                                   tl.load(t + 11), step, BLK)
 
     @triton.jit
-    def _snap_copy(x_ptr, t, snap_ptr, snap_cap, start, rows, chans, entry, step,
-                   BLK: tl.constexpr):
+    def _earlier(x_ptr, tab_ptr, role, thr, BLK: tl.constexpr):
+        """How many values of the group's tensors before this program's, of the same `role`,
+        would claim the same snapshot (1: a non-finite value; 2: a finite one at `thr` in
+        absolute value): a second pass over them, on the claim's path only (once a run)."""
+        n = tl.zeros((), tl.int32)
+        for j in range(0, tl.program_id(0)):
+            tj = tab_ptr + j * 12
+            if tl.load(tj + 7) == role:
+                sj = tl.load(tj)
+                nj = tl.load(tj + 1) * tl.load(tj + 2)
+                for b0 in range(0, nj, BLK):
+                    kk = b0 + tl.arange(0, BLK)
+                    w = tl.load(x_ptr + sj + kk, mask=kk < nj, other=0.0).to(tl.float32)
+                    odd = (w != w) | (w == float("inf")) | (w == float("-inf"))
+                    hit = odd if role == 1 else ~odd & (tl.abs(w) >= thr)
+                    n += tl.sum(hit.to(tl.int32), axis=0)
+        return n
+
+    @triton.jit
+    def _snap_copy(x_ptr, snap_ptr, snap_cap, in_start, in_rows, in_chans, in_entry, start,
+                   rows, chans, entry, step, BLK: tl.constexpr):
         """The claimed snapshot: the input's rows, the output's (split as statsop.snap_split),
         then the header but `taken` (set by the claim)."""
-        in_start = tl.load(t + 8)
-        in_rows = tl.load(t + 9)
-        in_chans = tl.load(t + 10)
-        in_entry = tl.load(t + 11)
         n_in = in_rows * in_chans
         n_out = rows * chans
         k_in = tl.minimum(n_in, tl.maximum(snap_cap // 2, snap_cap - n_out))
@@ -208,11 +227,11 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tenso
     rows = []
     t_rows, t_cols = int(toks.shape[1]), int(toks.shape[2])
     for i, (x, o, c, k, e, p) in enumerate(zip(xs, off, cap, tok, entry, pair)):
-        has_in = p >= 0 and p != i
-        src = where[p] if has_in else (0, 0, 0)
+        other = p if p >= 0 and p != i else -2 - p if p <= -2 else -1  # its input / output
+        src = where[other] if other >= 0 else (0, 0, 0)
         k = min(int(k), t_rows) if x.dim() >= 2 and 0 <= e < t_cols else 0
-        rows.append([*where[i], o, c, k, e, int(p >= 0), *src,
-                     entry[p] if has_in else -1])
+        rows.append([*where[i], o, c, k, e, 1 if p >= 0 else 2 if p <= -2 else 0, *src,
+                     entry[other] if other >= 0 else -1])
     key = (ring.device, tuple(tuple(r) for r in rows))
     tab = _table(key, rows, ring.device)
     if tab is None:
@@ -221,11 +240,12 @@ def launch_triton(xs: Sequence[Tensor], ring: Tensor, toks: Tensor, first: Tenso
     flat = torch.cat(parts) if len(parts) > 1 else parts[0]
     maxc = max(r[2] for r in rows)
     maxr = max(r[1] for r in rows)
+    half = snap.numel() // 2  # statsop.snap_region: two regions of equal size
     bc = min(max(16, triton.next_power_of_2(max(maxc, 1))), 1024)
     br = max(1, min(triton.next_power_of_2(max(maxr, 1)), max(1, 4096 // bc)))
     _stats_kernel[(len(rows),)](flat, tab, ring, toks, first, step, ring.shape[1],
                                 ring.shape[0], toks.shape[0], t_rows * t_cols, t_cols, snap,
-                                snap.numel() - SNAP_HEADER, BR=br, BC=bc, BLK=1024,
+                                half - SNAP_HEADER, half, BR=br, BC=bc, BLK=1024,
                                 num_warps=4 if bc * br >= 1024 else 1)
 
 

@@ -166,6 +166,16 @@ class StepEnd:
         except Exception as exc:  # noqa: BLE001 - never break the guard or the run
             log.warning("qforensics: could not record an incident (%s)", exc)
 
+    def _watch_tick(self) -> None:
+        """The step's interval check of the parameters, on the model's thread at the step's
+        end, whenever its records are built (hooks/paramwatch.py `tick`)."""
+        if self._watch is not None:
+            try:
+                self._watch.tick(self.step)
+            except Exception as exc:  # noqa: BLE001 - never break the run: stop watching
+                log.warning("qforensics: parameter watch off (%s)", exc)
+                self._watch = None
+
     def _watch_close(self) -> np.ndarray:
         """The watch's last check at close (hooks/paramwatch.py): its /param_watch rows."""
         if self._watch is None:

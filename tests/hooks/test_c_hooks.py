@@ -76,7 +76,7 @@ def _capture_records(tmp_path, name: str, use_c: bool, monkeypatch, bad_at: int 
     xs = [torch.randn(2, 8) for _ in range(6)]
     path = tmp_path / f"{name}.h5"
     outs = []
-    with torch.no_grad(), qforensics.capture(m, path, modules=["a", "t", "k", "dct", "b"]) as cap:
+    with torch.no_grad(), qforensics.capture(m, path, modules=["a", "t", "k", "dct", "b"], compiled=False) as cap:
         for x in xs:
             outs.append(m(x))
         assert cap._c_hooks == use_c
@@ -145,7 +145,7 @@ def test_an_error_before_the_takes_degrades_capture_not_the_run(cursor_type, tmp
 
     m = WithTag()
     outs = []
-    with torch.no_grad(), qforensics.capture(m, tmp_path / "t.h5", modules=["a", "w"]) as cap:
+    with torch.no_grad(), qforensics.capture(m, tmp_path / "t.h5", modules=["a", "w"], compiled=False) as cap:
         assert cap._c_hooks
         for _ in range(6):
             outs.append(m(torch.randn(2, 8)))
@@ -217,7 +217,8 @@ def test_folded_forwards_are_gone_after_close(cursor_type, tmp_path):
     x = torch.randn(2, 8)
     with torch.no_grad():
         want = m(x)
-        with qforensics.capture(m, tmp_path / "f.h5", modules=["a", "t", "k", "dct", "b"]):
+        with qforensics.capture(m, tmp_path / "f.h5", modules=["a", "t", "k", "dct", "b"],
+                                compiled=False):
             assert type(m.a.__dict__["forward"]) is fast_take.TAKER.forward_type
             assert m.b.__dict__["forward"] is patched and len(m.b._forward_hooks) == 1
             torch.testing.assert_close(m(x), want)

@@ -254,22 +254,27 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
         assert facts["kept"] == "whole" and facts["module_type"] == type(m.layers[1].up).__name__
         assert facts["params"]["weight"]["shape"] == list(m.layers[1].up.weight.shape)
         assert facts["input_dtype"] == "float32" and facts["library"] == "torch"
-        pos = kept["nonfinite_positions"]
-        assert pos.shape[1] == 3
+        pos = kept["nonfinite_positions"]  # the op path keeps [rows, channels]
+        assert pos.shape[1] == kept["output.0"].ndim == 2
         assert not np.isfinite(kept["output.0"][tuple(pos[0])])
 
 
-def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog):
-    import qforensics.hooks.reduce as reduce_mod  # the session calls reduce.fast_group
+@pytest.mark.parametrize("compiled", [None, False])
+def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog, compiled):
+    # the default path's hooks call graphhooks._call_plan; the older eager path's step end
+    # reduce.fast_group
+    import qforensics.hooks.graphhooks as graphhooks
+    import qforensics.hooks.reduce as reduce_mod
 
     def broken(*a, **k):
         raise ValueError("odd tensor")
 
-    monkeypatch.setattr(reduce_mod, "fast_group", broken)
+    monkeypatch.setattr(graphhooks if compiled is None else reduce_mod,
+                        "_call_plan" if compiled is None else "fast_group", broken)
     m = Tiny()
     ref = m(ids())
     with caplog.at_level(logging.ERROR):
-        with qforensics.capture(m, tmp_path / "t.h5") as cap:
+        with qforensics.capture(m, tmp_path / "t.h5", compiled=compiled) as cap:
             got = m(ids())
             m(ids())
     assert torch.equal(ref, got)

@@ -54,7 +54,7 @@ def logged_run(m: nn.Module, xs: list[torch.Tensor], path, inference: bool
             calls.append((current[0], name))
         handles.append(getattr(m, name).register_forward_hook(hook))
     try:
-        with torch.inference_mode(inference), qforensics.capture(m, path):
+        with torch.inference_mode(inference), qforensics.capture(m, path, compiled=False):
             for i, x in enumerate(xs):
                 current[0] = i
                 m(x)

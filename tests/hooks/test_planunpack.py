@@ -79,7 +79,7 @@ def test_single_token_buffers_share_one_channel_block():
 def _capture(tmp_path, name: str) -> list:
     m = Tiny()
     path = tmp_path / f"{name}.h5"
-    with torch.no_grad(), qforensics.capture(m, path):
+    with torch.no_grad(), qforensics.capture(m, path, compiled=False):
         x = ids(4)
         for _ in range(6):  # decode-like: one new token per step after the first
             logits = m(x)

@@ -359,12 +359,16 @@ def _check_snap(xs, snap: np.ndarray, capacity: int) -> None:  # noqa: ANN001
     inp, out = xs[2].reshape(5, 4).numpy(), xs[3].reshape(5, 3).numpy()
     k_in = min(inp.size, max(capacity // 2, capacity - out.size))  # half each when short
     k_out = min(out.size, capacity - k_in)
+    assert snap.size == 2 * (statsop.SNAP_HEADER + capacity)  # two regions
     h = snap[:statsop.SNAP_HEADER]
     assert h[:10].tolist() == [1, 3, 23, 22, 5, 4, 5, 3, k_in, k_out]
-    body = snap[statsop.SNAP_HEADER:]
+    body = snap[statsop.SNAP_HEADER:statsop.SNAP_HEADER + capacity]
     np.testing.assert_array_equal(body[:k_in], inp.reshape(-1)[:k_in])
     np.testing.assert_array_equal(body[k_in:k_in + k_out], out.reshape(-1)[:k_out])
     assert not body[k_in + k_out:].any()
+    # no threshold given: the outlier's region was taken from the start, and stays empty
+    b = snap[statsop.SNAP_HEADER + capacity:]
+    assert b[0] == 1 and not b[1:].any()
 
 
 @pytest.mark.parametrize("capacity", [4096, 30])
@@ -376,7 +380,8 @@ def test_cpu_kernel_keeps_the_first_failing_output_call_once(capacity: int,
 
 def test_no_snapshot_without_capacity_or_a_failing_output(kernel) -> None:  # noqa: ANN001
     xs, snap = _snap_group(kernel, 0)
-    assert snap.numpy().tolist() == [1.0] + [0.0] * (statsop.SNAP_HEADER - 1)
+    header = [1.0] + [0.0] * (statsop.SNAP_HEADER - 1)
+    assert snap.numpy().tolist() == header[:-1] + [float("inf")] + header
     w = statsop.entry_width(8)
     snap = statsop.new_snap(torch.device("cpu"), 64)
     nan = torch.full((2, 8), float("nan"))  # a failing input is no candidate
@@ -384,7 +389,69 @@ def test_no_snapshot_without_capacity_or_a_failing_output(kernel) -> None:  # no
     kernel([nan, torch.ones(2, 8)], ring, _toks(ring, 4),
            statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w], [8] * 2,
            [4] * 2, [0, 1], snap, [-1, 0])
-    assert not snap.numpy().any()
+    assert not snap.numpy()[:statsop.SNAP_HEADER + 64].any() or (
+        snap.numpy()[:statsop.SNAP_HEADER + 64].tolist()
+        == [0.0] * (statsop.SNAP_HEADER - 1) + [float("inf")] + [0.0] * 64)
+
+
+THR = 448.0
+
+
+def _outlier_group(kernel, capacity: int = 4096):  # noqa: ANN001, ANN202
+    """Three GEMM calls in one group, inputs at 5, 1000 (with a NaN) and 2000 in absmax;
+    the second's output holds a NaN as well. Then a later step whose first input is the
+    largest. `pair` as graphhooks builds it for GEMM modules: input i -> -2 - its output."""
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.rand(1, 4, 6, generator=g), torch.rand(4, 3, generator=g),
+          torch.rand(1, 4, 5, generator=g), torch.rand(4, 2, generator=g),
+          torch.rand(2, 5, generator=g), torch.rand(2, 3, generator=g)]
+    xs[0][0, 1, 2] = -5.0
+    xs[2][0, 3, 4], xs[2][0, 0, 0] = -1000.0, float("nan")  # finite absmax 1000
+    xs[3][1, 1] = float("nan")
+    xs[4][1, 0] = 2000.0
+    n, w = len(xs), statsop.entry_width(CAP)
+    ring, first = torch.zeros(2, w * n), statsop.new_first(torch.device("cpu"))
+    toks = _toks(ring)
+    snap = statsop.new_snap(torch.device("cpu"), capacity, THR)
+    pair = [-3, 0, -5, 2, -7, 4]
+    later = [x * 10 for x in xs]
+    for step, group in ((3, xs), (4, later)):
+        kernel(group, ring, toks, first, torch.tensor(step), [i * w for i in range(n)],
+               [CAP] * n, [TOK] * n, list(range(30, 30 + n)), snap, pair)
+    return xs, snap
+
+
+def _check_outlier(xs, snap: np.ndarray, capacity: int) -> None:  # noqa: ANN001
+    """The second call (input entry 32, output 33) in the second region at step 3, its
+    input's rows (NaN kept as it was) and its output's; the NaN output's call in the first
+    region: the same call, each region on its own."""
+    inp, out = xs[2].reshape(4, 5).numpy(), xs[3].numpy()
+    H = statsop.SNAP_HEADER
+    b = snap[H + capacity:]
+    assert b[:10].tolist() == [1, 3, 33, 32, 4, 5, 4, 2, inp.size, out.size]
+    np.testing.assert_array_equal(b[H:H + inp.size], inp.reshape(-1))
+    np.testing.assert_array_equal(b[H + inp.size:H + inp.size + out.size], out.reshape(-1))
+    assert not b[H + inp.size + out.size:].any()
+    assert snap[:10].tolist() == [1, 3, 33, 32, 4, 5, 4, 2, inp.size, out.size]
+
+
+def test_cpu_kernel_keeps_the_first_outlier_call_once(kernel) -> None:  # noqa: ANN001
+    xs, snap = _outlier_group(kernel)
+    _check_outlier(xs, snap.numpy(), 4096)
+
+
+def test_no_outlier_snapshot_below_the_threshold_or_for_a_non_candidate(kernel) -> None:  # noqa: ANN001
+    w = statsop.entry_width(8)
+    ring = torch.zeros(2, 3 * w)
+    big = torch.full((2, 8), 447.0)
+    big[0, 0] = -447.9
+    for pair in ([-3, -1, 1], [-1, -1, 1]):  # below: a candidate; at 500: no candidate
+        snap = statsop.new_snap(torch.device("cpu"), 64, THR)
+        x = big if pair[0] == -3 else big + 53.0
+        kernel([x, x, torch.ones(2, 8)], ring, _toks(ring, 4),
+               statsop.new_first(torch.device("cpu")), torch.tensor(0), [0, w, 2 * w],
+               [8] * 3, [4] * 3, [0, 1, 2], snap, pair)
+        assert not snap.numpy()[statsop.SNAP_HEADER + 64:].any()
 
 
 _CHILD = r"""
@@ -406,6 +473,7 @@ for kernel, tag in ((launch_triton, "group.triton"), (statscpu.stats_cpu, "group
     out[tag + ".first"] = first.numpy()
 for cap in (4096, 30):
     out[f"snap.{cap}"] = t._snap_group(launch_triton, cap)[1].numpy()
+out["outlier"] = t._outlier_group(launch_triton)[1].numpy()
 # programs in reverse order: the later failing outputs run first and must leave the call to
 # the first one (a GPU runs them in any order)
 import triton.runtime.interpreter as ti
@@ -414,6 +482,7 @@ set_dim, set_idx = b.set_grid_dim, b.set_grid_idx
 b.set_grid_dim = lambda x, y, z: (dims.__setitem__(0, x), set_dim(x, y, z))[1]
 b.set_grid_idx = lambda x, y, z: set_idx(dims[0] - 1 - x, y, z)
 out["snap.reversed"] = t._snap_group(launch_triton, 4096)[1].numpy()
+out["outlier.reversed"] = t._outlier_group(launch_triton)[1].numpy()
 np.savez(sys.argv[1], **out)
 """
 
@@ -448,6 +517,10 @@ def test_triton_kernel_matches_numpy_in_the_interpreter(tmp_path) -> None:  # no
     for cap in (4096, 30):
         _check_snap(xs, got[f"snap.{cap}"], cap)
     _check_snap(xs, got["snap.reversed"], 4096)
+    # the first outlier: claimed by the first candidate at the threshold, whatever the order
+    xs = _outlier_group(statscpu.stats_cpu)[0]
+    _check_outlier(xs, got["outlier"], 4096)
+    _check_outlier(xs, got["outlier.reversed"], 4096)
 
 
 _CAPTURE_CHILD = r"""
