@@ -275,8 +275,15 @@ class RingReader:
 
     def ranges(self, rows: list[np.ndarray], spans: dict[str, Any]
                ) -> tuple[np.ndarray, np.ndarray]:
-        """The kept entries' channel minima and maxima in `rows` (a slot), side by side."""
-        return self._spans(rows, spans, "min"), self._spans(rows, spans, "max")
+        """The kept entries' channel minima and maxima in `rows` (a slot), side by side; NaN
+        for a channel without a finite value (the op leaves +inf / -inf there; the trace's
+        format says NaN)."""
+        lo, hi = self._spans(rows, spans, "min"), self._spans(rows, spans, "max")
+        empty = lo > hi
+        if empty.any():
+            lo[empty] = np.nan
+            hi[empty] = np.nan
+        return lo, hi
 
     def read_ranges(self, step: int, spans: dict[str, Any]
                     ) -> tuple[np.ndarray, np.ndarray] | None:

@@ -410,3 +410,23 @@ def test_ring_chunks_are_sized_from_the_layers_widths():
     assert ring_chunk(vllm_like) == 65536  # 253,440 / 4 = 63,360 -> the next power of two
     assert ring_chunk([nn.Linear(64, 64)] * 4) == 4096  # the floor
     assert ring_chunk([nn.Linear(576, 576)] * 20) == 8192  # 23,040 / 4 = 5,760 -> 8,192
+
+
+@pytest.mark.parametrize("compiled", [None, False])  # the stats op's path / the older one
+@pytest.mark.parametrize("channel_steps", ["auto", "all"])  # lazy ranges / copied at once
+def test_a_channel_without_a_finite_value_reads_nan(tmp_path, compiled, channel_steps):
+    """A weight row turned NaN makes one output channel NaN at every token: the trace's
+    format gives NaN for a channel with no finite value (the op leaves +inf / -inf in its
+    ring), and finite ranges for the others."""
+    m = Tiny()
+    with torch.no_grad():
+        m.layers[1].up.weight[3, :] = float("nan")
+    with qforensics.capture(m, tmp_path / "t.h5", compiled=compiled,
+                            channel_steps=channel_steps):
+        m(ids(4))
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        got = t.channels_for("layers.1.up", 0, io=1)
+        assert got is not None
+        lo, hi = got
+        assert np.isnan(lo[3]) and np.isnan(hi[3])
+        assert np.isfinite(np.delete(lo, 3)).all() and np.isfinite(np.delete(hi, 3)).all()
