@@ -6,7 +6,11 @@ in (trace/budget.py's `_note`, in memory), and the last K of them (K: the ring's
 least 16) stay in memory whole. At close the writer tries once to put them where no new room
 is needed: the summaries into the fixed-size `/summary`, the K steps into their ring slots
 (allocated once the ring has turned). The status says from which step writing failed and
-whether that last write took (`writer_error`, `writer_failed_at_step`, `memory_ring`);
+whether that last write took (`writer_error`, `writer_failed_at_step`, `memory_ring`), and how
+many rows each appended table had at the last flush that completed (`rows_flushed`): the failed
+flush may have put some of its rows on disk and not others (one column's chunk written, the
+next one's not; a step row whose records read as finite zeros), so the reader leaves the rows
+past those counts out (trace/reader.py) and the ring and the summaries speak for those steps.
 analyze/coverage.py (`_written`) turns that into what the verdict covers, and the reader takes
 the status from `/status_raw` (trace/reader.py's `meta`).
 
@@ -30,6 +34,22 @@ from qforensics.trace.rawput import RawRegion
 log = logging.getLogger("qforensics.trace.writer")
 
 _MIN_KEPT = 16  # steps kept in memory without a ring
+
+
+def flushed_rows(lengths: dict[str, int]) -> dict[str, int]:
+    """The rows of each appended table as of the last flush that completed, by the reader's
+    names (`steps`, `records`, `snapshots/index`, `incidents`, `engine/<table>` and the flat
+    arrays), from the writer's per-column lengths then (`TraceWriter._flushed`)."""
+    tables = {"steps": schema.STEP_COLUMNS, "records": schema.RECORD_COLUMNS,
+              "snapshots/index": schema.SNAPSHOT_COLUMNS, "incidents": schema.INCIDENT_COLUMNS,
+              **{f"engine/{t}": cols for t, cols in schema.ENGINE_TABLES.items()}}
+    out: dict[str, int] = {}
+    for table, cols in tables.items():
+        have = [lengths[f"{table}/{c[0]}"] for c in cols if f"{table}/{c[0]}" in lengths]
+        if have:
+            out[table] = int(min(have))
+    out.update((p, int(lengths[p])) for p in schema.FLAT_ARRAYS if p in lengths)
+    return out
 
 
 class FallbackWriter:

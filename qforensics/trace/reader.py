@@ -80,6 +80,38 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
     per-token arrays come from `channel_block`, `channel_ranges` and `token_absmax`.
     """
 
+    # -- after a failed write ----------------------------------------------------------------
+    _unflushed_from_step = -1  # an older writer's status: /steps rows from this step on are out
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._leave_out_unflushed()
+
+    def _leave_out_unflushed(self) -> None:
+        """A writer whose flush failed (a full disk, a file size limit) names the rows each
+        appended table had at its last flush that completed (status `rows_flushed`,
+        trace/fallback.py). The rows past them came from the failed flush, which may have put
+        some of their columns on disk and not others (a step row whose records read back as
+        finite zeros): they are left out, and the ring and the summaries hold those steps. A
+        status without the counts (an older writer) leaves out the step rows from the failed
+        step on (`_step_arrays`)."""
+        try:
+            st = self.meta.get("status")
+        except TraceFormatError:  # raised again where the status is read
+            return
+        if not isinstance(st, dict) or not st.get("writer_error"):
+            return
+        rows = st.get("rows_flushed")
+        if not isinstance(rows, dict):
+            at = st.get("writer_failed_at_step")
+            if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
+                self._unflushed_from_step = at
+            return
+        for table, n in rows.items():
+            if table in self._lengths and isinstance(n, int) and not isinstance(n, bool) \
+                    and n >= 0:
+                self._lengths[table] = min(self._lengths[table], n)
+
     # -- metadata ----------------------------------------------------------------------------
     @cached_property
     def meta(self) -> dict[str, Any]:
@@ -177,6 +209,11 @@ class Trace(TraceFile, ChannelAccess, SnapshotAccess, SideTables, BudgetView):
         raw, bad_row = self._read_prefix_table("steps", schema.STEP_COLUMNS)
         if bad_row is not None:
             self.unreadable.append(f"/steps rows from {bad_row} on")
+        if self._unflushed_from_step >= 0:  # rows of the failed flush: possibly torn
+            late = raw["step"] >= self._unflushed_from_step
+            if late.any():
+                cut = int(np.argmax(late))
+                raw = {k: v[:cut] for k, v in raw.items()}
         # a lost /records keeps the summaries usable; their spans are checked for sanity only
         self._check_step_domains(raw)
         n_rec = self._records_limit()

@@ -45,7 +45,7 @@ from qforensics.trace import schema
 from qforensics.trace import layout
 from qforensics.trace.batch import StepBatch, rebase_channels, merge_batches
 from qforensics.trace.budget import BudgetWriter, engine_step
-from qforensics.trace.fallback import FallbackWriter
+from qforensics.trace.fallback import FallbackWriter, flushed_rows
 from qforensics.trace.hits import HitsWriter
 from qforensics.trace.columns import ColumnWriter, batch_rows
 from qforensics.trace.layout import STATUS_BYTES, compact_trace, json_attr, set_meta  # noqa: F401
@@ -137,6 +137,9 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
         self._fd = _vfd(f)
         # lengths of the appendable datasets, kept here (h5py's .shape is a library call)
         self._len = {p: int(ds.shape[0]) for p, ds in self._cols.items()}
+        # the lengths as of the last flush that completed: a flush that fails can leave the
+        # rows it appended torn on disk (some columns written, some not; trace/fallback.py)
+        self._flushed = dict(self._len)
         self._geo: dict[str, tuple[int, int, tuple[int, ...]]] = {}
 
 
@@ -250,6 +253,7 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
                 self._pin(batches, stripped, appended)
                 self._write_summary()
                 self._file.flush()
+                self._flushed = dict(self._len)
                 self.steps_written += sum(len(b.steps) for b in batches)
         except Exception as exc:  # disk full, file removed, ...: degrade, never raise into the run
             self._fail(exc, batches, noted)
@@ -362,12 +366,15 @@ class TraceWriter(FallbackWriter, BudgetWriter, HitsWriter, ColumnWriter):
                 if not self._failed:
                     try:  # the last drain's data, before the status says it is there
                         self._file.flush()
+                        self._flushed = dict(self._len)
                     except Exception as exc:  # noqa: BLE001 - the disk filled up just now
                         self._fail(exc, [], True)
                 if self._failed:  # raw bytes into the fixed regions, then let go (fallback.py)
                     try:
                         st["writer_error"] = self._failed[:400]
                         st["writer_failed_at_step"] = self._failed_at
+                        # rows past these may be torn on disk: the reader leaves them out
+                        st["rows_flushed"] = flushed_rows(self._flushed)
                         st["memory_ring"] = self._write_memory()
                         self._raw_status(st)
                     finally:

@@ -19,7 +19,10 @@ from capture_models import Tiny
 grow, steps, bad, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 # "compiled": torch.compile'd, each step re-feeding its sequence plus one token, so that its
 # steps are decodes whose channel ranges go to the ring (left in the op's ring until needed)
-compiled = len(sys.argv) > 5 and sys.argv[5] == "compiled"
+compiled = "compiled" in sys.argv[5:]
+# "at_close": no drain of its own after step 50 (a flush interval longer than the run), so the
+# steps from there on are written in the one drain at close, which the limit cuts mid-flush
+at_close = "at_close" in sys.argv[5:]
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a kill
 m = Tiny()
 with torch.no_grad():
@@ -27,7 +30,8 @@ with torch.no_grad():
 gen = torch.Generator().manual_seed(1)
 model = torch.compile(m, dynamic=True) if compiled else m
 seq = torch.randint(0, 16, (1, 6), generator=gen)
-with torch.no_grad(), qforensics.capture(model, path, flush_interval=0.01) as cap:
+with torch.no_grad(), qforensics.capture(model, path,
+                                            flush_interval=1e4 if at_close else 0.01) as cap:
     for i in range(steps):
         if i == 50:  # the ring has turned: its chunks are on disk once the writer has
             # written what was emitted so far (a barrier: a loaded machine's writer lags)

@@ -111,6 +111,44 @@ def test_compiled_ring_steps_kept_in_memory_keep_their_channels(tmp_path):
         assert np.isfinite(lo).all() and lo.min() < hi.max()
 
 
+def test_a_flush_cut_at_close_leaves_no_torn_rows_behind(tmp_path, monkeypatch):
+    """Nothing drains between step 50 and close, so the limit cuts the one flush at close,
+    which had appended steps 48-119 (steps are emitted a step late): HDF5 put some of their
+    columns on disk and not others (the step rows of the NaN step, its records' NaN counts
+    still zero), which read as a NaN in the logits alone, or as no NaN at all. The status names
+    the rows each table had at the last flush that completed; the reader leaves out the rows
+    past them, and the NaN is found in the ring with its producer. A status without the counts
+    (an older writer) leaves out the step rows from the failed step on."""
+    steps = 120
+    bad = steps - 5
+    path, out, _ = _run(tmp_path, bad, "disk_full_child.py", 20000, steps, "at_close")
+    assert "File too large" in out["degraded"]
+    st = _status(path)
+    failed_at = st["writer_failed_at_step"]
+    assert 0 <= failed_at <= 50, st
+    rows = st["rows_flushed"]
+    with qforensics.open_trace(path) as t:
+        kept = t.step_table
+        assert len(kept) == rows["steps"] and int(kept["step"].max()) < failed_at
+        assert t.records_end <= rows["records"]
+        assert t.ring_detail_steps() == list(range(steps - RING, steps))
+    f = analyze_trace(path)
+    assert f.verdict.status == "FAILED", f.verdict.line
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == bad, f.verdict.line
+    assert f.first_nonfinite.producer_module == "layers.1.down"
+    assert f"full detail for steps 0-{failed_at - 1} and, in the ring," in f.verdict.line
+
+    from qforensics.trace import reader
+
+    raw = reader.Trace._raw_status
+    monkeypatch.setattr(reader.Trace, "_raw_status", lambda self: {
+        k: v for k, v in (raw(self) or {}).items() if k != "rows_flushed"})
+    assert "rows_flushed" not in _status(path)
+    f = analyze_trace(path)
+    assert f.first_nonfinite is not None and f.first_nonfinite.step == bad, f.verdict.line
+    assert f.first_nonfinite.producer_module == "layers.1.down"
+
+
 def test_raw_row_writes_land_where_hdf5_reads_them(tmp_path):
     """Several chunks a row (the real model's ring rows are 1024 records of 512 a chunk): each
     raw write is read back by HDF5 at its row and columns, and nowhere else."""
