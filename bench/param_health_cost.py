@@ -43,8 +43,10 @@ def watch_cost(every: int) -> None:
     watched = watched_tensors(select_modules(model, None), model)
     mb = sum(t.numel() * t.element_size() for _, _, _, t, _ in watched) / 1e6
     pw = ParamWatch(watched, every)
-    check = best(lambda: pw.step_end(every - 1, False), 7)  # a step end with a check due
-    idle = best(lambda: pw.step_end(0, False), 200)  # a step end with none due
+    # a step end with a check due (launched at the step's end, read with its records; on the
+    # CPU both at once), and one with none due
+    check = best(lambda: (pw.tick(every - 1), pw.step_end(every - 1, False)), 7)
+    idle = best(lambda: (pw.tick(0), pw.step_end(0, False)), 200)
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():  # a one-token forward: a decode step's cost at a short context
         nxt = model(ids).logits[:, -1:].argmax(-1)

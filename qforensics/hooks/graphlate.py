@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -102,6 +103,9 @@ class GraphLate:
     step: int
     options: dict[str, Any]
     adapter: "EngineAdapter"
+    _emit_lock: Any  # the step boundaries and `_graph_linger` (hooks/session.py)
+    _in_step: bool
+    _attached: bool
 
     if TYPE_CHECKING:  # hooks/session.py, hooks/stepend.py, hooks/graphmode.py
         def _degrade(self, exc: BaseException) -> None: ...
@@ -115,6 +119,25 @@ class GraphLate:
         def _graph_flush(self) -> None: ...
 
         def _graph_snapshot(self, part: dict[str, Any] | None, step: int) -> None: ...
+
+    def _graph_linger(self) -> None:
+        """On the CPU, where no drainer thread runs (`Linger` calls this every linger period):
+        the steps noted before the model went quiet (an idle server, a run stalled, or about
+        to be killed) emitted once the first waited EMIT_LINGER x the flush interval, so that
+        the writer's schedule puts them on disk; never during a step (`_emit_lock`: the step
+        boundaries take it too)."""
+        if not self._late or self._in_step:
+            return
+        with self._emit_lock:
+            if self._in_step or self._degraded is not None or not self._attached:
+                return
+            first = next((i for i in self._late if isinstance(i, LateStep)), None)
+            if first is None or time.time() - first.t_end < self._linger():
+                return
+            try:
+                self._graph_drain()
+            except Exception as exc:  # noqa: BLE001 - never break the run
+                self._degrade(exc)
 
     def _graph_late(self) -> bool:
         """Emit a step at the end of the next one: a GPU, with the logits from the root (an
@@ -290,3 +313,26 @@ class GraphLate:
                          ids=n.ids if n.ids is not None else np.zeros(0, np.int64),
                          complete=n.complete, incidents=n.incidents, kind=n.kind,
                          detail=False)
+
+
+class Linger:
+    """A daemon thread that asks the session every `period` seconds to emit the steps that
+    waited too long (`GraphLate._graph_linger`); on the CPU, where steps are emitted in
+    batches by the model's own thread and nothing else would wake up once it goes quiet."""
+
+    def __init__(self, owner: GraphLate, period: float) -> None:
+        self._owner = owner
+        self._period = max(0.01, float(period))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="qforensics-linger")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self._owner._graph_linger()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

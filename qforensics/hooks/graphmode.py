@@ -69,6 +69,7 @@ class GraphMode(GraphLate):
     _graph_why: str | None
     _graph_step: int
     _graph_reset = False  # Dynamo's compiled code dropped at attach (`_graph_recompile`)
+    _linger_timer: "graphlate.Linger | None" = None  # the CPU's emitter once the model is quiet
     _handles: list[Any]
     _graph_lane: int
     _eager_model: bool
@@ -114,6 +115,8 @@ class GraphMode(GraphLate):
             batch = graphlate.EMIT_BATCH
             self._drainer = Drainer(self._graph_emit_items, batch, many=True,
                                     batch=max(1, batch // 2), linger=self._linger())
+        else:  # the model's thread emits; once it goes quiet, this does
+            self._linger_timer = graphlate.Linger(self, self._linger())
         # a module inside a hooked decoder block queues its tensors, which the block's hook
         # hands to the op in one call; a module outside any block calls it itself
         block_names = [chosen[mid][0] + "." for mid, _, k in mods if k == "block"]
@@ -245,6 +248,9 @@ class GraphMode(GraphLate):
         return st
 
     def _graph_close(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.close()
+            self._linger_timer = None
         if self._drainer is not None:
             self._drainer.close(timeout=60)
             self._drainer = None

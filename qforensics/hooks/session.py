@@ -166,6 +166,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self._degraded: str | None = None
         self._lock = threading.RLock()
         self._step_lock = threading.RLock()  # serializes steps of concurrent forwards
+        # the step boundaries, and the emission of waiting steps between them from another
+        # thread (hooks/graphlate.py `_graph_linger`)
+        self._emit_lock = threading.RLock()
         # run state
         self.step = -1
         self._in_step = False
@@ -317,6 +320,10 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
 
     # -- step boundaries ---------------------------------------------------------------------
     def _begin_step(self, ids: torch.Tensor | None) -> None:
+        with self._emit_lock:
+            self._begin_step_locked(ids)
+
+    def _begin_step_locked(self, ids: torch.Tensor | None) -> None:
         self.step += 1
         self._in_step = True
         self._step_t0 = time.time()
@@ -340,6 +347,10 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self._graph_begin()
 
     def _end_step(self, complete: bool) -> None:
+        with self._emit_lock:
+            self._end_step_locked(complete)
+
+    def _end_step_locked(self, complete: bool) -> None:
         if not self._in_step:
             return
         try:
@@ -401,6 +412,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             if not self._attached:
                 return
             self._attached = False
+            if self._linger_timer is not None:  # no emission from its thread from now on
+                self._linger_timer.close()
+                self._linger_timer = None
             try:
                 if self._in_step and not self._degraded:
                     # a step still open inside its forward (or, for an engine that ends its

@@ -5,6 +5,7 @@ costs it a launch and an allocation, and reading anything back a sync."""
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,3 +69,23 @@ def test_a_gpu_like_step_end_dispatches_only_the_stats_op(tmp_path, monkeypatch)
     t = qforensics.open_trace(tmp_path / "t.h5")
     assert t.steps["step"].tolist() == list(range(40))
     assert (t.steps["has_logits"] == 1).all() and (t.steps["logits_argmax"] >= 0).all()
+
+
+def test_steps_waiting_for_their_batch_reach_the_writer_once_the_model_goes_quiet(tmp_path):
+    """On the CPU the model's thread emits steps in batches (graphlate.EMIT_BATCH); a run that
+    stops stepping (idle, stalled, about to be killed) still has its last steps written
+    within the flush interval, by the linger thread, without a close."""
+    from capture_models import ids
+
+    m = Tiny()
+    with torch.no_grad(), qforensics.capture(m, tmp_path / "t.h5", flush_interval=0.05) as cap:
+        for _ in range(3):  # fewer than a batch
+            m(ids())
+        assert cap._graph_late() is False and cap._drainer is None  # the CPU's own path
+        deadline = time.monotonic() + 20
+        while cap._writer.steps_written < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cap._writer.steps_written == 3
+        m(ids())  # and the run goes on after it
+    with qforensics.open_trace(tmp_path / "t.h5") as t:
+        assert t.n_steps == 4 and t.end.complete
