@@ -137,11 +137,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         # the model runs eagerly (no engine compile, no torch.compile): its hooks may run a
         # module more than once in a step (a guard's rerun), so the ring keeps room for that
         self._eager_model = not (engine_compiles or compiled_wrapper or is_compiled(model))
-        # the stats op's path (hooks/graphmode.py) unless compiled=False or an engine that
-        # runs eagerly (vLLM's enforce_eager) asks for the older eager hooks (hooks/callhooks.py)
-        if compiled is None:
-            compiled = engine_compiles if engine_compiles is not None else True
-        self._graph_mode = bool(compiled)
+        # the stats op's path (hooks/graphmode.py), compiled or eager, unless compiled=False
+        # asks for the older eager hooks (hooks/callhooks.py)
+        self._graph_mode = True if compiled is None else bool(compiled)
         self._gs = None
         self._late: collections.deque = collections.deque()  # compiled steps not yet emitted
         self._drainer = None  # compiled mode's drainer thread (hooks/drainer.py)
