@@ -13,10 +13,10 @@ length) under inference_mode, and times, interleaved round by round on the same 
   plain      generation with no hooks
   bare       one forward pre-hook per Linear keeping the input's per-channel absmax on the device
   nnsight    nnsight (optional: pip install -e ".[bench]") saving the same per-channel absmax
-  qf-default qforensics.capture with its defaults (every Linear, every decoder block, logits)
+  qf-default qforensics.capture with its defaults (every Linear, every decoder block, logits):
+             every hook calls the stats op (hooks/statsop.py) into the device ring, as
+             compiled mode does (on the CPU through hooks/opcall.c)
   qf-scalar  qforensics.capture(channel_steps="none"): scalars and per-token maxima only
-  qf-op      qforensics.capture(compiled=True) on the eager model: every hook calls the stats
-             op (hooks/statsop.py) into the device ring, as compiled mode does
 
 and prints the median time of each, its ratio to plain, trace KiB per step and the peak RSS
 increase during a run (and torch.cuda.max_memory_allocated when on a GPU). Every hooked run's
@@ -201,7 +201,6 @@ def main() -> None:
             nn_note = f"nnsight: not installed here ({exc}); pip install -e '.[bench]'"
     runners["qf-default"] = qf("qf-default")
     runners["qf-scalar"] = qf("qf-scalar", channel_steps="none")
-    runners["qf-op"] = qf("qf-op", compiled=True)
 
     ref = generate()
     for setup in runners.values():  # warm-up, and every variant must generate the same tokens
@@ -212,8 +211,8 @@ def main() -> None:
     from qforensics.hooks import fused, opcall  # built off-thread, once
 
     fused.REDUCER.wait()
-    opcall.LANE.wait()  # qf-op's eager op calls without the dispatcher (hooks/opcall.py)
-    print(f"end-of-step reduction: {fused.REDUCER.status()['reduction']}; the op's eager "
+    opcall.LANE.wait()  # the eager op calls without the dispatcher (hooks/opcall.py)
+    print(f"the CPU kernels: {fused.REDUCER.status()['reduction']}; the op's eager "
           f"lane: {'off (' + opcall.LANE.off + ')' if opcall.LANE.off else 'c'}",
           file=sys.stderr)
     sizes.clear()

@@ -1,8 +1,8 @@
 """Timers around capture's main functions, for the benchmarks' `--profile` (where a captured
 step's time goes). Each wrapped call costs about a microsecond more: a small function's figure
-is inflated by that much per call, and the timed run is slower than an untimed one. Hooked
-calls that run in C (hooks/fast_take.c, a step on its plan) do not pass through any of these:
-`Capture._on_call` counts only the calls handed back to Python."""
+is inflated by that much per call, and the timed run is slower than an untimed one. The hooked
+modules' own hooks (hooks/graphhooks.py) are not wrapped: on the CPU most of their op calls run
+in C (hooks/opcall.c)."""
 
 from __future__ import annotations
 
@@ -12,25 +12,12 @@ import time
 
 # (module, class or None for a module function, name)
 PROFILED = [
-    ("qforensics.hooks.callhooks", "CallHooks", "_on_call"),
     ("qforensics.hooks.callhooks", "CallHooks", "_on_root_pre"),
     ("qforensics.hooks.callhooks", "CallHooks", "_close_root"),
     ("qforensics.engines.vllm_capture", "VllmAdapter", "on_logits"),
     ("qforensics.engines.vllm_capture", "VllmAdapter", "step_began"),
     ("qforensics.engines.vllm_capture", "VllmAdapter", "on_runner_output"),
     ("qforensics.hooks.session", "Capture", "_end_step"),
-    ("qforensics.hooks.pending", "PendingStep", "_take_py"),
-    ("qforensics.hooks.pending", "PendingStep", "reduce_on_device"),
-    ("qforensics.hooks.assemble", "UniqueStats", "unpack"),
-    ("qforensics.hooks.planunpack", "PlanUnpack", "apply"),
-    ("qforensics.hooks.planunpack", "SplitLayout", "apply"),
-    ("qforensics.hooks.planunpack", "SplitLayout", "reduce"),
-    ("qforensics.hooks.assemble", "UniqueStats", "__init__"),
-    ("qforensics.hooks.snapshots", "Snapshots", "maybe_snapshot"),
-    ("qforensics.hooks.pending", "PendingStep", "clear"),
-    ("qforensics.hooks.pending", "PendingStep", "record_arrays"),
-    ("qforensics.hooks.stepend", "StepEnd", "_reduce_pending"),
-    ("qforensics.hooks.stepend", "StepEnd", "_emit"),
     ("qforensics.hooks.recorder", "FlightRecorder", "apply"),
     ("qforensics.trace.writer", "TraceWriter", "submit"),
     ("qforensics.trace.writer", "TraceWriter", "_write"),
@@ -43,7 +30,6 @@ PROFILED = [
     ("qforensics.trace.budget", "BudgetWriter", "_pin"),
     ("qforensics.trace.hits", "HitsWriter", "_note_hits"),
     ("qforensics.trace.columns", "ColumnWriter", "_append_table"),
-    ("qforensics.hooks.stepend", None, "assemble_records"),
     ("qforensics.hooks.stepend", None, "build_batch"),
     ("qforensics.hooks.reduce", None, "fast_logits"),
     ("qforensics.hooks.reduce", None, "nonfinite_rows"),

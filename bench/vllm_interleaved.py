@@ -9,8 +9,7 @@ ratio moves by as much as the overhead it measures. Here one program runs under
 `qforensics record` with vLLM's engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, a
 fixed schedule) and times `generate` calls alternately with capture's hooks detached and attached
 (order ABBA, so that a drift weighs on both sides alike). Detaching empties the hook tables of
-the model's modules and takes the hooked forwards off them (hooks/fast_take.py wrap_forward) for
-the plain call, and puts them back after it: that is a measuring device of this script, not
+the model's modules for the plain call, and puts them back after it: that is a measuring device of this script, not
 something qforensics offers. Steps run while detached are not recorded.
 
 Prints the median of the per-pair ratios (captured / plain, the figure to quote), the ratio of
@@ -60,7 +59,7 @@ def _child(a: argparse.Namespace) -> int:
     saved: dict[int, list] = {}
 
     def detach() -> None:
-        for m in mods:  # the hook tables, and the hooks folded into forwards (wrap_forward)
+        for m in mods:  # the hook tables (and a forward set on the instance, if any)
             saved[id(m)] = [getattr(m, n) for n in _HOOK_TABLES] + [m.__dict__.pop("forward",
                                                                                   None)]
             for n in _HOOK_TABLES:
@@ -159,8 +158,8 @@ def main() -> int:
           f"(target <= 1.10)")
     print(f"  calls whose tokens equal the plain call's of the same pair: {same} of {len(p)}")
     print("  how the hooks ran (trace status): " + ", ".join(
-        f"{k} {status.get(k)}" for k in ("hooks", "hook_path", "takes", "c_takes", "python_takes",
-                                         "hook_reductions", "hook_copies", "reduction")))
+        f"{k} {status.get(k)}" for k in ("hook_path", "capture_mode", "graph_eager_calls",
+                                         "reduction")))
     prof = res.get("profile")
     if prof and prof["steps"]:
         n = prof["steps"]

@@ -55,7 +55,7 @@ if ! command -v c++ >/dev/null; then
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++
 fi
-# and Python's headers: the hooks' C extension (qforensics/hooks/fast_take.c) includes Python.h
+# and Python's headers: the op lane's C extension (qforensics/hooks/opcall.c) includes Python.h
 if ! ${PYTHON:-python3} -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
     apt-get update -q

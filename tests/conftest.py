@@ -120,7 +120,6 @@ SLOW = (
     "tests/bench/test_bench_tools.py::test_param_health_cost_ratio_is_its_two_times",
     "tests/bench/test_bench_tools.py::test_guard_fallbacks_sizes_each_layout",
     "tests/bench/test_bench_tools.py::test_report_speed_times_one_sample",
-    "tests/bench/test_bench_tools.py::test_hook_cost_prints_every_variant",
     "tests/bench/test_bench_tools.py::test_collect_cost_times_both_paths_on_a_smollm2_sized_ring",
     "tests/bench/test_bench_tools.py::test_compiled_guards_times_the_guards_of_both_phases",
     "tests/bench/test_bench_tools.py::test_capture_overhead_runs_the_random_architecture",

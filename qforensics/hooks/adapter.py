@@ -28,9 +28,6 @@ from torch import nn
 from qforensics.trace import schema
 from qforensics.trace.writer import StepBatch
 
-if TYPE_CHECKING:
-    from qforensics.hooks.pending import PendingStep
-
 ModuleRow = tuple[str, nn.Module, str]  # (name, module, kind), as hooks/modules.py selects
 
 
@@ -79,7 +76,6 @@ class AdapterCalls:
     """What an adapter may ask of the capture session (a mixin of hooks/session.py's Capture)."""
 
     step: int
-    _pending: "PendingStep"
     _degraded: str | None
     _in_step: bool
     _next_call: int
@@ -124,9 +120,10 @@ class AdapterCalls:
 
     def take(self, call: int, module_id: int, io: int, slot: int, tensor: torch.Tensor) -> None:
         """Record `tensor` as input or output (`io`) `slot` of `call` of `module_id` (no sync):
-        in compiled mode through the stats op into the ring (hooks/graphmode.py)."""
-        if not self._graph_take(module_id, io, slot, tensor):
-            self._pending.take(call, module_id, io, slot, tensor)
+        through the stats op into the ring (hooks/graphmode.py); the op places the calls
+        outside the graph after the step's others, in the order they come (`call` keeps the
+        run's call count)."""
+        self._graph_take(module_id, io, slot, tensor)
 
     def set_logits(self, logits: torch.Tensor) -> None:
         """The step's logits, for its summary (the root's output when the adapter records it)."""

@@ -1,11 +1,8 @@
-"""The capture session's hooks (the hot path): the model's forward pre-hook and post-hook, which
-open and close a step, and every hooked module's forward hook, which hands the first tensors of
-its arguments and output to `PendingStep.take` (hooks/pending.py).
-
-`_on_call` is the Python hook; while a step runs on its plan, hooks/fast_take.c's Hook does the
-same work in C and calls `_on_call` for everything else. A mixin of the capture session
-(hooks/session.py), like StepEnd: it reads and writes the session's step state (`_next_call`,
-`_in_step`, `_root_depth`, `_logits`) and calls its step boundaries.
+"""The capture session's root hooks: the model's forward pre-hook and post-hook, which open and
+close a step and hand the logits to the stats op (hooks/graphmode.py `_graph_root`). The hooked
+modules' hooks are the stats op's (hooks/graphhooks.py), eager or traced. A mixin of the
+capture session (hooks/session.py), like StepEnd: it reads and writes the session's step state
+(`_next_call`, `_in_step`, `_root_depth`, `_logits`) and calls its step boundaries.
 """
 
 from __future__ import annotations
@@ -15,11 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from qforensics.trace import schema
 
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
-    from qforensics.hooks.pending import PendingStep
 
 HIDDEN_KWARGS = ("hidden_states", "input", "x", "inputs_embeds")
 MAX_INPUTS = 4
@@ -45,13 +40,11 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 class CallHooks:
-    _pending: "PendingStep"
     _degraded: str | None
     _in_step: bool
     _root_depth: int
     _next_call: int
     _logits: torch.Tensor | None
-    _budget: int
     _step_lock: Any
     adapter: "EngineAdapter"
 
@@ -59,7 +52,6 @@ class CallHooks:
         def _begin_step(self, ids: torch.Tensor | None) -> None: ...
         def _end_step(self, complete: bool) -> None: ...
         def _degrade(self, exc: BaseException) -> None: ...
-        def _reduce_pending(self, final: bool = False, complete: bool = True) -> None: ...
         def _graph_reserve(self) -> None: ...
         def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool: ...
 
@@ -116,61 +108,12 @@ class CallHooks:
             self._graph_reserve()  # compiled mode: the layers' calls came before the logits
             logits = _first_tensor(output)
             if logits is not None:
-                # compiled mode: through the stats op into the ring, else an eager take
-                if not self._graph_root(root_id, logits):
-                    self._pending.take(self._next_call, root_id, schema.IO_OUTPUT, 0, logits)
+                # through the stats op into the ring (a dtype it does not take: unrecorded,
+                # the status says so)
+                self._graph_root(root_id, logits)
                 self._next_call += 1
                 if logits.is_floating_point() and logits.numel() and not logits.is_meta:
                     self._logits = logits
             self._end_step(complete=output is not None)
         except Exception as exc:
             self._degrade(exc)
-
-    def _on_call(self, mid: int, is_block: bool, module: nn.Module, args: tuple, kwargs: dict,
-                 output: Any) -> None:
-        if self._degraded:
-            return
-        try:
-            ci = self._next_call
-            self._next_call = ci + 1
-            if not self._in_step:
-                self._begin_step(None)
-            take = self._pending.take
-            n_in = 0
-            limit = 1 if is_block else MAX_INPUTS
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    take(ci, mid, 0, n_in, a)
-                    n_in += 1
-                    if n_in >= limit:
-                        break
-            if not n_in and kwargs:
-                for k in HIDDEN_KWARGS:
-                    a = kwargs.get(k)
-                    if isinstance(a, torch.Tensor):
-                        take(ci, mid, 0, 0, a)
-                        break
-            if isinstance(output, torch.Tensor):
-                take(ci, mid, 1, 0, output)
-            elif output is not None:
-                if isinstance(output, (tuple, list)):
-                    slot = 0
-                    for o in output:
-                        if isinstance(o, torch.Tensor):
-                            take(ci, mid, 1, slot, o)
-                            slot += 1
-                            if is_block or slot >= MAX_OUTPUTS:
-                                break
-                else:
-                    o = _first_tensor(output)
-                    if o is not None:
-                        take(ci, mid, 1, 0, o)
-            self._check_budget()
-        except Exception as exc:
-            self._degrade(exc)
-
-    def _check_budget(self) -> None:
-        """Past pending_budget: reduce what the hooks took so far (the C hooks call this too,
-        after a take they handed to Python)."""
-        if self._pending.nbytes > self._budget:
-            self._reduce_pending()

@@ -41,8 +41,9 @@ def capture(model: nn.Module, path: str | os.PathLike[str] = "trace.h5", **optio
     the pinned first failure keep their detail; 0 or None: no budget), channel_io ("all" |
     "inputs" | "none"), snapshot_budget (bytes, default 64 MiB),
     snapshot_tile_rows (weight rows kept around the first bad output, default 256),
-    outlier_threshold (absmax that triggers the outlier snapshot, default 448), pending_budget
-    (bytes held before an early reduction, default 256 MiB), param_watch (steps between two
+    outlier_threshold (absmax that triggers the outlier snapshot, default 448), compiled (None:
+    told from the model and the engine; False: the model runs eagerly, its modules may run
+    more than once a step), param_watch (steps between two
     checks of the weights and scales for NaN/Inf during the run, default 256, also run at the
     first non-finite step and at close; 0: checked at attach only), metadata (dict recorded in the
     environment), rank / world_size (default from RANK / WORLD_SIZE). A path with "{rank}", or

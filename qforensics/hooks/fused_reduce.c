@@ -1,16 +1,17 @@
-/* One pass over g stacked [R, C] activations -> the float32 vector of reduce.fast_parts.
+/* The stats op's one-pass CPU reduction (qf_group: one op call's tensors into a ring row), the
+ * copy of kept channel spans (qf_spans), the logits' figures and the per-row non-finite flags.
  *
- * Built by hooks/fused.py with the system C compiler (no torch headers: it reads raw bf16 or
- * fp32 memory and writes raw float32), loaded with ctypes, and called with the GIL released.
+ * Built by hooks/fused.py with the system C compiler (no torch headers: it reads raw bf16, fp32
+ * or integer memory and writes raw float32), loaded with ctypes, and called with the GIL
+ * released (the op's C++ kernel, hooks/statsop_cpu.cpp, and hooks/opcall.c call qf_group by its
+ * address).
  *
- * Layout of out (g tensors, R rows, C channels), as reduce.fast_parts documents it:
- *   R > 1:  sum[g], sumsq[g], then keep ? (chan_min[g*C], chan_max[g*C]) : (min[g], max[g]),
- *           then token_absmax[g*R]
- *   R == 1: sum[g], sumsq[g], min[g], max[g], then keep ? values[g*C]
- * NaN propagates into every figure whose inputs hold one (as torch's sum/amin/amax do): the hot
- * loop only notes that a row holds a NaN, and a tensor that does is swept again for its
- * channels (failing steps only). An Inf gives Inf sums and extrema, and +Inf with -Inf a NaN sum.
- * Sums run in float32 vector lanes over blocks of BLOCK values, blocks add up in double.
+ * The core (DEFINE_CORE) reduces g stacked [R, C] tensors: sum, sum of squares, min, max, per-
+ * channel ranges, per-row absmax. NaN propagates into every figure whose inputs hold one (as
+ * torch's sum/amin/amax do): the hot loop only notes that a row holds a NaN, and a tensor that
+ * does is swept again for its channels. An Inf gives Inf sums and extrema, and +Inf with -Inf a
+ * NaN sum; qf_group leaves such a tensor to its caller's exact pass. Sums run in float32 vector
+ * lanes over blocks of BLOCK values, blocks add up in double.
  *
  * Min and max are written as `v < m ? v : m`: the vector min/max instructions compute exactly
  * that, so the loops vectorize without -ffast-math (NaN handling is the flag above).
@@ -122,27 +123,6 @@ static void NAME(const T *x, int64_t g, int64_t R, int64_t C, int64_t P, float *
     }                                                                                       \
 }
 
-/* reduce.fast_parts' packed vector (fused.packed_len values). */
-#define DEFINE_REDUCE(NAME, CORE, T)                                                        \
-int NAME(const T *x, int64_t g, int64_t R, int64_t C, int keep, float *out) {               \
-    const int chans = keep && R > 1;                                                        \
-    float *tok = R > 1 ? out + 2 * g + (chans ? 2 * g * C : 2 * g) : NULL;                  \
-    CORE(x, g, R, C, C, out, out + g, chans ? NULL : out + 2 * g,                       \
-         chans ? NULL : out + 3 * g,                                                        \
-         chans ? out + 2 * g : (R == 1 && keep ? out + 4 * g : NULL),                       \
-         chans ? out + 2 * g + g * C : NULL, tok);                                          \
-    return 0;                                                                               \
-}
-
-/* A plan's split layout (hooks/planunpack.py): sums = [S, Q, min, max] (4g), the channel
- * ranges (or values) into cmin/cmax (NULL: not kept), per-row absmax into tok (g*R). */
-#define DEFINE_SPLIT(NAME, CORE, T)                                                         \
-int NAME(const T *x, int64_t g, int64_t R, int64_t C, float *sums, float *cmin,             \
-         float *cmax, float *tok) {                                                         \
-    CORE(x, g, R, C, C, sums, sums + g, sums + 2 * g, sums + 3 * g, cmin, cmax, tok);       \
-    return 0;                                                                               \
-}
-
 DEFINE_ROW(row_bf16, uint16_t, from_bf16)
 DEFINE_ROW(row_f32, float, from_f32)
 
@@ -208,23 +188,6 @@ DEFINE_ROW(row_i64, int64_t, from_i64)
 DEFINE_ROW(row_i32, int32_t, from_i32)
 DEFINE_CORE(core_i64, row_i64, int64_t, from_i64)
 DEFINE_CORE(core_i32, row_i32, int32_t, from_i32)
-DEFINE_REDUCE(qf_reduce_bf16, core_bf16, uint16_t)
-DEFINE_REDUCE(qf_reduce_f32, core_f32, float)
-DEFINE_SPLIT(qf_split_bf16, core_bf16, uint16_t)
-DEFINE_SPLIT(qf_split_f32, core_f32, float)
-
-/* One tensor of R rows x C channels reduced where its hook takes it (hooks/fast_take.c calls
- * this through its address): its figures written straight into a plan's split layout, at the
- * places qf_split_* gives the tensor within its buffer chunk (the same numbers). */
-#define DEFINE_TAKE(NAME, CORE, T)                                                          \
-int NAME(const T *x, int64_t R, int64_t C, float *S, float *Q, float *MN, float *MX,        \
-         float *CMIN, float *CMAX, float *TOK) {                                            \
-    CORE(x, 1, R, C, C, S, Q, MN, MX, CMIN, CMAX, TOK);                                     \
-    return 0;                                                                               \
-}
-
-DEFINE_TAKE(qf_take_bf16, core_bf16, uint16_t)
-DEFINE_TAKE(qf_take_f32, core_f32, float)
 
 /* One call of the compiled-mode stats op (hooks/statscpu.py `stats_cpu`): its n tensors into
  * one ring row, in the row layout statsop.ENTRY_COLS defines, and their token maxima into one

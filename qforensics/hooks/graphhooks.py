@@ -112,8 +112,9 @@ def record_outside(gs: GraphStats, mid: int, io: int, slot: int, bound: int,
     call for all of them, so a tensor recorded twice (vLLM's logits, as lm_head's output and
     as the step's) is reduced once. Its call index follows the step's compiled calls, modules
     in the order of their first such call (`collect`). False: a dtype the op does not take
-    (the caller records it its own way)."""
-    if not t.is_floating_point():
+    (unrecorded; `_place` says so in the status)."""
+    if not (t.is_floating_point() or t.dtype == torch.bool or _is_int(t.dtype)):
+        gs.not_taken(mid, io, slot, str(t.dtype).replace("torch.", ""))
         return False
     if mid not in gs.outside:
         gs.outside[mid] = len(gs.outside)

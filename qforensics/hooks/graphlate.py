@@ -23,7 +23,6 @@ from qforensics.hooks import graphcopy, graphstats, reduce, statsop
 if TYPE_CHECKING:
     from qforensics.hooks.adapter import EngineAdapter
     from qforensics.hooks.drainer import Drainer
-    from qforensics.hooks.pending import PendingStep
 
 # emit each step one step late on the CPU too (a GPU always does): for tests of that path
 LATE_ON_CPU = False
@@ -93,7 +92,7 @@ class GraphLate:
     _clean_through: int  # the last step that word was clear through (-1: none yet)
     _graph_first: int
     _next_call: int
-    _pending: "PendingStep"
+    _keep_channels: bool
     _degraded: str | None
     _logits: torch.Tensor | None
     _step_ids: torch.Tensor | None
@@ -172,7 +171,7 @@ class GraphLate:
                       if ids is not None else np.zeros(0, np.int64))
         n = LateStep(
             self.step, self._step_t0, time.time(), self._step_first_call, self._next_call,
-            self._graph_first, complete, bool(self._pending.keep), logits is not None,
+            self._graph_first, complete, self._keep_channels, logits is not None,
             row_t, ids_np, self._incidents, self.adapter.step_kind())
         self._incidents = []
         d = self._drainer

@@ -1,16 +1,12 @@
-"""The capture session in compiled mode: its per-layer hooks are hooks/graphstats.py's torch-op
-hooks, which torch.compile traces into the model's graph, instead of the eager hooks of
-hooks/callhooks.py. A mixin of the capture session (hooks/session.py), like CallHooks and
+"""The capture session's hooks: hooks/graphstats.py's torch-op hooks on every hooked module,
+which torch.compile traces into the model's graph and which an eager model runs as they are
+(hooks/graphhooks.py). A mixin of the capture session (hooks/session.py), like CallHooks and
 StepEnd: the step boundaries, the logits and the writer stay the session's own, and run outside
 the compiled region (the root module's hooks; in vLLM the logits processor).
 
-When is it on: `capture(..., compiled=True)`, a model that torch.compile wraps
-(`OptimizedModule`, or a module compiled with `Module.compile()`), or an engine adapter that
-says its engine compiles the model (vLLM without enforce_eager). `compiled=False` keeps the
-eager hooks. Before it attaches, a toy module with the same hook is traced full-graph on this
-torch (graphhooks.selftest); when that fails, no layer inside the compiled region is hooked at
-all (a graph break would kill vLLM's full-graph compile), only the logits are recorded, and the
-trace's status says why.
+Before it attaches, a toy module with the same hook is traced full-graph on this torch
+(graphhooks.selftest); when that fails, no layer is hooked at all (a graph break would kill
+vLLM's full-graph compile), only the logits are recorded, and the trace's status says why.
 """
 
 from __future__ import annotations
@@ -71,26 +67,26 @@ class GraphMode(GraphLate):
     _graph_reset = False  # Dynamo's compiled code dropped at attach (`_graph_recompile`)
     _linger_timer: "graphlate.Linger | None" = None  # the CPU's emitter once the model is quiet
     _handles: list[Any]
-    _graph_lane: int
     _eager_model: bool
     _gemm_ids: np.ndarray
     _snaps: "Snapshots | None"
 
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
                       max_outputs: int) -> int:
-        """The torch-op hooks on every chosen module but the root; returns how many."""
+        """The torch-op hooks on every chosen module but the root; returns how many. The ring
+        is made whatever: the logits and an adapter's takes go through the op eagerly, also
+        where the hooks cannot be traced on this torch (then no layer is hooked at all: a
+        graph break would kill vLLM's full-graph compile, and the status says why)."""
         skip = getattr(self, "_unhooked", set())
         mods = [(mid, m, k) for mid, (_, m, k) in enumerate(chosen)
                 if k != "root" and id(m) not in skip]
-        if not mods:
-            return 0
         p = next(iter(chosen[-1][1].parameters()), None)
         device = p.device if p is not None and not p.is_meta else torch.device("cpu")
-        why = selftest(device)
+        why = selftest(device) if mods else None
         if why is not None:
             self._graph_why = f"compiled-mode hooks do not trace on this torch: {why}"
             log.warning("qforensics: %s; only the logits are recorded", self._graph_why)
-            return 0
+            mods = []
         limit = int(self.options["channel_limit"])
         bounds = [graphhooks.width_bound(m, limit) for _, m, _ in mods]
         blocks = [k == "block" for _, _, k in mods]
@@ -165,16 +161,6 @@ class GraphMode(GraphLate):
         if self._gs is not None:
             graphhooks.flush_outside(self._gs)
 
-    def _graph_part(self) -> dict[str, Any] | None:
-        """This step's records from the static buffers (assemble.assemble_records' layout)."""
-        if self._gs is None:
-            return None
-        self._graph_flush()
-        self._graph_reserve()
-        part = self._gs.collect(self.step, self._graph_first, bool(self._pending.keep))
-        self._graph_snapshot(part, self.step)
-        return part
-
     def _graph_snapshot(self, part: dict[str, Any] | None, step: int) -> None:
         """At the first collected step with a non-finite output, and at the first with a GEMM
         input at the outlier threshold: the call the op kept on the device (hooks/graphsnap.py)
@@ -208,27 +194,17 @@ class GraphMode(GraphLate):
     # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------
     def _graph_take(self, mid: int, io: int, slot: int, t: torch.Tensor) -> bool:
         """A tensor of a call outside the compiled region (the root's logits; an engine
-        adapter's takes: vLLM's lm_head, row flags) through the stats op into the ring (True),
-        in compiled mode while nothing of the step went the eager way."""
+        adapter's takes: vLLM's lm_head, row flags) through the stats op into the ring (True;
+        False: a dtype the op does not take, unrecorded and said in the status)."""
         gs = self._gs
-        if gs is None or len(self._pending) or not graphhooks.record_outside(
-                gs, mid, io, slot, int(self.options["channel_limit"]), t):
-            return False
-        self._graph_lane = self.step  # this step's outside calls went to the ring
-        return True
+        return gs is not None and graphhooks.record_outside(
+            gs, mid, io, slot, int(self.options["channel_limit"]), t)
 
     def _graph_root(self, root_id: int, logits: torch.Tensor) -> bool:
         return self._graph_take(root_id, schema.IO_OUTPUT, 0, logits)
 
-    def _graph_owns_step(self) -> bool:
-        """The step's records are all in the ring (`_graph_take` took what it had outside
-        the graph) and nothing eager is pending."""
-        return (self._gs is not None and self._graph_lane == self.step
-                and not len(self._pending))
-
     def _graph_status(self) -> dict[str, Any]:
-        st: dict[str, Any] = {"capture_mode": "compiled" if self._gs is not None or
-                              self._graph_why else "eager"}
+        st: dict[str, Any] = {"capture_mode": "compiled"}
         if self._gs is not None:
             st.update(self._gs.status())
             if self._gs.lazy and self._recorder is not None:

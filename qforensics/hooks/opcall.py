@@ -1,5 +1,5 @@
 """The stats op's eager calls on the CPU without torch's dispatcher: hooks/opcall.c, a small
-CPython extension built and cached like fast_take.c (hooks/fused.py `build`, the system C
+CPython extension built and cached like fused_reduce.c (hooks/extension.py, the system C
 compiler, Python's headers; off the hook's thread; hooks/prebuild.py builds it at install).
 
 Why: on the op path (`capture(..., compiled=True)` on an eager model, a compiled model's graph
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from qforensics.hooks import fast_take, fused, statscpu, statsnative, statsop
+from qforensics.hooks import fused, statscpu, statsnative, statsop
+from qforensics.hooks.extension import Extension
 
 SOURCE = Path(__file__).with_name("opcall.c")
 MODULE = "qf_op_call"
@@ -37,7 +38,7 @@ MODULE = "qf_op_call"
 DTYPES = tuple(sorted(statscpu.GROUP_DTYPE, key=statscpu.GROUP_DTYPE.__getitem__))
 
 
-class Lane(fast_take.Extension):
+class Lane(Extension):
     """opcall.c: its OpCall type once built; None until then (and for good when off)."""
 
     def __init__(self, off: str | None = None) -> None:

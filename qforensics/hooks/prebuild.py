@@ -1,8 +1,7 @@
 """Build the native kernels at install time: `python -m qforensics.hooks.prebuild`.
 
-hooks/fused_reduce.c (the CPU stats op's and the eager reduction's one-pass kernels),
-hooks/fast_take.c (the eager hooks' C takes), hooks/opcall.c (the stats op's eager CPU calls
-without the dispatcher) and hooks/statsop_cpu.cpp (the stats op's C++
+hooks/fused_reduce.c (the CPU stats op's one-pass kernel and the logits' figures),
+hooks/opcall.c (the stats op's eager CPU calls without the dispatcher) and hooks/statsop_cpu.cpp (the stats op's C++
 kernel, against this torch's headers: hooks/statsnative.py) are compiled into the
 kernel cache (hooks/fused.py `build`: keyed by source, flags and CPU, loaded only from a folder
 nobody else can write). A run then loads them on its first step instead of compiling them in a
@@ -21,17 +20,15 @@ from pathlib import Path
 
 
 def main() -> int:
-    from qforensics.hooks import fast_take, fused, opcall, statsnative
+    from qforensics.hooks import fused, opcall, statsnative
 
     failed = 0
     jobs = [("fused_reduce.c", lambda: fused.build()),
             ("statsop_cpu.cpp", statsnative.build)]
     if (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        jobs.append(("fast_take.c", fast_take.TAKER.build))
         jobs.append(("opcall.c", opcall.LANE.build))
     else:
-        print("fast_take.c, opcall.c: not built (Python.h not found: install the Python "
-              "headers)")
+        print("opcall.c: not built (Python.h not found: install the Python headers)")
         failed = 1
     for name, job in jobs:
         try:

@@ -1,14 +1,13 @@
 """`qforensics.capture(model, "trace.h5")`: forward hooks that stream per-call statistics into an
 HDF5 trace.
 
-How it stays fast and right: a hook (hooks/callhooks.py) hands each tensor to
-`PendingStep.take` (hooks/pending.py), which copies a small one on its device (one op) or
-reduces a large one there, so the stats are of the tensor as the hook saw it; no host sync in a
-hook. At the end of the step (one top-level
-forward of the captured model) the copies are reduced in a few batched ops per (shape, dtype,
-device) and everything goes to the host in ONE transfer per device; the flight recorder
-(hooks/recorder.py) then decides which steps keep their per-channel ranges. A long prefill that
-would hold more than `pending_budget` bytes is reduced early, in the same way.
+How it stays fast and right: every hooked module's hook hands its tensors to one op, the stats
+op (hooks/statsop.py), which reduces them where they are, as the hook saw them, into a ring of
+static buffers on their device (hooks/graphstats.py); torch.compile traces the same hooks into
+a compiled model's graph (hooks/graphhooks.py, hooks/graphmode.py). No host sync in a step: the
+host reads a step's slot of the ring after it, builds its records off the hot path
+(hooks/graphlate.py, on a GPU in a drainer thread) and the flight recorder (hooks/recorder.py)
+decides which steps keep their per-channel ranges.
 
 Hooks are global state: `capture` attaches in `__enter__`, removes every handle in `finally`,
 refuses to attach twice to the same model and never writes attributes onto the user's modules
@@ -33,14 +32,13 @@ from torch import nn
 from qforensics.errors import CaptureError
 from qforensics.trace.budgetopts import DEFAULT_MAX_BYTES
 from qforensics.formats import E4M3_MAX, GEMM_KINDS
-from qforensics.hooks import fast_take, fused, registry
+from qforensics.hooks import fused, registry
 from qforensics.hooks.adapter import AdapterCalls, EngineAdapter
 from qforensics.hooks.callhooks import MAX_INPUTS, MAX_OUTPUTS, CallHooks
 from qforensics.hooks.graphmode import GraphMode, is_compiled
 from qforensics.hooks.environment import describe_environment, rank_and_world
 from qforensics.hooks.modules import ModuleFilter, describe_module, ring_chunk, select_modules
 from qforensics.hooks.paramwatch import DEFAULT_EVERY, ParamWatch, watched_tensors
-from qforensics.hooks.pending import PendingStep
 from qforensics.hooks.recorder import FlightRecorder, parse_steps
 from qforensics.hooks.snapshots import Snapshots
 from qforensics.hooks.stepend import StepEnd
@@ -69,7 +67,6 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         snapshot_budget: int = 64 << 20,
         snapshot_tile_rows: int = 256,
         outlier_threshold: float = E4M3_MAX,
-        pending_budget: int = 256 << 20,
         ring_steps: int = 16,
         trigger_window: int = 8,
         trigger_limit: int = 32,
@@ -126,39 +123,29 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             "snapshot_budget": int(snapshot_budget),
             "snapshot_tile_rows": int(snapshot_tile_rows),
             "outlier_threshold": float(outlier_threshold),
-            "pending_budget": int(pending_budget),
             "modules": modules if isinstance(modules, str) or modules is None else "custom",
             "compiled": "auto" if compiled is None else bool(compiled),
             "param_watch": int(param_watch),
         }
         self.adapter = adapter if adapter is not None else EngineAdapter()
         engine_compiles = self.adapter.compiled()
-        # compiled mode (hooks/graphmode.py): torch-op hooks traced into the graph
-        # the model runs eagerly (no engine compile, no torch.compile): its hooks may run a
-        # module more than once in a step (a guard's rerun), so the ring keeps room for that
-        self._eager_model = not (engine_compiles or compiled_wrapper or is_compiled(model))
-        # the stats op's path (hooks/graphmode.py), compiled or eager, unless compiled=False
-        # asks for the older eager hooks (hooks/callhooks.py)
-        self._graph_mode = True if compiled is None else bool(compiled)
+        # the model runs eagerly (compiled=False; else no engine compile, no torch.compile): its
+        # hooks may run a module more than once in a step (a guard's rerun), so the ring keeps
+        # room for that
+        self._eager_model = compiled is False or not (
+            engine_compiles or compiled_wrapper or is_compiled(model))
         self._gs = None
         self._late: collections.deque = collections.deque()  # compiled steps not yet emitted
         self._drainer = None  # compiled mode's drainer thread (hooks/drainer.py)
         self._draining = False  # `_degrade` emitting the steps noted before the error
-        self._graph_lane = -1  # the last step whose outside-graph calls went to the ring
         self._graph_why: str | None = None
         self._graph_step = -1
         self._graph_first = 0
         self._unhooked: set[int] = set()  # ids of modules the adapter records (no hook)
         self._channel_step = parse_steps(channel_steps)
-        self._budget = int(pending_budget)
         self._metadata = dict(metadata or {})
         self._handles: list[Any] = []
-        # the C hooks folded into the modules' forwards (hooks/fast_take.py wrap_forward) rather
-        # than registered as torch hooks; never where the engine's torch.compile or graphs
-        # would trace the modules
-        self._wrap_forward = (os.environ.get("QFORENSICS_HOOK_PATH", "auto") != "torch"
-                              and not engine_compiles)
-        self._hook_path = "torch"
+        self._hook_path = "graph"
         self._writer: TraceWriter | None = None
         self._attached = False
         self._degraded: str | None = None
@@ -170,16 +157,13 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         # run state
         self.step = -1
         self._in_step = False
-        self._c_hooks = False  # hooks/fast_take.c hooks attached
         self._root_depth = 0
         self._next_call = 0
         self._step_first_call = 0
         self._step_t0 = 0.0
         self._step_ids: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
-        self._pending = PendingStep()
-        self._track_versions = True
-        self._partial: list[dict[str, np.ndarray]] = []  # reduced early within this step
+        self._keep_channels = False  # this step keeps its channel ranges (channel_steps)
         self._snaps: Snapshots | None = None
         self._recorder: FlightRecorder | None = None
         self._incidents: list[np.ndarray] = []
@@ -232,8 +216,6 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             self._modules = [m for _, m, _ in chosen]
             self._gemm_ids = np.array([i for i, k in enumerate(self._kinds)
                                        if k in GEMM_KINDS], np.int64)
-            self._pending.n_mod = len(chosen)
-            self._pending.plan_budget = self._budget
             self._snaps = Snapshots(
                 budget=self.options["snapshot_budget"],
                 tile_rows=self.options["snapshot_tile_rows"],
@@ -258,12 +240,10 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 self._watch = ParamWatch(watched_tensors(chosen, self.model),
                                          self.options["param_watch"])
             root_id = len(chosen) - 1
-            if self._graph_mode:
-                self._attach_graph_session(chosen)
-            else:
-                self._attach_eager(chosen)
+            if not self._attach_graph(chosen, MAX_INPUTS, MAX_OUTPUTS) and self._graph_why:
+                self._hook_path = "none"
             self.adapter.attach(self)
-            self._attach_root(root_id, outside_graph=self._graph_mode)
+            self._attach_root(root_id)
         except BaseException:
             self._remove_hooks()
             self._graph_close()
@@ -272,43 +252,11 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 self._writer.close({"state": "error", "error": "attach failed"})
             raise
 
-    def _attach_eager(self, chosen: list) -> None:
-        """Eager mode: the hooks in C (hooks/fast_take.c) when the extension is already built:
-        they do _on_call's work while a step runs on its plan and call _on_call otherwise."""
-        cursor = self._pending.ensure_cursor()
-        c_hook = fast_take.TAKER.hook_type if cursor is not None else None
-        self._c_hooks = c_hook is not None
-        wrapped = 0
-        for mid, (name, mod, kind) in enumerate(chosen):
-            if kind == "root" or id(mod) in self._unhooked:
-                continue
-            hook: Any = partial(self._on_call, mid, kind == "block")
-            if c_hook is not None:
-                hook = c_hook(self, cursor, torch.Tensor, hook, mid, kind == "block",
-                              MAX_INPUTS, MAX_OUTPUTS)
-                # folded into the module's forward: torch's call path without hooks
-                handle = fast_take.wrap_forward(mod, hook) if self._wrap_forward else None
-                if handle is not None:
-                    self._handles.append(handle)
-                    wrapped += 1
-                    continue
-            self._handles.append(mod.register_forward_hook(
-                hook, with_kwargs=True, always_call=True))
-        self._hook_path = "forward" if wrapped else "torch"
-
-    def _attach_graph_session(self, chosen: list) -> None:
-        """Compiled mode: graph hooks on the layers; the root's hooks run outside the graph
-        (torch.compile of the whole model breaks the graph there, before and after the
-        model's own code)."""
-        self._c_hooks = False
-        self._attach_graph(chosen, MAX_INPUTS, MAX_OUTPUTS)
-        self._hook_path = "graph" if self._gs is not None else "none"
-
-    def _attach_root(self, root_id: int, outside_graph: bool = False) -> None:
-        pre: Any = self._on_root_pre
-        post: Any = partial(self._on_root_post, root_id)
-        if outside_graph:
-            pre, post = torch._dynamo.disable(pre), torch._dynamo.disable(post)
+    def _attach_root(self, root_id: int) -> None:
+        """The root's hooks, outside any compiled region (torch.compile of the whole model
+        breaks the graph there, before and after the model's own code)."""
+        pre: Any = torch._dynamo.disable(self._on_root_pre)
+        post: Any = torch._dynamo.disable(partial(self._on_root_post, root_id))
         self._handles.append(self.model.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(post, with_kwargs=True,
                                                               always_call=True))
@@ -327,21 +275,9 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
         self._step_t0 = time.time()
         self._step_first_call = self._next_call
         self._step_ids = ids.detach() if ids is not None and not ids.is_meta else None
-        # inference tensors keep no version counter: in-place detection is off there
-        self._track_versions = not torch.is_inference_mode_enabled()
-        p = self._pending
-        p.track = self._track_versions
-        p.nograd = not torch.is_grad_enabled()
-        p.keep = self._channel_step(self.step) and self.options["channel_io"] != "none"
-        p.chan_limit = self.options["channel_limit"]
-        snaps = self._snaps
-        p.copy_above = (self.options["outlier_threshold"] if snaps is not None
-                        and "first_outlier" not in snaps.snapped else float("inf"))
-        # a step like an earlier one of the same key runs on that step's plan (hooks/plan.py)
-        p.start((None if self._step_ids is None else tuple(self._step_ids.shape), p.keep,
-                 p.track), self._next_call)
+        self._keep_channels = (self._channel_step(self.step)
+                               and self.options["channel_io"] != "none")
         self._logits = None
-        self._partial = []
         self._graph_begin()
 
     def _end_step(self, complete: bool) -> None:
@@ -356,18 +292,12 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 self._degrade(RuntimeError(f"stats-op hook: {self._gs.error}"))
                 return
             self._watch_tick()
-            if self._graph_owns_step():  # compiled: the ring holds it all (hooks/graphmode.py)
-                self._graph_end(complete)
-            else:
-                self._graph_drain()  # steps noted before it go first
-                self._reduce_pending(final=True, complete=complete)
+            self._graph_end(complete)  # the ring holds it all (hooks/graphlate.py)
         finally:
             if self._gs is not None:  # flushed by then; never left for the next trace
                 self._gs.queue.clear()
             self._in_step = False
             self._root_depth = 0
-            self._pending.clear()
-            self._partial = []
             self._logits = None
             self._step_ids = None
 
@@ -377,7 +307,6 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             self._degraded = f"{type(exc).__name__}: {exc}"
             log.error("qforensics: capture error (%s); recording stops, the run continues",
                       self._degraded, exc_info=True)
-        self._pending.clear()
         if self._late and not self._draining:
             # the steps noted whole before the error (compiled mode emits them late): kept
             self._draining = True
@@ -452,13 +381,11 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
                 st["calls"] = self._next_call
                 if self._degraded:
                     st["capture_error"] = self._degraded
-                st.update(fused.REDUCER.status())  # how the step reductions ran
-                st.update(self._pending.take_status())  # how the hooks' takes ran
+                st.update(fused.REDUCER.status())  # the CPU kernel's C reduction (qf_group)
                 st["hook_path"] = self._hook_path
                 if self._watch is not None:
                     st["param_watch"] = {"every": self._watch.every, "checks": self._watch.checks,
                                          "tensors": len(self._watch.watched)}
-                st["hooks"] = "c" if self._c_hooks else "python"
                 st.update(self._graph_status())
                 self._graph_close()
                 if self._writer is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,50 +84,11 @@ class Snapshots:
         self.rows, self.data = [], []
         return snaps, data
 
-    def maybe_snapshot(self, part: dict[str, Any], calls: Callable[[], tuple[list, list]],
-                       step: int) -> None:
-        """Keep the first non-finite output's call and the first outlier GEMM input's call.
-        `calls()` gives (call, module, io, slot) and the tensor as its hook saw it, per record;
-        it is called only when a snapshot is taken."""
-        self._step = step
-        rec = part["records"]
-        if len(rec) == 0 or len(self.snapped) == len(schema.SNAPSHOT_REASONS):
-            return
-        got: list[tuple[list, list]] = []
-
-        def lazy() -> tuple[list, list]:
-            if not got:
-                got.append(calls())
-            return got[0]
-        if "first_nonfinite_output" not in self.snapped:
-            bad = (rec["io"] == schema.IO_OUTPUT) & ((rec["nan_count"] + rec["inf_count"]) > 0)
-            if bad.any():
-                i = int(np.argmax(bad))
-                self.snapped.add("first_nonfinite_output")
-                self._snapshot_call("first_nonfinite_output", int(rec["call_index"][i]),
-                                    int(rec["module_id"][i]), *lazy())
-        if "first_outlier" not in self.snapped:
-            gemm = np.isin(rec["module_id"], self._gemm_ids)
-            hot = gemm & (rec["io"] == schema.IO_INPUT) & (
-                rec["absmax"] >= self.outlier_threshold) & (
-                (rec["flags"] & schema.FLAG_NONFLOAT) == 0)
-            if hot.any():
-                i = int(np.argmax(hot))
-                self.snapped.add("first_outlier")
-                ci = int(rec["call_index"][i])
-                same = [r for r in self.rows if int(r["call_index"][0]) == ci]
-                if same:  # the same call was just kept for its NaN: point at those bytes
-                    for r in same:
-                        dup = r.copy()
-                        dup["reason"] = b"first_outlier"
-                        self.rows.append(dup)
-                else:
-                    self._snapshot_call("first_outlier", ci, int(rec["module_id"][i]), *lazy())
-
     def keep_call(self, reason: str, step: int, ci: int, mid: int, meta: list, tensors: list,
                   cut: set[str]) -> None:
-        """A call kept elsewhere (compiled mode: hooks/graphsnap.py), as `maybe_snapshot` keeps
-        one; `cut`: names of the tensors kept to their leading rows only."""
+        """A call the stats op kept (hooks/graphsnap.py): its tensors, `nonfinite_positions`, the
+        layer's weight tile and `call.json`; `cut`: names of the tensors kept to their leading
+        rows only."""
         self._step = step
         self.snapped.add(reason)
         same = [r for r in self.rows if int(r["call_index"][0]) == ci]

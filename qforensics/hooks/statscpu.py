@@ -6,10 +6,8 @@ The whole group in one call of hooks/fused_reduce.c's `qf_group` when the librar
 (`_group_c`: Python describes a call site's tensors once, then hands over their addresses;
 built at install time, hooks/prebuild.py; it reads float32, bf16, int64 and int32 rows,
 contiguous or a 2-d slice of columns, as vLLM's layers hand over their int positions and a
-fused projection's slices), else tensor by tensor
-(`_each_cpu`: one pass of fused_reduce.c's take, `_one_c`). Numpy on the tensor's own memory
-redoes, exactly, what C does not finish: a non-finite value, another dtype or layout
-(`_one_numpy`). A tensor that several entries of a call share (q, k and v's input) is
+fused projection's slices), else tensor by tensor in numpy (`_each_cpu`, `_one_numpy`), which
+also redoes, exactly, what C does not finish: a non-finite value, another dtype or layout. A tensor that several entries of a call share (q, k and v's input) is
 reduced once and its part of the row copied. Every path writes ENTRY_COLS' layout, and the
 token maxima into the entry's column of the token ring's slot (`tcol`, a strided view).
 """
@@ -17,7 +15,6 @@ token maxima into the entry's column of the token ring's slot (`tcol`, a strided
 from __future__ import annotations
 
 import collections
-import math
 import threading
 from typing import Any, Sequence
 
@@ -34,11 +31,8 @@ from qforensics.hooks.statsop import (COL, N_SCAL, NO_FIRST, SNAP, SNAP_COLS, SN
 def _one_cpu(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray
              ) -> tuple[int, int]:
     """One tensor into its entry's part of `row`, its token maxima into `tcol` (its column
-    of the token ring's slot; length 0: none kept): one pass of fused_reduce.c where it takes
-    the tensor and the figures come out finite (`_one_c`), else `_one_numpy`. Returns its
+    of the token ring's slot; length 0: none kept), in numpy (`_one_numpy`). Returns its
     (non-finite, NaN) counts."""
-    if _one_c(_as_rows(x), row, n, off, cap, tcol, x.dim() >= 2):
-        return 0, 0
     return _one_numpy(x, row, n, off, cap, tcol)
 
 
@@ -53,52 +47,7 @@ def _one_numpy(x: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.
         return _fill_cpu(a, row, n, off, cap, tcol, x.dim() >= 2)
 
 
-_SCRATCH = threading.local()  # per thread: the C call's 4 figures, and its row maxima
-
-
-def _scratch(spill_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """This thread's buffers for `_one_c`, allocated once (grown for a step with more rows
-    than an entry keeps): the sums/min/max, and the row maxima to spill (None: not needed)."""
-    sc = getattr(_SCRATCH, "scal", None)
-    if sc is None:
-        sc = _SCRATCH.scal = np.empty(4, np.float32)
-        _SCRATCH.rows = np.empty(0, np.float32)
-    if not spill_rows:
-        return sc, None
-    if len(_SCRATCH.rows) < spill_rows:
-        _SCRATCH.rows = np.empty(spill_rows, np.float32)
-    return sc, _SCRATCH.rows
-
-
-def _one_c(x2: Tensor, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray,
-           per_token: bool) -> bool:
-    """One tensor in one pass of fused_reduce.c's take (bf16 or float32, contiguous), its
-    figures written straight into the ring row: ~5 us against ~25 for the numpy passes at
-    decode shapes. False when it did not do the whole job: the library not loaded (yet), a
-    dtype or layout it does not take, or a non-finite value (NaN and inf propagate through
-    it): the numpy pass then rewrites the entry, exactly."""
-    rows, chans = x2.shape
-    if not rows:
-        return False
-    at = row.ctypes.data
-    k = min(rows, len(tcol)) if per_token else 0
-    scal, spill = _scratch(rows if k else 0)
-    sp = scal.ctypes.data
-    c0, c1 = chan_span(off, cap)
-    keep = 1 < chans <= cap
-    tp = spill.ctypes.data if spill is not None else None
-    if not fused.REDUCER.take(x2, rows, chans, (sp, sp + 4, sp + 8, sp + 12,
-                                                at + 4 * c0 if keep else None,
-                                                at + 4 * c1 if keep else None, tp)):
-        return False
-    s, ss, lo, hi = scal.tolist()
-    if not (math.isfinite(s) and math.isfinite(ss) and math.isfinite(lo)
-            and math.isfinite(hi)):
-        return False
-    if spill is not None:
-        tcol[:k] = spill[:k]
-    row[off:off + N_SCAL] = (s, ss, lo, hi, 0, 0, rows, chans, n % STAMP_MOD)
-    return True
+_SCRATCH = threading.local()  # per thread: qf_group's done flags, addresses and row maxima
 
 
 def _fill_cpu(a: np.ndarray, row: np.ndarray, n: int, off: int, cap: int, tcol: np.ndarray,

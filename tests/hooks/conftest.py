@@ -11,14 +11,3 @@ def smollm2():
                                   add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)
     return model, tok, enc
-
-
-@pytest.fixture(scope="module")
-def cursor_type():
-    """hooks/fast_take.c's Cursor type, built (or loaded) for the test."""
-    from qforensics.hooks import fast_take
-
-    fast_take.TAKER.wait()
-    typ = fast_take.TAKER.cursor_type()
-    assert typ is not None, fast_take.TAKER.off  # gcc and Python.h are part of the set-up
-    return typ

@@ -259,22 +259,17 @@ def test_nan_is_counted_and_snapshotted(tmp_path):
         assert not np.isfinite(kept["output.0"][tuple(pos[0])])
 
 
-@pytest.mark.parametrize("compiled", [None, False])
-def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog, compiled):
-    # the default path's hooks call graphhooks._call_plan; the older eager path's step end
-    # reduce.fast_group
-    import qforensics.hooks.graphhooks as graphhooks
-    import qforensics.hooks.reduce as reduce_mod
+def test_internal_error_degrades_without_crashing(tmp_path, monkeypatch, caplog):
+    import qforensics.hooks.graphhooks as graphhooks  # the eager hooks' op calls
 
     def broken(*a, **k):
         raise ValueError("odd tensor")
 
-    monkeypatch.setattr(graphhooks if compiled is None else reduce_mod,
-                        "_call_plan" if compiled is None else "fast_group", broken)
+    monkeypatch.setattr(graphhooks, "_call_plan", broken)
     m = Tiny()
     ref = m(ids())
     with caplog.at_level(logging.ERROR):
-        with qforensics.capture(m, tmp_path / "t.h5", compiled=compiled) as cap:
+        with qforensics.capture(m, tmp_path / "t.h5") as cap:
             got = m(ids())
             m(ids())
     assert torch.equal(ref, got)
@@ -412,17 +407,15 @@ def test_ring_chunks_are_sized_from_the_layers_widths():
     assert ring_chunk([nn.Linear(576, 576)] * 20) == 8192  # 23,040 / 4 = 5,760 -> 8,192
 
 
-@pytest.mark.parametrize("compiled", [None, False])  # the stats op's path / the older one
 @pytest.mark.parametrize("channel_steps", ["auto", "all"])  # lazy ranges / copied at once
-def test_a_channel_without_a_finite_value_reads_nan(tmp_path, compiled, channel_steps):
+def test_a_channel_without_a_finite_value_reads_nan(tmp_path, channel_steps):
     """A weight row turned NaN makes one output channel NaN at every token: the trace's
     format gives NaN for a channel with no finite value (the op leaves +inf / -inf in its
     ring), and finite ranges for the others."""
     m = Tiny()
     with torch.no_grad():
         m.layers[1].up.weight[3, :] = float("nan")
-    with qforensics.capture(m, tmp_path / "t.h5", compiled=compiled,
-                            channel_steps=channel_steps):
+    with qforensics.capture(m, tmp_path / "t.h5", channel_steps=channel_steps):
         m(ids(4))
     with qforensics.open_trace(tmp_path / "t.h5") as t:
         got = t.channels_for("layers.1.up", 0, io=1)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import qforensics
-from qforensics.hooks import pending
 from qforensics.trace import schema
 
 
@@ -48,16 +47,14 @@ def plain_expectations(model: nn.Module, x: torch.Tensor) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("compiled", [None, False])  # the stats op's path / the older one
-@pytest.mark.parametrize("rows", [3, 5000])  # copied at hook time / reduced in the hook
+@pytest.mark.parametrize("rows", [3, 5000])
 @pytest.mark.parametrize("inference", [False, True])
-def test_stats_are_those_the_hook_saw(tmp_path, rows, inference, compiled):
-    assert (rows * 16 > pending.CLONE_LIMIT) == (rows == 5000)  # both paths are exercised
+def test_stats_are_those_the_hook_saw(tmp_path, rows, inference):
     m = MutatesAfterHook()
     x = torch.randn(1, rows, 16)
     want = plain_expectations(m, x)
     path = tmp_path / "t.h5"
-    with torch.inference_mode(inference), qforensics.capture(m, path, compiled=compiled):
+    with torch.inference_mode(inference), qforensics.capture(m, path):
         m(x.clone())
     with qforensics.open_trace(path) as t:
         recs = t.records(0)
@@ -76,11 +73,6 @@ def test_stats_are_those_the_hook_saw(tmp_path, rows, inference, compiled):
             np.testing.assert_allclose(cmin, flat.min(0), rtol=1e-6)
             np.testing.assert_allclose(cmax, flat.max(0), rtol=1e-6)
             np.testing.assert_allclose(t.token_absmax(r), np.abs(flat).max(1), rtol=1e-6)
-        if not inference and compiled is False:  # the older path copies small tensors at
-            # hook time and reduces them later: where version counters exist, it notes the
-            # change (the op path reduces in the hook, nothing to note)
-            a_out = recs[(recs["module"] == "a") & (recs["io"] == schema.IO_OUTPUT)].iloc[0]
-            assert a_out["flags"] & schema.FLAG_MUTATED
 
 
 def test_nonfinite_counts_are_those_the_hook_saw(tmp_path):
@@ -116,14 +108,14 @@ def test_nonfinite_counts_are_those_the_hook_saw(tmp_path):
         assert np.isfinite(b_out["min"]) and np.isfinite(b_out["max"])
 
 
-@pytest.mark.parametrize("rows", [3, 5000])  # copied into the plan's buffers / reduced in hook
+@pytest.mark.parametrize("rows", [3, 5000])
 @pytest.mark.parametrize("inference", [False, True])
-def test_repeated_steps_on_the_step_plan_see_what_each_hook_saw(tmp_path, inference, rows):
-    """Steps that repeat the first one run on its step plan (hooks/plan.py: copies into
-    preallocated buffers). Each step's stats are still those of the tensors when the hooks saw
-    them, although the model rewrites them in place right after; a NaN a hook saw at step 4
-    and that is overwritten afterwards is still counted. Expectations from plain hooks that copy
-    at hook time."""
+def test_repeated_steps_see_what_each_hook_saw(tmp_path, inference, rows):
+    """Steps that repeat the first one (the eager hooks' op calls then reuse the first step's
+    plan: graphhooks `_eager_call`). Each step's stats are those of the tensors when the hooks
+    saw them, although the model rewrites them in place right after; a NaN a hook saw at step
+    4 and that is overwritten afterwards is still counted. Expectations from plain hooks that
+    copy at hook time."""
     m = MutatesAfterHook()
     seen: dict[tuple[int, str, int], np.ndarray] = {}
     handles = []
@@ -136,20 +128,15 @@ def test_repeated_steps_on_the_step_plan_see_what_each_hook_saw(tmp_path, infere
         handles.append(getattr(m, name).register_forward_hook(hook))
     torch.manual_seed(5)
     xs = [torch.randn(1, rows, 16) for _ in range(6)]
-    if rows == 3:  # a's input at step 4: its hook sees the NaN, x.mul_ keeps it. (A tensor
-        # reduced in its hook gets its exact NaN count from the original at the end of the
-        # step: rewritten in place by then, it is flagged degraded, see FLAG_DEGRADED.)
+    if rows == 3:  # a's input at step 4: its hook sees the NaN, x.mul_ keeps it
         xs[4][0, 1, 7] = float("nan")
     path = tmp_path / "t.h5"
-    on_plan = []
-    with torch.inference_mode(inference), qforensics.capture(m, path, compiled=False) as cap:
+    with torch.inference_mode(inference), qforensics.capture(m, path):
         for i, x in enumerate(xs):
             current[0] = i
             m(x.clone())
-            on_plan.append(bool(cap._pending.plans))  # the path under test
     for h in handles:
         h.remove()
-    assert on_plan[1:] == [True] * 5  # steps 1-5 ran on the plan learnt from step 0
     with qforensics.open_trace(path) as t:
         assert t.n_steps == len(xs)
         for (step, name, io), arr in seen.items():

@@ -1,5 +1,6 @@
-"""The one-pass end-of-step reduction (hooks/fused.py, fused_reduce.c) against numpy, and what
-it leaves to the eager pass."""
+"""The CPU's one-pass kernels (hooks/fused.py, fused_reduce.c): the stats op's group reduction
+against statscpu's numpy kernel, the logits' figures and the non-finite row flags against numpy
+and torch, and how the library is built, found and refused."""
 
 from __future__ import annotations
 
@@ -9,24 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from qforensics.hooks import fused, reduce
-
-def _expected(x: np.ndarray, keep: bool) -> np.ndarray:
-    """reduce.fast_parts' documented layout, in float64 numpy (NaN propagates like torch's)."""
-    g, rows, chans = x.shape
-    x = x.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        s, q = x.sum((1, 2)), (x * x).sum((1, 2))
-        if rows == 1:
-            x2 = x.reshape(g, chans)
-            out = [s, q, x2.min(1), x2.max(1)] + ([x2.reshape(-1)] if keep else [])
-            return np.concatenate(out)
-        tmax, tmin = x.max(2), x.min(2)
-        tok = np.where(np.isnan(tmax) | np.isnan(tmin), np.nan, np.maximum(tmax, -tmin))
-        mid = ([x.min(1).reshape(-1), x.max(1).reshape(-1)] if keep
-               else [tmin.min(1), tmax.max(1)])
-        return np.concatenate([s, q, *mid, tok.reshape(-1)])
-
+from qforensics.hooks import fused, reduce, statscpu, statsop
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:
     assert got.shape == want.shape
@@ -35,16 +19,6 @@ def _close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=1e-4)
-
-
-def _built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> fused.FusedReducer:
-    """A reducer whose library was just built from source into tmp_path."""
-    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
-    red = fused.FusedReducer()
-    red.parts(torch.zeros(2, 3, 4), 3, 4, True)  # starts the build
-    red.wait()
-    assert red.off is None, red.off
-    return red
 
 
 # widths that are and are not multiples of the vector loop's 32 values, one past a 2048-value block
@@ -63,62 +37,48 @@ def _portable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("variant", ["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_reduction_matches_numpy(dtype: torch.dtype, variant: str, tmp_path: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_group_kernel_matches_the_python_kernel(dtype: torch.dtype, variant: str,
+                                                tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """qf_group, the stats op's CPU reduction (with AVX-512 intrinsics where the CPU has them,
+    and the plain C loops), writes the ring rows and token maxima of statscpu's numpy kernel;
+    a tensor with a non-finite value is left to the exact pass."""
     monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))  # a fresh build, from source
     if variant == "portable":
         _portable(monkeypatch)
     red = fused.FusedReducer()
-    gen = torch.Generator().manual_seed(0)
-    cases = []
-    for shape in SHAPES:
-        for keep in (True, False):
-            x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
-            flat = x.view(-1)
-            if shape[0] > 1:  # non-finite values in some tensors of the group only
-                flat[7] = float("nan")
-                flat[-3] = float("inf")
-                flat[-5] = float("-inf")
-            cases.append((x, keep))
-    x0, keep0 = cases[0]
-    assert red.parts(x0, x0.shape[1], x0.shape[2], keep0) is None  # eager while it builds
+    assert red.group() is None  # the build starts: nothing to call yet
     red.wait()
     assert red.off is None, red.off
     assert list((tmp_path / "kernels").glob("fused_reduce-*.so"))
-    with torch.inference_mode():
-        for x, keep in cases:
-            got = red.parts(x, x.shape[1], x.shape[2], keep)
-            assert got is not None, red.eager_why
-            _close(torch.cat(got).numpy(), _expected(x.float().numpy(), keep))
-    assert red.fused_calls == len(cases)
-    assert red.status()["reduction"] == "fused"
-
-
-def test_what_the_kernel_does_not_take_goes_eager(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    red = _built(tmp_path, monkeypatch)
-    x = torch.randn(4, 8, 64)
-    assert red.parts(x[:, :, :32], 8, 32, True) is None  # not contiguous
-    assert red.parts(x.half(), 8, 64, True) is None  # no fp16 kernel
-    assert red.parts(x.double(), 8, 64, True) is None
-    assert red.eager_why == {"not built yet": 1, "layout": 1, "dtype float16": 1,
-                             "dtype float64": 1}
-    off = fused.FusedReducer(enabled=False)
-    assert off.parts(x, 8, 64, True) is None and off.status()["reduction"] == "eager"
+    fn = red.group()
+    assert fn is not None and red.status()["reduction"] == "fused"
+    gen = torch.Generator().manual_seed(0)
+    for k, (_, rows, chans) in enumerate(SHAPES):
+        x = (torch.randn(rows, chans, generator=gen) * 3).to(dtype)
+        if k % 3 == 2:  # a non-finite value: left to the exact pass
+            x.view(-1)[7] = float("nan")
+        w = statsop.entry_width(chans)
+        got, want = (torch.zeros(2, w + 5), torch.zeros(2, w + 5)), None
+        toks = [torch.zeros(2, 64, 1), torch.zeros(2, 64, 1)]
+        counts = statscpu._group_c(fn, [x], got[0], toks[0], 1, [5], [chans], [64], [0])
+        want = statscpu._each_cpu([x], statscpu._row(got[1], 1), statscpu._row(toks[1], 1), 1,
+                                  [5], [chans], [64], [0])
+        assert counts == want
+        _close(got[0].numpy(), got[1].numpy())
+        _close(toks[0].numpy(), toks[1].numpy())
 
 
 def test_a_built_library_is_loaded_at_the_first_call(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A later process finds the library built: no eager steps while a thread catches up."""
+    """A later process finds the library built: its first call has it, no thread to wait on."""
     monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
     first = fused.FusedReducer()
-    x = torch.randn(3, 8, 16)
-    assert first.parts(x, 8, 16, True) is None
+    assert first.group() is None
     first.wait()
     assert fused.library_path().exists()
     later = fused.FusedReducer()
-    assert later.parts(x, 8, 16, True) is not None
-    assert later.eager_why == {} and later.fused_calls == 1
+    assert later.group() is not None and later.spans() is not None
 
 
 def test_no_compiler_means_eager_with_the_reason(monkeypatch: pytest.MonkeyPatch,
@@ -126,40 +86,19 @@ def test_no_compiler_means_eager_with_the_reason(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
     red = fused.FusedReducer()
-    x = torch.randn(3, 8, 16)
-    assert red.parts(x, 8, 16, True) is None
+    assert red.group() is None
     red.wait()
     assert red.off and "no-such-cc" in red.off
-    assert red.parts(x, 8, 16, True) is None
+    assert red.group() is None
     assert red.status()["reduction"] == "eager" and "no-such-cc" in red.status()["reduction_off"]
-
-
-def test_fast_parts_uses_the_fused_pass_with_the_same_numbers() -> None:
-    x = torch.randn(6, 8, 200).bfloat16()
-    want = _expected(x.float().numpy(), True)
-    _close(torch.cat(reduce.fast_parts(x, 8, 200, True)).numpy(), want)
-    fused.REDUCER.wait()
-    n = fused.REDUCER.fused_calls
-    _close(torch.cat(reduce.fast_parts(x, 8, 200, True)).numpy(), want)
-    assert fused.REDUCER.fused_calls == n + 1
-
-
-def test_packed_len_agrees_with_the_step_plans() -> None:
-    from qforensics.hooks.plan import packed_size
-
-    for g, rows, chans, keep in [(1, 1, 5, True), (3, 1, 5, False), (2, 7, 9, True),
-                                 (4, 3, 11, False)]:
-        assert fused.packed_len(g, rows, chans, keep) == packed_size(g, rows, chans, keep)
-        x = torch.randn(g, rows, chans)
-        eager = torch.cat(reduce.fast_parts(x.double(), rows, chans, keep))  # eager: float64
-        assert eager.numel() == packed_size(g, rows, chans, keep)
+    assert fused.FusedReducer(enabled=False).status()["reduction"] == "eager"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("kernel", [True, False])
 def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf(dtype, kernel,
                                                                monkeypatch) -> None:
-    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
+    fused.REDUCER.ready()
     fused.REDUCER.wait()
     if not kernel:
         monkeypatch.setattr(fused.REDUCER, "_nonfinite_fns", {})
@@ -194,7 +133,11 @@ def _logits_expected(v: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logits_kernel_matches_numpy(dtype: torch.dtype, tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    red = _built(tmp_path, monkeypatch)
+    monkeypatch.setenv("QFORENSICS_CACHE_DIR", str(tmp_path))  # a fresh build, from source
+    red = fused.FusedReducer()
+    red.ready()
+    red.wait()
+    assert red.off is None, red.off
     gen = torch.Generator().manual_seed(1)
     v = (torch.randn(49152, generator=gen) * 4).to(dtype)
     v[[100, 200, 300]] = 30.0  # a tie at the top: argmax takes the first, like numpy's
@@ -221,7 +164,7 @@ def test_logits_kernel_matches_numpy(dtype: torch.dtype, tmp_path: Path,
 
 def test_fast_logits_rows_agree_between_the_kernel_and_torch() -> None:
     """The logits row a trace stores is the same whichever path computed it."""
-    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
+    fused.REDUCER.ready()
     fused.REDUCER.wait()
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(8, 49152, generator=gen) * 4).bfloat16()
@@ -240,20 +183,3 @@ def test_fast_logits_rows_agree_between_the_kernel_and_torch() -> None:
     assert via_c[7] == 4000 and via_c[8:13].tolist() == [4000, 17, 30000, 999, 45000]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fast_parts_into_a_given_vector(dtype) -> None:
-    """A plan's step vector: each buffer's figures written in place (the C pass for bf16, the
-    eager ops then a copy for fp16), the same numbers as a fresh vector."""
-    fused.REDUCER.parts(torch.zeros(1, 2, 4), 2, 4, True)
-    fused.REDUCER.wait()
-    torch.manual_seed(1)
-    x = torch.randn(3, 4, 50).to(dtype)
-    fresh = torch.cat(reduce.fast_parts(x, 4, 50, True))
-    big = torch.full((fresh.numel() + 10,), -7.0)
-    view = big[5:5 + fresh.numel()]
-    got = reduce.fast_parts(x, 4, 50, True, out=view)
-    assert len(got) == 1 and got[0].data_ptr() == view.data_ptr()
-    np.testing.assert_array_equal(view.numpy(), fresh.numpy())
-    assert (big[:5] == -7).all() and (big[-5:] == -7).all()  # nothing outside it
-    want = _expected(x.float().numpy(), True)
-    _close(view.numpy(), want)

@@ -432,7 +432,7 @@ def test_compiled_capture_blames_the_run_of_a_shared_layer_that_made_the_inf(tmp
         with qforensics.capture(model, path, compiled=compiled), torch.no_grad():
             model(x)
         t = qforensics.open_trace(path)
-        assert t.meta["status"]["capture_mode"] == ("compiled" if compiled else "eager")
+        assert t.meta["status"]["capture_mode"] == "compiled"  # the op's hooks either way
         rec = t.records()
         a_id = list(t.module_columns["name"]).index("a")
         runs = rec[(rec.module_id == a_id) & (rec.io == schema.IO_OUTPUT)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qforensics.hooks import fast_take, fused, opcall, prebuild, statsnative
+from qforensics.hooks import extension, fused, opcall, prebuild, statsnative
 
 
 def test_prebuild_puts_the_kernels_where_runs_look_for_them(capsys):
@@ -12,10 +12,9 @@ def test_prebuild_puts_the_kernels_where_runs_look_for_them(capsys):
     out = capsys.readouterr().out
     built = {line.split(": ", 1)[0]: Path(line.split(": ", 1)[1]) for line in out.splitlines()}
     assert built["fused_reduce.c"] == fused.library_path()
-    assert built["fast_take.c"] == fused.library_path(
-        source=fast_take.SOURCE, flags=fast_take.build_flags(), libs=())
+    assert "fast_take.c" not in built  # the older eager hooks' takes are gone
     assert built["opcall.c"] == fused.library_path(
-        source=opcall.SOURCE, flags=fast_take.build_flags(), libs=())
+        source=opcall.SOURCE, flags=extension.build_flags(), libs=())
     assert built["statsop_cpu.cpp"] == fused.library_path(
         statsnative.compiler(), source=statsnative.SOURCE, flags=statsnative.build_flags(),
         libs=statsnative.build_libs())

@@ -142,32 +142,26 @@ def test_cpu_kernel_matches_numpy(name: str, x: torch.Tensor, kernel) -> None:  
     _check(x, ring.numpy(), toks.numpy(), first.numpy(), 7, 3, 1e-5)
 
 
-@pytest.mark.parametrize("path", ["group", "c", "numpy"])
+@pytest.mark.parametrize("path", ["group", "numpy"])
 @pytest.mark.parametrize("name,x", _cases() + [
     ("more-rows-than-tok", torch.randn(2 * TOK + 3, 64)),
     ("one-row-f32", torch.randn(1, 300))], ids=[n for n, _ in _cases()] + [
     "more-rows-than-tok", "one-row-f32"])
 def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path: str,
                                                monkeypatch) -> None:
-    """The whole group in one C call (fused_reduce.c's qf_group, the default), tensor by
-    tensor in C (qf_take), or numpy alone: the same figures (numpy's float64 reference)."""
+    """The whole group in one C call (fused_reduce.c's qf_group, the default), or numpy alone:
+    the same figures (numpy's float64 reference)."""
     from qforensics.hooks import fused
 
     assert fused.REDUCER.ready() or (fused.REDUCER.wait() or fused.REDUCER.ready())
-    took: list[bool] = []
     groups: list[int] = []
-    real_take, real_group = fused.REDUCER.take, fused.REDUCER.group()
+    real_group = fused.REDUCER.group()
     assert real_group is not None
-
-    def take(*a):  # noqa: ANN002, ANN202
-        took.append(real_take(*a) if path == "c" else False)
-        return took[-1]
 
     def group(m, *a):  # noqa: ANN001, ANN002, ANN202
         groups.append(m)
         return real_group(m, *a)
 
-    monkeypatch.setattr(fused.REDUCER, "take", take)
     monkeypatch.setattr(fused.REDUCER, "group", lambda: group if path == "group" else None)
     numpy_calls: list[int] = []
     real_numpy = statscpu._one_numpy
@@ -177,17 +171,14 @@ def test_cpu_kernel_matches_numpy_on_each_path(name: str, x: torch.Tensor, path:
     ring, toks, first = _run(statscpu.stats_cpu, x, 7, 3)
     _check(x, ring.numpy(), toks.numpy(), first.numpy(), 7, 3, 1e-5)
     # what C finishes: qf_group a finite float32 or bf16 tensor, or an int64 / int32 one, laid
-    # out as rows (contiguous, or a 2-d slice of columns); qf_take a contiguous finite float32
-    # or bf16 one; numpy redoes everything else
+    # out as rows (contiguous, or a 2-d slice of columns); numpy redoes everything else
     finite = not x.is_floating_point() or bool(torch.isfinite(x.float()).all())
     c_float = x.dtype in (torch.float32, torch.bfloat16)
     rows_layout = x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)
     in_c = {"group": finite and rows_layout and (c_float or x.dtype in (torch.int64,
                                                                        torch.int32)),
-            "c": finite and c_float and x.is_contiguous(), "numpy": False}[path]
+            "numpy": False}[path]
     assert groups == ([1] if path == "group" else [])
-    if path == "c":  # the take ran on every contiguous float32 or bf16 tensor, finite or not
-        assert took == [c_float and x.is_contiguous()]
     assert numpy_calls == ([] if in_c else [1])
     # a tensor the group's C pass left to numpy is counted (the trace's status shows it)
     assert sum(statscpu.REDOS.values()) - redos == (path == "group" and not in_c)

@@ -1,23 +1,13 @@
-"""A step plan's takes in C: fast_take.c, a small CPython extension, built and cached like
+"""The package's small CPython extensions (hooks/opcall.c), built and cached like
 fused_reduce.c (hooks/fused.py: the system C compiler, once per source, flags and CPU, off the
-hook's thread).
-
-Why: a decode step's ~300 takes each checked the plan in Python and copied through
-`ctypes.memmove`, ~4 us a take, most of it interpreter and ctypes overhead; the extension does
-the same checks through the tensor's Python attributes and a memcpy. Only the takes that match
-their plan and need nothing more than a copy (or the check that an earlier take copied the
-same tensor) run in C; every other take goes to PendingStep's Python path unchanged.
-
-Needs Python's headers (``Python.h``) besides the compiler; without them, with
-``QFORENSICS_REDUCE=eager``, or until the build is done, every take runs in Python, which the
-trace's status says (``takes``).
+caller's thread). They need Python's headers (``Python.h``) besides the compiler; without
+them the callers go the slower way, and the trace's status says so.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import sysconfig
 import threading
@@ -25,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from qforensics.hooks import fused
-
-SOURCE = Path(__file__).with_name("fast_take.c")
-MODULE = "qf_fast_take"
-
 
 def build_flags() -> tuple[str, ...]:
     """The compiler flags of the extension (hooks/prebuild.py builds it with them too)."""
@@ -102,58 +88,3 @@ class Extension:
         t = self._thread
         if t is not None:
             t.join(timeout)
-
-
-class FastTake(Extension):
-    """fast_take.c: its Cursor type once built; None until then (and for good when off)."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        super().__init__(SOURCE, MODULE, None if enabled else "QFORENSICS_REDUCE=eager",
-                         "qforensics-build-take")
-        self._cursor: type | None = None
-        self.hook_type: type | None = None  # the extension's Hook, once loaded
-        self.forward_type: type | None = None  # its Forward (a module's forward + the hook)
-
-    def _loaded(self, mod: Any) -> None:
-        self.hook_type = mod.Hook
-        self.forward_type = mod.Forward
-        self._cursor = mod.Cursor
-
-    def cursor_type(self) -> type | None:
-        """The Cursor type, or None: not built yet (a background build starts), or off."""
-        self.module()
-        return self._cursor
-
-    def status(self) -> dict[str, Any]:
-        return {"takes": "c" if self._cursor is not None else "python",
-                **({"takes_off": self.off} if self.off else {})}
-
-
-TAKER = FastTake(enabled=os.environ.get("QFORENSICS_REDUCE", "auto").lower() != "eager")
-
-
-class ForwardHandle:
-    """What `wrap_forward` did to a module, undone by `remove()` (like a hook's handle): the
-    module's own forward back, and the wrapper off in case anything still holds it."""
-
-    def __init__(self, module: Any, wrapper: Any) -> None:
-        self.module, self.wrapper = module, wrapper
-
-    def remove(self) -> None:
-        self.wrapper.off = True
-        d = self.module.__dict__
-        if d.get("forward") is self.wrapper:
-            del d["forward"]
-
-
-def wrap_forward(module: Any, hook: Any) -> ForwardHandle | None:
-    """Fold `hook` (called as a forward hook with kwargs and always_call) into the module's
-    forward with the extension's Forward; None (register a torch hook instead) when it is not
-    built or the module's forward is already an instance attribute (another tool's wrapper,
-    such as accelerate's)."""
-    typ = TAKER.forward_type
-    if typ is None or "forward" in module.__dict__:
-        return None
-    wrapper = typ(module.forward, module, hook)
-    module.__dict__["forward"] = wrapper  # not nn.Module.__setattr__: a plain attribute
-    return ForwardHandle(module, wrapper)
