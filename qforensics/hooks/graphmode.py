@@ -69,6 +69,7 @@ class GraphMode(GraphLate):
     _handles: list[Any]
     _eager_model: bool
     _gemm_ids: np.ndarray
+    _gemm_mask: np.ndarray  # per module id: a GEMM (`_graph_snapshot`'s outlier rule)
     _snaps: "Snapshots | None"
 
     def _attach_graph(self, chosen: list[tuple[str, nn.Module, str]], max_inputs: int,
@@ -105,6 +106,8 @@ class GraphMode(GraphLate):
             channel_io=self.options["channel_io"], snap_bytes=self.options["snapshot_budget"],
             slots=_ring_slots(self.options["ring_steps"], lazy), lazy=lazy,
             outlier=self.options["outlier_threshold"], gemm=self._gemm_ids.tolist())
+        self._gemm_mask = np.zeros(len(chosen), bool)
+        self._gemm_mask[self._gemm_ids] = True
         self._first_seen = statsop.NO_FIRST
         self._clean_through = -1
         if DRAIN == "thread" or (DRAIN == "auto" and device.type != "cpu"):
@@ -172,8 +175,8 @@ class GraphMode(GraphLate):
         due = [not gs.snap.read_done[0] and bool(
             ((rec["io"] == schema.IO_OUTPUT) & (rec["nan_count"] + rec["inf_count"] > 0)).any()),
                not gs.snap.read_done[1] and bool(
-            (np.isin(rec["module_id"], self._gemm_ids) & (rec["io"] == schema.IO_INPUT)
-             & (rec["absmax"] >= snaps.outlier_threshold)
+            (self._gemm_mask[rec["module_id"]] & (rec["io"] == schema.IO_INPUT)
+             & (rec["absmax"] >= self.options["outlier_threshold"])
              & ((rec["flags"] & schema.FLAG_NONFLOAT) == 0)).any())]
         for which, reason in enumerate(graphsnap.REASONS):
             if not due[which]:
@@ -184,11 +187,7 @@ class GraphMode(GraphLate):
                 log.warning("qforensics: compiled snapshot not read (%s); continuing", exc)
                 gs.snap.states[which] = {"taken": False, "why": f"not read: {exc}"[:200]}
                 continue
-            if got is None:
-                continue
-            if reason in snaps.snapped:  # an eager part of a step kept one
-                gs.snap.states[which] = {"taken": False, "why": "kept by the eager path"}
-            else:
+            if got is not None:
                 snaps.keep_call(reason, step, *got)
 
     # -- the compiled step's end: no eager path, emitted late on a GPU ------------------------

@@ -32,7 +32,7 @@ REASONS = ("first_nonfinite_output", "first_outlier")  # the buffer's regions, i
 
 class CompiledSnap:
     """The device buffer (`buf`, marked static: statsop.new_snap's two regions) and what
-    became of each region's call (`state`, `states`)."""
+    became of each region's call (`states`)."""
 
     def __init__(self, device: torch.device, budget: int,
                  threshold: float = float("inf")) -> None:
@@ -51,15 +51,6 @@ class CompiledSnap:
     @property
     def done(self) -> bool:
         return all(self.read_done)
-
-    @property
-    def state(self) -> dict[str, Any]:
-        """The first failing output's snapshot: what became of it (the trace's status)."""
-        return self.states[0]
-
-    @state.setter
-    def state(self, value: dict[str, Any]) -> None:
-        self.states[0] = value
 
     def read(self, rec: np.ndarray, step: int, entries: list[Any], which: int = 0
              ) -> tuple[int, int, list, list, set[str]] | None:

@@ -219,8 +219,7 @@ class Capture(CallHooks, StepEnd, GraphMode, AdapterCalls):
             self._snaps = Snapshots(
                 budget=self.options["snapshot_budget"],
                 tile_rows=self.options["snapshot_tile_rows"],
-                outlier_threshold=self.options["outlier_threshold"],
-                modules=self._modules, kinds=self._kinds, gemm_ids=self._gemm_ids)
+                modules=self._modules, kinds=self._kinds)
             env = describe_environment(self.model, self.rank, self.world_size)
             env.update({k: v for k, v in self._metadata.items()})
             auto = self.options["channel_steps"] == "auto"

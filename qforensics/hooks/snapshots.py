@@ -57,14 +57,12 @@ def _layer_facts(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 class Snapshots:
     """The snapshot rows and bytes kept so far in a run, handed to the writer step by step."""
 
-    def __init__(self, *, budget: int, tile_rows: int, outlier_threshold: float,
-                 modules: list[nn.Module], kinds: list[str], gemm_ids: np.ndarray) -> None:
+    def __init__(self, *, budget: int, tile_rows: int, modules: list[nn.Module],
+                 kinds: list[str]) -> None:
         self.budget = budget
         self.tile_rows = tile_rows
-        self.outlier_threshold = outlier_threshold
         self._modules = modules
         self._kinds = kinds
-        self._gemm_ids = gemm_ids
         self.bytes_kept = 0
         self.snapped: set[str] = set()  # reasons already snapshotted
         self.rows: list[np.ndarray] = []
